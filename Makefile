@@ -1,0 +1,38 @@
+# `make train`: install, prepare the shipped corpus, train the default model on 8 fake CPU devices.
+# `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DATA := build/data/shakespeare
+CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+
+.PHONY: install data train test test-smoke bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+data: $(DATA)/manifest.json
+
+$(DATA)/manifest.json: $(VENV)/.installed data/shakespeare.jsonl.gz
+	$(BIN)/python scripts/prepare_data.py --input data/shakespeare.jsonl.gz --output $(DATA) --vocab_size 512
+
+train: data
+	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/pretrain.py $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(ARGS)
+
+# The short subset that CI also runs under Python 3.12 with current JAX, to catch API drift early.
+test-smoke: install
+	$(BIN)/python -m pytest -q -m smoke $(ARGS)
+
+bench: data
+	$(CPU_DEVICES) $(BIN)/python scripts/bench_step.py --config configs/pretrain.py $(ARGS)
+
+clean:
+	rm -rf build runs

@@ -1,0 +1,318 @@
+"""Typed configuration: the ConfigDict from `configs/*.py` is validated once into frozen dataclasses.
+
+Every check names the key it rejects (`mesh.tensor: ...`), so scripts can print one line and exit 2.
+Functions downstream take only their own sub-config (`ModelConfig`, `OptimConfig`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_collections
+
+from jaxllm.model.presets import GPU_PRESETS, PRESETS
+
+MESH_AXES = ("data", "fsdp", "tensor", "stage")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "save_dots")
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+OPTIMIZERS = ("adamw", "lamb", "adafactor")
+SCHEDULES = ("cosine", "constant", "wsd")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message starts with the offending key."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the four mesh axes (their product is the device count)."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    stage: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.data, self.fsdp, self.tensor, self.stage)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics-independent options of the Llama-style decoder."""
+
+    vocab_size: int = 4096
+    dim: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    mlp_dim: int = 768
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    remat: str = "none"
+    attention: str = "xla"
+    preset: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Mixed-precision policy: storage of parameters/optimizer state, matmul compute, and logits."""
+
+    params: str = "float32"
+    compute: str = "bfloat16"
+    output: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer, learning-rate schedule, clipping and gradient accumulation."""
+
+    name: str = "adamw"
+    lr: float = 3e-4
+    schedule: str = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    grad_accum: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Length and shape of the run."""
+
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 1
+    sample_tokens: int = 48
+    sample_prompt: str = "ROMEO."
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the token store lives and how it is read."""
+
+    path: str = "build/data/shakespeare"
+    num_workers: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole validated configuration of a run."""
+
+    mesh: MeshConfig
+    model: ModelConfig
+    precision: PrecisionConfig
+    optim: OptimConfig
+    train: TrainConfig
+    data: DataConfig
+    workdir: str = "runs/pretrain"
+    peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def apply_preset(cd: ml_collections.ConfigDict, name: str) -> None:
+    """Write a named model preset's shape fields into `cd.model` (later overrides still win).
+
+    The GPU-sized presets also switch compute to bfloat16, the policy they are meant to train with.
+    """
+    if name not in PRESETS:
+        raise ConfigError("model.preset", f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    with cd.unlocked():
+        for key, value in PRESETS[name].items():
+            cd.model[key] = value
+        cd.model.preset = name
+        if name in GPU_PRESETS:
+            cd.precision.compute = "bfloat16"
+
+
+def _build(cls, cd: ml_collections.ConfigDict | dict, prefix: str):
+    """Instantiate dataclass `cls` from a mapping, rejecting unknown keys and wrong types."""
+    values = dict(cd.items())
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}", f"unknown key; expected one of {sorted(fields)}")
+    kwargs = {}
+    for name, value in values.items():
+        default = getattr(cls, name, None)
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{prefix}{name}", f"expected true/false, got {value!r}")
+        elif isinstance(default, int) and not isinstance(default, bool):
+            if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                else:
+                    raise ConfigError(f"{prefix}{name}", f"expected an integer, got {value!r}")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{prefix}{name}", f"expected a number, got {value!r}")
+            value = float(value)
+        elif isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(f"{prefix}{name}", f"expected a string, got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, f"{value!r} is not one of {list(allowed)}")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(key, f"must be positive, got {value}")
+
+
+def resolve_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
+    """Fill the one axis given as -1 so that the product equals `num_devices`, and check the product."""
+    sizes = dict(zip(MESH_AXES, mesh.shape))
+    fill = [name for name, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ConfigError(f"mesh.{fill[1]}", "only one mesh axis may be -1")
+    for name, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{name}", f"must be a positive size or -1, got {size}")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if num_devices % known:
+            raise ConfigError(
+                f"mesh.{fill[0]}", f"cannot fill: {num_devices} devices are not divisible by the other axes' product {known}"
+            )
+        sizes[fill[0]] = num_devices // known
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        shape = "x".join(str(sizes[a]) for a in MESH_AXES)
+        raise ConfigError(
+            "mesh", f"data*fsdp*tensor*stage = {shape} = {product} but there are {num_devices} devices"
+        )
+    return MeshConfig(**sizes)
+
+
+def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool = True) -> Config:
+    """Turn a ConfigDict into a typed `Config`, raising `ConfigError` on the first problem.
+
+    `num_devices` is the device count the mesh must cover (for a dry run: the hypothetical cluster).
+    `check_batch=False` skips the batch-versus-mesh checks (a dry run plans parameters and optimizer state).
+    """
+    top_fields = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(cd.keys()) - top_fields)
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown key; expected one of {sorted(top_fields)}")
+    missing = sorted(name for name in ("mesh", "model", "precision", "optim", "train", "data") if name not in cd)
+    if missing:
+        raise ConfigError(missing[0], "missing section")
+
+    mesh = _build(MeshConfig, cd.mesh, "mesh.")
+    mesh = resolve_mesh(mesh, num_devices)
+    model = _build(ModelConfig, cd.model, "model.")
+    precision = _build(PrecisionConfig, cd.precision, "precision.")
+    optim = _build(OptimConfig, cd.optim, "optim.")
+    train = _build(TrainConfig, cd.train, "train.")
+    data = _build(DataConfig, cd.data, "data.")
+
+    for key in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+        _positive(f"model.{key}", getattr(model, key))
+    _positive("model.rope_theta", model.rope_theta)
+    _positive("model.norm_eps", model.norm_eps)
+    _choice("model.remat", model.remat, REMAT_POLICIES)
+    _choice("model.attention", model.attention, ATTENTION_IMPLS)
+    if model.num_heads % model.num_kv_heads:
+        raise ConfigError(
+            "model.num_kv_heads", f"{model.num_kv_heads} must divide model.num_heads={model.num_heads} (grouped-query attention)"
+        )
+    if model.num_heads % mesh.tensor:
+        raise ConfigError("model.num_heads", f"{model.num_heads} heads are not divisible by mesh.tensor={mesh.tensor}")
+    if model.num_kv_heads % mesh.tensor:
+        raise ConfigError(
+            "model.num_kv_heads", f"{model.num_kv_heads} kv heads are not divisible by mesh.tensor={mesh.tensor}"
+        )
+    if model.mlp_dim % mesh.tensor:
+        raise ConfigError("model.mlp_dim", f"{model.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}")
+    if model.num_layers % mesh.stage:
+        raise ConfigError("model.num_layers", f"{model.num_layers} layers are not divisible by mesh.stage={mesh.stage}")
+    if model.head_dim % 2:
+        raise ConfigError("model.head_dim", f"must be even for rotary embeddings, got {model.head_dim}")
+
+    for key in ("params", "compute", "output"):
+        _choice(f"precision.{key}", getattr(precision, key), DTYPES)
+
+    _choice("optim.name", optim.name, OPTIMIZERS)
+    _choice("optim.schedule", optim.schedule, SCHEDULES)
+    _positive("optim.lr", optim.lr)
+    _positive("optim.grad_accum", optim.grad_accum)
+    if optim.warmup_steps < 0:
+        raise ConfigError("optim.warmup_steps", f"must be >= 0, got {optim.warmup_steps}")
+    if not 0.0 <= optim.min_lr_ratio <= 1.0:
+        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {optim.min_lr_ratio}")
+    if not 0.0 <= optim.decay_fraction <= 1.0:
+        raise ConfigError("optim.decay_fraction", f"must be in [0, 1], got {optim.decay_fraction}")
+    if optim.clip_norm < 0:
+        raise ConfigError("optim.clip_norm", f"must be >= 0 (0 disables clipping), got {optim.clip_norm}")
+
+    for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every"):
+        _positive(f"train.{key}", getattr(train, key))
+    if train.eval_batches < 0:
+        raise ConfigError("train.eval_batches", f"must be >= 0, got {train.eval_batches}")
+    batch_shards = mesh.data * mesh.fsdp if check_batch else 1
+    if train.batch_size % batch_shards:
+        raise ConfigError(
+            "train.batch_size",
+            f"{train.batch_size} is not divisible by mesh.data*mesh.fsdp={batch_shards}",
+        )
+    if train.batch_size % (optim.grad_accum * batch_shards):
+        raise ConfigError(
+            "optim.grad_accum",
+            f"train.batch_size={train.batch_size} does not split into {optim.grad_accum} micro-batches "
+            f"divisible by mesh.data*mesh.fsdp={batch_shards}",
+        )
+    if data.num_workers < 0:
+        raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
+    if not str(cd.get("workdir", "")):
+        raise ConfigError("workdir", "must not be empty")
+
+    return Config(
+        mesh=mesh,
+        model=model,
+        precision=precision,
+        optim=optim,
+        train=train,
+        data=data,
+        workdir=str(cd.get("workdir", Config.workdir)),
+        peak_flops=float(cd.get("peak_flops", 0.0)),
+    )
+
+
+def default_config_dict() -> ml_collections.ConfigDict:
+    """A ConfigDict holding every field with its dataclass default; config files start from it."""
+    sections = dict(mesh=MeshConfig, model=ModelConfig, precision=PrecisionConfig, optim=OptimConfig,
+                    train=TrainConfig, data=DataConfig)
+    cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
+    cd.workdir = Config.workdir
+    cd.peak_flops = Config.peak_flops
+    return cd

@@ -1,0 +1,211 @@
+"""Building blocks of the Llama-style decoder: embedding, RMSNorm, rotary embeddings, attention, SwiGLU MLP.
+
+Dimension letters (shape suffixes and einsum strings):
+  B batch   T query positions   S key/value positions   D model width (embed)
+  N query heads   K kv heads   G query heads per kv head (N = K*G)   H head dim
+  F MLP hidden   V vocabulary   L stacked layers
+
+Parameters carry logical axis names in `out_sharding` metadata; `jaxllm.sharding.RULES` maps them to mesh
+axes. Blocks that are stacked over layers take `stack=(L,)`: their parameters get a leading `layers` dimension
+and their `__call__` sees one layer's slice (inside `lax.scan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.sharding import constrain
+
+# Masked attention scores use a large finite negative: -inf would turn fully masked rows (padding) into NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def param(rngs: nnx.Rngs, shape, names, dtype, std: float | None) -> nnx.Param:
+    """A parameter drawn from N(0, std^2) (or ones when std is None) with logical axis `names`."""
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, out_sharding=tuple(names))
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D]; also the output projection when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, dim: int, *, std: float, dtype, rngs: nnx.Rngs):
+        self.embedding = param(rngs, (vocab_size, dim), ("vocab", "embed"), dtype, std)
+
+    def __call__(self, tokens_BT: jax.Array, dtype) -> jax.Array:
+        # Gather from the table laid out as in compute (vocab over `tensor`, embed whole): XLA then looks up
+        # locally and sums over `tensor`, instead of replicating the whole table ("involuntary remat").
+        table_VD = constrain(self.embedding[...], ("vocab", "embed"))
+        x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(dtype)
+        return constrain(x_BTD, ("batch", "seq", "embed"))
+
+    def attend(self, x_BTD: jax.Array) -> jax.Array:
+        return jnp.einsum("BTD,VD->BTV", x_BTD, self.embedding[...].astype(x_BTD.dtype))
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm, computed in float32 whatever the compute dtype."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, stack: tuple = (), rngs: nnx.Rngs):
+        self.scale = param(rngs, stack + (dim,), ("layers",) * len(stack) + ("norm",), dtype, None)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Context-extension rescaling of the rotary frequencies (Hugging Face `rope_type` 'llama3' or 'linear').
+
+    A frozen (hashable) dataclass so a model can hold it as static structure: it is not a config field because
+    only imported checkpoints carry it.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise NotImplementedError(f"rope_type {self.rope_type!r} is not supported (only 'llama3', 'linear')")
+
+    def apply(self, inv_freq: jax.Array) -> jax.Array:
+        """Rescaled inverse frequencies, as transformers' `_compute_llama3_parameters` / linear scaling."""
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        old_len = self.original_max_position_embeddings
+        low_wavelen, high_wavelen = old_len / self.low_freq_factor, old_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (beyond the original context) are slowed down by `factor`, short ones kept, and
+        # the band in between interpolated smoothly.
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(positions_BT: jax.Array, head_dim: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
+    """Rotary sin/cos tables [B, T, H/2] in float32 for the given per-token positions."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
+    angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.sin(angles_BTh), jnp.cos(angles_BTh)
+
+
+def apply_rope(x_BTNH: jax.Array, sin_BTh: jax.Array, cos_BTh: jax.Array) -> jax.Array:
+    """Rotate halves (the Llama / Hugging Face convention: pairs are (i, i + H/2))."""
+    half = x_BTNH.shape[-1] // 2
+    x32 = x_BTNH.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    sin, cos = sin_BTh[:, :, None, :], cos_BTh[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
+    """[B, T, S] boolean: causal, and only within the same packed document (segment)."""
+    T = segment_ids_BT.shape[1]
+    causal_TS = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+    return causal_TS[None] & same_BTS
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary positions (q_proj, k_proj, v_proj, o_proj)."""
+
+    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs):
+        D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        lead = ("layers",) * len(stack)
+        std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.q_proj = param(rngs, stack + (D, N, H), lead + ("embed", "heads", "head_dim"), dtype, std)
+        self.k_proj = param(rngs, stack + (D, K, H), lead + ("embed", "kv_heads", "head_dim"), dtype, std)
+        self.v_proj = param(rngs, stack + (D, K, H), lead + ("embed", "kv_heads", "head_dim"), dtype, std)
+        self.o_proj = param(rngs, stack + (N, H, D), lead + ("heads", "head_dim", "embed"), dtype, out_std)
+        self.num_kv_heads = K
+        self.impl = cfg.attention
+
+    def _project(self, x_BTD, sin_BTh, cos_BTh):
+        """Rotated queries [B, T, N, H] and rotated keys / values [B, T, K, H] of `x_BTD`."""
+        dtype = x_BTD.dtype
+        q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.q_proj[...].astype(dtype))
+        k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.k_proj[...].astype(dtype))
+        v_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.v_proj[...].astype(dtype))
+        q_BTNH = constrain(apply_rope(q_BTNH, sin_BTh, cos_BTh), ("batch", "seq", "heads", "head_dim"))
+        k_BSKH = constrain(apply_rope(k_BSKH, sin_BTh, cos_BTh), ("batch", "seq", "kv_heads", "head_dim"))
+        v_BSKH = constrain(v_BSKH, ("batch", "seq", "kv_heads", "head_dim"))
+        return q_BTNH, k_BSKH, v_BSKH
+
+    def __call__(self, x_BTD, mask_BTS, sin_BTh, cos_BTh):
+        dtype = x_BTD.dtype
+        q_BTNH, k_BSKH, v_BSKH = self._project(x_BTD, sin_BTh, cos_BTh)
+        if self.impl == "xla":
+            out_BTNH = self._xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+        else:
+            # jax.nn.dot_product_attention handles GQA itself; 'cudnn' selects the fused GPU kernel.
+            out_BTNH = jax.nn.dot_product_attention(
+                q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
+                implementation="cudnn" if self.impl == "cudnn" else None,
+            )
+        out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))
+        return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.o_proj[...].astype(dtype))
+
+    def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
+        """Attend from T new tokens to a KV cache of S slots (the new tokens' keys written at slot `index`).
+
+        `mask_BTS` says which cache slots each new token may see. Returns the attention output [B, T, D] and
+        the new tokens' keys and values [B, T, K, H] for the caller to store in its cache.
+        """
+        dtype = x_BTD.dtype
+        q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, sin_BTh, cos_BTh)
+        k_BTKH, v_BTKH = k_BTKH.astype(k_cache_BSKH.dtype), v_BTKH.astype(v_cache_BSKH.dtype)
+        k_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, index, 0, 0))
+        v_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, index, 0, 0))
+        # Always the XLA path: T is 1 per step, where fused kernels bring nothing and cuDNN needs T == S.
+        out_BTNH = self._xla_attention(q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), mask_BTS)
+        out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))
+        return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.o_proj[...].astype(dtype)), k_BTKH, v_BTKH
+
+    def _xla_attention(self, q_BTNH, k_BSKH, v_BSKH, mask_BTS):
+        B, T, N, H = q_BTNH.shape
+        K = self.num_kv_heads
+        q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+        scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32) * H**-0.5
+        scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
+        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+        out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
+        return out_BTKGH.reshape(B, T, N, H)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs):
+        D, F = cfg.dim, cfg.mlp_dim
+        lead = ("layers",) * len(stack)
+        std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.gate_proj = param(rngs, stack + (D, F), lead + ("embed", "mlp"), dtype, std)
+        self.up_proj = param(rngs, stack + (D, F), lead + ("embed", "mlp"), dtype, std)
+        self.down_proj = param(rngs, stack + (F, D), lead + ("mlp", "embed"), dtype, out_std)
+
+    def __call__(self, x_BTD):
+        dtype = x_BTD.dtype
+        gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.gate_proj[...].astype(dtype))
+        up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.up_proj[...].astype(dtype))
+        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
+        return jnp.einsum("BTF,FD->BTD", h_BTF, self.down_proj[...].astype(dtype))

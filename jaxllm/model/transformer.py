@@ -1,0 +1,183 @@
+"""The decoder-only Transformer: embed -> L x (attention + SwiGLU) scanned over stacked layers -> norm -> head.
+
+Parameter names follow Hugging Face Llama (embed_tokens, layers.self_attn.q_proj, layers.mlp.gate_proj,
+input_layernorm, post_attention_layernorm, norm, lm_head) so LoRA targets and checkpoint conversion read
+naturally. Layer parameters are stacked on a leading `layers` axis and run with `jax.lax.scan`, which keeps
+compile time flat in depth.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config import ModelConfig, PrecisionConfig
+from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, attention_mask, param, rope_tables
+from jaxllm.sharding import constrain
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm decoder block; built with `stack=(L,)` it holds all L layers' parameters."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, stack: tuple = (), rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
+        self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs)
+
+    def __call__(self, x_BTD, mask_BTS, sin_BTh, cos_BTh):
+        h_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), mask_BTS, sin_BTh, cos_BTh)
+        h_BTD = constrain(h_BTD, ("batch", "seq", "embed"))
+        out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+        return constrain(out_BTD, ("batch", "seq", "embed"))
+
+    def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
+        """The block on T new tokens against one layer's KV cache; returns (out_BTD, k_BTKH, v_BTKH)."""
+        attn_BTD, k_BTKH, v_BTKH = self.self_attn.decode(
+            self.input_layernorm(x_BTD), k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh)
+        h_BTD = constrain(x_BTD + attn_BTD, ("batch", "seq", "embed"))
+        out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+        return constrain(out_BTD, ("batch", "seq", "embed")), k_BTKH, v_BTKH
+
+
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer for S cache slots: two arrays [L, B, S, K, H]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return cls(constrain(jnp.zeros(shape, dtype), CACHE_AXES), constrain(jnp.zeros(shape, dtype), CACHE_AXES))
+
+
+def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_BTS, sin_BTh, cos_BTh):
+    """Run stacked `layers` on T new tokens, writing their keys/values into `cache` at slot `index`.
+
+    The whole cache is the scan carry and each layer updates its own [B, T] rows in place with
+    dynamic_update_slice, so a decode step copies no more than one layer's cache slice.
+    """
+    graphdef, stacked = nnx.split(layers)
+
+    def body(carry, layer_state):
+        x, cache_k, cache_v, i = carry
+        layer = nnx.merge(graphdef, layer_state)
+        x, k_BTKH, v_BTKH = layer.decode(x, cache_k[i], cache_v[i], index, mask_BTS, sin_BTh, cos_BTh)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k_BTKH[None], (i, 0, index, 0, 0))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v_BTKH[None], (i, 0, index, 0, 0))
+        return (x, constrain(cache_k, CACHE_AXES), constrain(cache_v, CACHE_AXES), i + 1), None
+
+    (x_BTD, k, v, _), _ = jax.lax.scan(body, (x_BTD, cache.k, cache.v, jnp.int32(0)), stacked)
+    return x_BTD, KVCache(k, v)
+
+
+def scan_layers(layers: DecoderLayer, x_BTD, mask_BTS, sin_BTh, cos_BTh, remat: str = "none"):
+    """Run stacked `layers` over `x_BTD` with `lax.scan`, rematerialising each layer per `remat`."""
+    graphdef, stacked = nnx.split(layers)
+
+    def body(x, layer_state):
+        layer = nnx.merge(graphdef, layer_state)
+        return layer(x, mask_BTS, sin_BTh, cos_BTh), None
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
+    return x_BTD
+
+
+class Transformer(nnx.Module):
+    """Llama-style causal language model.
+
+    Call it on int32 token ids [B, T] (optionally with packed-document `segment_ids` and per-document
+    `positions`, both [B, T]) to get logits [B, T, V] in the policy's output dtype.
+    """
+
+    def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
+                 rope_scaling: RopeScaling | None = None):
+        dtype = jnp.dtype(precision.params)
+        self.cfg = cfg
+        # Not a ModelConfig field: only imported checkpoints (Llama 3.x) rescale their rotary frequencies.
+        self.rope_scaling = rope_scaling
+        self.compute_dtype = jnp.dtype(precision.compute)
+        self.output_dtype = jnp.dtype(precision.output)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
+        self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs)
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, cfg.init_std)
+
+    def hidden_states(self, tokens_BT, segment_ids_BT=None, positions_BT=None):
+        """Final normalised hidden states [B, T, D] in compute dtype."""
+        B, T = tokens_BT.shape
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
+        mask_BTS = attention_mask(segment_ids_BT)
+        x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype)
+        x_BTD = scan_layers(self.layers, x_BTD, mask_BTS, sin_BTh, cos_BTh, self.cfg.remat)
+        return self.norm(x_BTD)
+
+    def logits(self, x_BTD):
+        """Project hidden states to vocabulary logits [B, T, V] in the output dtype."""
+        if self.cfg.tie_embeddings:
+            logits_BTV = self.embed_tokens.attend(x_BTD)
+        else:
+            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head[...].astype(x_BTD.dtype))
+        return constrain(logits_BTV.astype(self.output_dtype), ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens_BT, segment_ids_BT=None, positions_BT=None):
+        return self.logits(self.hidden_states(tokens_BT, segment_ids_BT, positions_BT))
+
+    def decode(self, tokens_BT, cache: KVCache, index, start_B):
+        """KV-cache forward of T new tokens that occupy cache slots [index, index + T).
+
+        Rows are left-padded: row b's first real token sits in slot `start_B[b]`, so its positions count from
+        there and slots before it are never attended to. Returns the logits of the last new token [B, V] (the
+        only ones sampling needs) and the updated cache.
+        """
+        T, S = tokens_BT.shape[1], cache.k.shape[2]
+        slots_T = index + jnp.arange(T, dtype=jnp.int32)
+        positions_BT = jnp.maximum(slots_T[None, :] - start_B[:, None], 0)
+        sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
+        slots_11S = jnp.arange(S, dtype=jnp.int32)[None, None, :]
+        mask_BTS = (slots_11S <= slots_T[None, :, None]) & (slots_11S >= start_B[:, None, None])
+        x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype)
+        x_BTD, cache = scan_layers_decode(self.layers, x_BTD, cache, index, mask_BTS, sin_BTh, cos_BTh)
+        return self.logits(self.norm(x_BTD[:, -1:]))[:, 0], cache
+
+
+def _layer_matmul_params(cfg: ModelConfig) -> int:
+    D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    return cfg.num_layers * (D * N * H * 2 + D * K * H * 2 + 3 * D * F)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in matmuls (PaLM's N for MFU): all projections plus the output head."""
+    return _layer_matmul_params(cfg) + cfg.dim * cfg.vocab_size
+
+
+def total_params(cfg: ModelConfig) -> int:
+    """All parameters: embedding table, projections, head (unless tied) and norms."""
+    head = 0 if cfg.tie_embeddings else cfg.dim * cfg.vocab_size
+    norms = (2 * cfg.num_layers + 1) * cfg.dim
+    return _layer_matmul_params(cfg) + cfg.vocab_size * cfg.dim + head + norms
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
+    """PaLM training FLOPs per token: 6N + 12*L*H*Q*T (attention term halved when `causal`)."""
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+    return 6 * matmul_params(cfg) + (attention / 2 if causal else attention)

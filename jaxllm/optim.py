@@ -1,0 +1,75 @@
+"""The optax chain from `OptimConfig`: schedule, global-norm clipping, AdamW / LAMB / Adafactor, weight-decay mask.
+
+Gradient accumulation is not an optax wrapper here: the train step sums micro-batch gradients weighted by
+their token counts, so the loss is normalised by the true number of target tokens of the whole batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+from jaxllm.config import OptimConfig
+
+
+def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup, then cosine / constant / warmup-stable-decay; its length is the configured run length,
+    never where a run happens to stop, so resumed runs follow the same curve."""
+    warmup = min(cfg.warmup_steps, total_steps)
+    rest = max(total_steps - warmup, 1)
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    warm = optax.linear_schedule(0.0, peak, warmup) if warmup else None
+    if cfg.schedule == "constant":
+        after = optax.constant_schedule(peak)
+    elif cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, rest, alpha=cfg.min_lr_ratio)
+    else:  # wsd: hold the peak, then decay linearly over the last `decay_fraction` of the run
+        decay = max(int(round(rest * cfg.decay_fraction)), 1)
+        after = optax.join_schedules(
+            [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)], [rest - decay]
+        )
+    if warm is None:
+        return after
+    return optax.join_schedules([warm, after], [warmup])
+
+
+def decay_mask(params):
+    """True for parameters that get weight decay: matrices, but not norms (rank <= 1 per layer) or embeddings."""
+
+    def one(path, var):
+        names = var.get_metadata().get("out_sharding") or ()
+        is_norm = "norm" in names
+        is_embedding = "embed_tokens" in [getattr(k, "key", None) for k in path]
+        return var.replace(not (is_norm or is_embedding))
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """Clipping followed by the configured optimizer, driven by `learning_rate_schedule`.
+
+    The returned transformation is wrapped in `optax.inject_hyperparams` so the current learning rate is
+    part of the optimizer state (read back for metrics, scaled by recovery policies).
+    """
+    schedule = learning_rate_schedule(cfg, total_steps)
+
+    def build(learning_rate):
+        if cfg.name == "adamw":
+            opt = optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                              weight_decay=cfg.weight_decay, mask=decay_mask)
+        elif cfg.name == "lamb":
+            opt = optax.lamb(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, mask=decay_mask)
+        else:
+            opt = optax.adafactor(learning_rate, weight_decay_rate=cfg.weight_decay or None,
+                                  weight_decay_mask=decay_mask)
+        clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity()
+        return optax.chain(clip, opt)
+
+    return optax.inject_hyperparams(build)(learning_rate=schedule)
+
+
+def current_lr(opt_state) -> jax.Array:
+    """The learning rate the last update used (from `inject_hyperparams` state)."""
+    return opt_state.hyperparams["learning_rate"]

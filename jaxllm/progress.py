@@ -1,0 +1,50 @@
+"""A dependency-free console progress bar: one redrawn line on a terminal, periodic lines in a log file."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class ProgressBar:
+    """Shows step, bar, loss, tokens/s, MFU and ETA. `update` is cheap; output is throttled."""
+
+    def __init__(self, total: int, start: int = 0, stream=None, width: int = 24, min_interval: float | None = None):
+        self.total, self.start, self.width = total, start, width
+        self.stream = stream or sys.stdout
+        self.tty = getattr(self.stream, "isatty", lambda: False)()
+        self.min_interval = min_interval if min_interval is not None else (0.2 if self.tty else 10.0)
+        self._t0 = time.perf_counter()
+        self._last = 0.0
+
+    def update(self, step: int, loss: float, tokens_per_sec: float, mfu: float, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last < self.min_interval and step < self.total:
+            return
+        self._last = now
+        done = step - self.start
+        rate = done / max(now - self._t0, 1e-9)
+        eta = (self.total - step) / rate if rate > 0 else 0.0
+        filled = int(self.width * step / max(self.total, 1))
+        bar = "#" * filled + "." * (self.width - filled)
+        line = (
+            f"step {step:>6}/{self.total} [{bar}] loss {loss:7.4f} | {tokens_per_sec:>9,.0f} tok/s"
+            f" | MFU {100 * mfu:5.2f}% | ETA {format_duration(eta)}"
+        )
+        if self.tty:
+            self.stream.write("\r" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()

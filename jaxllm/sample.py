@@ -1,0 +1,136 @@
+"""Batched autoregressive decoding with a KV cache: greedy, temperature, top-k, top-p, stop tokens.
+
+Prompts are LEFT-padded to a common length P: every row's next token then goes into the same cache slot, so
+one scalar write index serves the batch. Row b's real tokens start at slot `start_B[b]`; its positions count
+from there and the slots before it are masked out, so padding changes nothing a row computes.
+
+The prefill and the whole token loop (a `lax.while_loop` that exits once every row has stopped) run in one
+jitted call. Shapes are bucketed to powers of two (batch, prompt length, cache length) and the sampling knobs
+and `max_new_tokens` are traced values, so new prompt lengths and settings rarely recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.model.transformer import KVCache
+
+MIN_BUCKET = 16
+STOP_SLOTS = 8  # stop ids are padded to a multiple of this (with -1, never sampled) to keep shapes stable
+NO_TOKEN = -1  # output entry of a row that had already stopped
+
+
+def _bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def _pick(logits_BV, key, step, temperature, top_k, top_p, sampling: bool):
+    """Next tokens [B]: argmax, or a draw from the temperature-scaled top-k / top-p (nucleus) distribution."""
+    if not sampling:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
+    # Work in sorted order so top-k is exact (ties cannot let extra tokens in) and k may be a traced value.
+    order_BV = jnp.argsort(-logits_BV, axis=-1)
+    sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
+    rank_V = jnp.arange(logits_BV.shape[-1])
+    keep_BV = jnp.broadcast_to((top_k <= 0) | (rank_V < top_k), sorted_BV.shape)
+    probs_BV = jax.nn.softmax(jnp.where(keep_BV, sorted_BV, -jnp.inf), axis=-1)
+    # Nucleus: keep a token if the tokens ranked above it hold less than top_p (the first is always kept).
+    keep_BV &= (jnp.cumsum(probs_BV, axis=-1) - probs_BV) < top_p
+    choice_B = jax.random.categorical(jax.random.fold_in(key, step), jnp.where(keep_BV, sorted_BV, -jnp.inf))
+    return jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "sampling"))
+def _decode(graphdef, params, tokens_BP, start_B, max_new, stop_ids, temperature, top_k, top_p, key, *,
+            cache_len: int, sampling: bool):
+    """Prefill + token loop; returns [B, cache_len - P] new tokens (NO_TOKEN after a row stopped)."""
+    model = nnx.merge(graphdef, params)
+    B, P = tokens_BP.shape
+    pick = functools.partial(_pick, key=key, temperature=temperature, top_k=top_k, top_p=top_p, sampling=sampling)
+
+    cache = KVCache.zeros(model.cfg, B, cache_len, model.compute_dtype)
+    logits_BV, cache = model.decode(tokens_BP, cache, 0, start_B)
+    token_B = pick(logits_BV, step=0)
+    out_BN = jnp.full((B, cache_len - P), NO_TOKEN, jnp.int32).at[:, 0].set(token_B)
+    done_B = jnp.isin(token_B, stop_ids)
+
+    def cond(carry):
+        step, _, _, done_B, _ = carry
+        return (step < max_new) & ~jnp.all(done_B)
+
+    def body(carry):
+        step, cache, token_B, done_B, out_BN = carry
+        # Token `step - 1` sits in slot P + step - 1; its logits give token `step`.
+        logits_BV, cache = model.decode(token_B[:, None], cache, P + step - 1, start_B)
+        new_B = pick(logits_BV, step=step)
+        out_BN = out_BN.at[:, step].set(jnp.where(done_B, NO_TOKEN, new_B))
+        # A stopped row keeps feeding its last token: shapes stay fixed and its output no longer changes.
+        token_B = jnp.where(done_B, token_B, new_B)
+        return step + 1, cache, token_B, done_B | jnp.isin(new_B, stop_ids), out_BN
+
+    carry = (jnp.int32(1), cache, token_B, done_B, out_BN)
+    return jax.lax.while_loop(cond, body, carry)[-1]
+
+
+def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
+    """Extend each prompt by up to `max_new_tokens` tokens; returns the new ids per prompt.
+
+    `model` is a jaxllm Transformer or a `(graphdef, params)` pair (params may be sharded: call under
+    `jax.set_mesh(mesh)`). `temperature=0` is greedy; otherwise tokens are drawn from the softmax of
+    logits/temperature restricted to the `top_k` most likely (0: no limit) and to the smallest set holding
+    `top_p` of the probability. A row ends at its first token in `stop_ids`, which is not included in its
+    output. The same `seed` and inputs give the same samples.
+    """
+    graphdef, params = nnx.split(model) if isinstance(model, nnx.Module) else model
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    if max_new_tokens <= 0 or not prompts:
+        return [[] for _ in prompts]
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0 "
+                         f"(got {temperature}, {top_p}, {top_k})")
+    B, P = _bucket(len(prompts), 1), _bucket(max(len(p) for p in prompts))
+    tokens_BP = np.zeros((B, P), np.int32)
+    start_B = np.full((B,), P - 1, np.int32)  # bucket-filler rows: one pad token, outputs discarded
+    for b, prompt in enumerate(prompts):
+        tokens_BP[b, P - len(prompt):] = prompt
+        start_B[b] = P - len(prompt)
+    stops = np.full((_bucket(len(stop_ids), STOP_SLOTS),), NO_TOKEN, np.int32)
+    stops[: len(stop_ids)] = list(stop_ids)
+    out_BN = _decode(graphdef, params, jnp.asarray(tokens_BP), jnp.asarray(start_B), jnp.int32(max_new_tokens),
+                     jnp.asarray(stops), jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k),
+                     jnp.float32(top_p), jax.random.key(seed), cache_len=_bucket(P + max_new_tokens),
+                     sampling=temperature > 0)
+    out_BN = np.asarray(out_BN)
+    results = []
+    for row in out_BN[: len(prompts), :max_new_tokens]:
+        new: list[int] = []
+        for token in row.tolist():
+            if token == NO_TOKEN or token in stop_ids:
+                break
+            new.append(token)
+        results.append(new)
+    return results
+
+
+def greedy_generate(graphdef, params, prompt_ids, max_new_tokens: int, *, eos_id: int | None = None,
+                    max_len: int = 256) -> list[int]:
+    """Greedily extend `prompt_ids` by up to `max_new_tokens` tokens (stopping at `eos_id`); returns the new ids.
+
+    The prompt is cut to its last `max_len - max_new_tokens` tokens (at least one), so that prompt and output
+    together stay within `max_len` positions, the model's training length.
+    """
+    if not prompt_ids:
+        raise ValueError("greedy_generate needs at least one prompt token")
+    window = list(prompt_ids)[-max(1, max_len - max_new_tokens):]
+    stop_ids = () if eos_id is None else (eos_id,)
+    return generate((graphdef, params), [window], max_new_tokens=max_new_tokens, stop_ids=stop_ids)[0]

@@ -1,0 +1,120 @@
+"""Benchmark the train step: `python scripts/bench_step.py --config configs/pretrain.py [--steps N] [--config.x=v]`.
+
+Prints a table of compile time, step time, tokens/s, MFU and per-device memory (from the compiled executable's
+memory_analysis), for the same train step run two ways in one process:
+  bare  the compiled step called back to back on one device-resident batch, nothing around it;
+  loop  jaxllm.train.loop.train: real data pipeline, host->device transfer, metrics one step late, JSONL, progress.
+The loop/bare tokens/s ratio is the loop's overhead (target >= 0.95). Ends with one JSON line of the figures.
+"""
+
+import json
+import sys
+import tempfile
+import time
+
+from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
+from jaxllm.config import ConfigError, validate
+
+
+def bare_step_throughput(cfg, steps: int) -> dict:
+    import jax
+
+    from jaxllm.data.synthetic import synthetic_batch
+    from jaxllm.mesh import make_mesh
+    from jaxllm.metrics import mfu, peak_flops_per_device
+    from jaxllm.model.transformer import train_flops_per_token
+    from jaxllm.optim import make_optimizer
+    from jaxllm.train.loop import to_global
+    from jaxllm.train.state import create_train_state
+    from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
+
+    tc = cfg.train
+    mesh = make_mesh(cfg.mesh)
+    tx = make_optimizer(cfg.optim, tc.steps)
+    with jax.set_mesh(mesh):
+        graphdef, state, shardings = create_train_state(cfg.model, cfg.precision, tx, mesh, tc.seed)
+        batch = to_global(synthetic_batch(0, tc.batch_size, tc.seq_len, cfg.model.vocab_size), batch_sharding(mesh))
+        start = time.perf_counter()
+        compiled = jit_train_step(make_train_step(graphdef, tx, cfg.optim.grad_accum), shardings, mesh)
+        compiled = compiled.lower(state, batch).compile()
+        compile_s = time.perf_counter() - start
+    for _ in range(2):  # warm up
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    elapsed = time.perf_counter() - start
+    tokens_per_sec = steps * tc.batch_size * tc.seq_len / elapsed
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    peak = peak_flops_per_device(cfg.peak_flops)
+    return dict(
+        compile_s=compile_s,
+        step_s=elapsed / steps,
+        tokens_per_sec=tokens_per_sec,
+        mfu=mfu(tokens_per_sec, train_flops_per_token(cfg.model, tc.seq_len), mesh.size, peak),
+        argument_mb=memory.argument_size_in_bytes / 2**20,
+        output_mb=memory.output_size_in_bytes / 2**20,
+        temp_mb=memory.temp_size_in_bytes / 2**20,
+        xla_flops_per_device=float(cost.get("flops", 0.0)) if cost else 0.0,
+    )
+
+
+def loop_throughput(cfg, steps: int) -> dict:
+    import dataclasses
+    import io
+
+    from jaxllm.train.loop import train
+
+    with tempfile.TemporaryDirectory() as workdir:
+        run = dataclasses.replace(
+            cfg, workdir=workdir,
+            train=dataclasses.replace(cfg.train, steps=steps + 2, eval_every=10**9, eval_batches=1, sample_tokens=0),
+        )
+        summary = train(run, stream=io.StringIO())
+    return dict(compile_s=summary["compile_s"], step_s=cfg.train.batch_size * cfg.train.seq_len / summary["tokens_per_sec"],
+                tokens_per_sec=summary["tokens_per_sec"], mfu=summary["mfu"])
+
+
+def main(argv):
+    args_list, overrides = split_overrides(argv)
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    args = p.parse_args(args_list)
+    try:
+        import jax
+
+        cfg = validate(build_config(args.config, overrides), jax.device_count())
+    except (ConfigError, UsageError) as exc:
+        fail(str(exc))
+
+    bare_a = bare_step_throughput(cfg, args.steps)
+    loop = loop_throughput(cfg, args.steps)
+    bare_b = bare_step_throughput(cfg, args.steps)  # bare measured before and after: machine noise shows
+    bare = dict(bare_a, tokens_per_sec=(bare_a["tokens_per_sec"] + bare_b["tokens_per_sec"]) / 2,
+                step_s=(bare_a["step_s"] + bare_b["step_s"]) / 2, mfu=(bare_a["mfu"] + bare_b["mfu"]) / 2)
+    ratio = loop["tokens_per_sec"] / bare["tokens_per_sec"]
+
+    mesh = "x".join(str(s) for s in cfg.mesh.shape)
+    m = cfg.model
+    print(f"model L{m.num_layers} D{m.dim} N{m.num_heads}/K{m.num_kv_heads} F{m.mlp_dim} V{m.vocab_size} | "
+          f"batch {cfg.train.batch_size}x{cfg.train.seq_len} | mesh (data,fsdp,tensor,stage)={mesh} | "
+          f"compute {cfg.precision.compute} | {jax.devices()[0].platform}")
+    print(f"{'run':<6} {'compile s':>10} {'step s':>9} {'tokens/s':>11} {'MFU %':>7} {'args MB/dev':>12} "
+          f"{'temp MB/dev':>12}")
+    print(f"{'bare':<6} {bare['compile_s']:>10.2f} {bare['step_s']:>9.4f} {bare['tokens_per_sec']:>11,.0f} "
+          f"{100 * bare['mfu']:>7.2f} {bare['argument_mb']:>12.2f} {bare['temp_mb']:>12.2f}")
+    print(f"{'loop':<6} {loop['compile_s']:>10.2f} {loop['step_s']:>9.4f} {loop['tokens_per_sec']:>11,.0f} "
+          f"{100 * loop['mfu']:>7.2f} {'':>12} {'':>12}")
+    print(f"loop / bare tokens/s = {ratio:.3f} (target >= 0.95); bare runs: {bare_a['tokens_per_sec']:,.0f} "
+          f"and {bare_b['tokens_per_sec']:,.0f} tokens/s")
+    print(json.dumps({"bench": "step", "mesh": mesh, "bare": bare, "loop": loop, "loop_over_bare": ratio}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

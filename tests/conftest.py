@@ -1,0 +1,28 @@
+"""Test set-up: 8 fake CPU devices, fixed before JAX initialises its backend."""
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (must come after XLA_FLAGS)
+
+# Parity tests compare layouts at 1e-5: keep matmuls in true float32 on CPU.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def shakespeare_store(tmp_path_factory):
+    """The shipped corpus prepared into a token store (vocab 512), once per test session (~4 s)."""
+    from jaxllm.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("data") / "shakespeare"
+    prepare([str(ROOT / "data" / "shakespeare.jsonl.gz")], str(out), vocab_size=512, log=lambda *a, **k: None)
+    return out

@@ -1,0 +1,70 @@
+"""Every bad configuration is one line on stderr naming the key, exit code 2, and no traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import train as train_script  # noqa: E402
+
+CONFIG = str(ROOT / "configs" / "pretrain.py")
+
+BAD = [
+    (["--config.optim.lrr=1"], "optim.lrr: unknown key"),
+    (["--config.nonsense.x=1"], "nonsense: unknown section"),
+    (["--config.mesh.data=3"], "mesh: data*fsdp*tensor*stage = 3x2x2x1 = 12 but there are 8 devices"),
+    (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], "mesh.fsdp: only one mesh axis may be -1"),
+    (["--config.model.num_heads=6", "--config.model.num_kv_heads=4"], "model.num_kv_heads: 4 must divide model.num_heads=6"),
+    (["--config.model.num_heads=5", "--config.model.num_kv_heads=5"], "model.num_heads: 5 heads are not divisible by mesh.tensor=2"),
+    (["--config.model.num_kv_heads=1"], "model.num_kv_heads: 1 kv heads are not divisible by mesh.tensor=2"),
+    (["--config.model.num_layers=3", "--config.mesh.stage=2", "--config.mesh.data=1"],
+     "model.num_layers: 3 layers are not divisible by mesh.stage=2"),
+    (["--config.train.batch_size=6"], "train.batch_size: 6 is not divisible by mesh.data*mesh.fsdp=4"),
+    (["--config.optim.grad_accum=8"], "optim.grad_accum: train.batch_size=16 does not split into 8 micro-batches"),
+    (["--config.train.steps=abc"], "train.steps: expected an integer, got 'abc'"),
+    (["--config.model.remat=sometimes"], "model.remat: 'sometimes' is not one of"),
+    (["--config.precision.compute=float8"], "precision.compute: 'float8' is not one of"),
+    (["--config.optim.name=sgdx"], "optim.name: 'sgdx' is not one of"),
+    (["--config.model.preset=llama_3t"], "model.preset: unknown preset 'llama_3t'"),
+    (["--config.data.path=/nonexistent/store"], "data.path: no token store at /nonexistent/store"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[m.split(":")[0] for _, m in BAD])
+def test_bad_config_is_one_line_exit_2(overrides, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main(["--config", CONFIG, *overrides])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_missing_config_file_and_unknown_flag(capsys):
+    for argv, message in ([["--config", "/no/such.py"], "no such file /no/such.py"],
+                          [["--config", CONFIG, "--bogus"], "unrecognized arguments: --bogus"]):
+        with pytest.raises(SystemExit) as exit_info:
+            train_script.main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.smoke
+def test_real_process_exit_code_and_single_line():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--config", CONFIG,
+                           "--config.mesh.tensor=3"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: mesh"), proc.stderr
+
+
+@pytest.mark.smoke
+def test_dry_run_plans_a_70b_model_without_devices():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--config", CONFIG,
+                           "--config.model.preset=llama_70b", "--config.mesh.fsdp=64", "--dry_run"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "70,553,706,496 parameters" in proc.stdout
+    assert "256 devices" in proc.stdout
