@@ -19,5 +19,6 @@ def get_config():
     config.optim.update(name="adamw", lr=3e-3, schedule="cosine", warmup_steps=30, weight_decay=0.1)
     config.train.update(steps=300, batch_size=16, seq_len=128, eval_every=100, eval_batches=8)
     config.data.update(path="build/data/shakespeare", num_workers=0)
+    config.checkpoint.update(every=100, keep=3)
     config.lock()
     return config

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import ml_collections
@@ -108,6 +109,7 @@ class TrainConfig:
     log_every: int = 1
     sample_tokens: int = 48
     sample_prompt: str = "ROMEO."
+    on_anomaly: str = "rollback"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,55 @@ class DataConfig:
 
     path: str = "build/data/shakespeare"
     num_workers: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in `<workdir>/checkpoints`: async saves every `every` steps, the last `keep` kept plus
+    every `keep_every`-th step permanently (0: none). `restore_from` starts a new run from another run's
+    checkpoint directory (or one step directory in it): parameters only, or everything with `restore_all`."""
+
+    every: int = 100
+    keep: int = 3
+    keep_every: int = 0
+    async_save: bool = True
+    restore_from: str = ""
+    restore_all: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AnomalyConfig:
+    """Loss / gradient-norm spike detection: a value above mean + z * std of the last `window` healthy steps
+    (once `min_history` steps are known) is an anomaly, as is any non-finite loss or gradient norm."""
+
+    window: int = 50
+    min_history: int = 20
+    z: float = 6.0
+    grad_z: float = 6.0
+    lr_factor: float = 0.5
+    max_rollbacks: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugConfig:
+    """Fault injection for tests and drills (0: off). Each fires once per process, at that step."""
+
+    inject_nan_at_step: int = 0
+    inject_spike_at_step: int = 0
+
+
+ANOMALY_POLICIES = ("rollback", "skip", "abort")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline schedule over the `stage` mesh axis: p = mesh.stage stages, m micro-batches, r repeats.
+
+    r = 1 is GPipe; r > 1 is the circular (interleaved) schedule, bubble (p-1)/(r*m+p-1).
+    """
+
+    microbatches: int = 1
+    repeats: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +179,10 @@ class Config:
     optim: OptimConfig
     train: TrainConfig
     data: DataConfig
+    pipeline: PipelineConfig = PipelineConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    anomaly: AnomalyConfig = AnomalyConfig()
+    debug: DebugConfig = DebugConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
 
@@ -235,6 +290,10 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     optim = _build(OptimConfig, cd.optim, "optim.")
     train = _build(TrainConfig, cd.train, "train.")
     data = _build(DataConfig, cd.data, "data.")
+    pipeline = _build(PipelineConfig, cd.get("pipeline", {}), "pipeline.")
+    checkpoint = _build(CheckpointConfig, cd.get("checkpoint", {}), "checkpoint.")
+    anomaly = _build(AnomalyConfig, cd.get("anomaly", {}), "anomaly.")
+    debug = _build(DebugConfig, cd.get("debug", {}), "debug.")
 
     for key in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
         _positive(f"model.{key}", getattr(model, key))
@@ -254,8 +313,18 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         )
     if model.mlp_dim % mesh.tensor:
         raise ConfigError("model.mlp_dim", f"{model.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}")
-    if model.num_layers % mesh.stage:
-        raise ConfigError("model.num_layers", f"{model.num_layers} layers are not divisible by mesh.stage={mesh.stage}")
+    _positive("pipeline.microbatches", pipeline.microbatches)
+    _positive("pipeline.repeats", pipeline.repeats)
+    if model.num_layers % (mesh.stage * pipeline.repeats):
+        raise ConfigError(
+            "model.num_layers",
+            f"{model.num_layers} layers are not divisible by mesh.stage*pipeline.repeats={mesh.stage * pipeline.repeats}",
+        )
+    if mesh.stage > 1 and pipeline.microbatches < mesh.stage:
+        raise ConfigError(
+            "pipeline.microbatches",
+            f"{pipeline.microbatches} micro-batches cannot fill {mesh.stage} stages (need at least mesh.stage)",
+        )
     if model.head_dim % 2:
         raise ConfigError("model.head_dim", f"must be even for rotary embeddings, got {model.head_dim}")
 
@@ -291,6 +360,26 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
             f"train.batch_size={train.batch_size} does not split into {optim.grad_accum} micro-batches "
             f"divisible by mesh.data*mesh.fsdp={batch_shards}",
         )
+    if check_batch and train.batch_size % (pipeline.microbatches * optim.grad_accum):
+        raise ConfigError(
+            "pipeline.microbatches",
+            f"train.batch_size={train.batch_size} does not split into {pipeline.microbatches} pipeline micro-batches "
+            f"(times optim.grad_accum={optim.grad_accum})",
+        )
+    _choice("train.on_anomaly", train.on_anomaly, ANOMALY_POLICIES)
+    _positive("checkpoint.every", checkpoint.every)
+    _positive("checkpoint.keep", checkpoint.keep)
+    if checkpoint.keep_every < 0:
+        raise ConfigError("checkpoint.keep_every", f"must be >= 0, got {checkpoint.keep_every}")
+    if checkpoint.restore_from and not Path(checkpoint.restore_from).exists():
+        raise ConfigError("checkpoint.restore_from", f"no checkpoint at {checkpoint.restore_from}")
+    _positive("anomaly.window", anomaly.window)
+    _positive("anomaly.z", anomaly.z)
+    _positive("anomaly.grad_z", anomaly.grad_z)
+    if not 0.0 < anomaly.lr_factor <= 1.0:
+        raise ConfigError("anomaly.lr_factor", f"must be in (0, 1], got {anomaly.lr_factor}")
+    if anomaly.max_rollbacks < 0:
+        raise ConfigError("anomaly.max_rollbacks", f"must be >= 0, got {anomaly.max_rollbacks}")
     if data.num_workers < 0:
         raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
     if not str(cd.get("workdir", "")):
@@ -303,6 +392,10 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         optim=optim,
         train=train,
         data=data,
+        pipeline=pipeline,
+        checkpoint=checkpoint,
+        anomaly=anomaly,
+        debug=debug,
         workdir=str(cd.get("workdir", Config.workdir)),
         peak_flops=float(cd.get("peak_flops", 0.0)),
     )
@@ -311,7 +404,8 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
 def default_config_dict() -> ml_collections.ConfigDict:
     """A ConfigDict holding every field with its dataclass default; config files start from it."""
     sections = dict(mesh=MeshConfig, model=ModelConfig, precision=PrecisionConfig, optim=OptimConfig,
-                    train=TrainConfig, data=DataConfig)
+                    train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
+                    anomaly=AnomalyConfig, debug=DebugConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

@@ -28,7 +28,7 @@ RULES: dict[str, tuple[MeshAxes, MeshAxes]] = {
     "head_dim": (None, None),
     "mlp": ("tensor", "tensor"),
     "vocab": ("tensor", "tensor"),
-    "layers": (None, None),
+    "layers": ("stage", None),  # stacked layer weights: each pipeline stage holds its own layers
     "stage": ("stage", "stage"),
     "norm": (None, None),
 }

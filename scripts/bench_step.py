@@ -32,7 +32,8 @@ def bare_step_throughput(cfg, steps: int) -> dict:
     mesh = make_mesh(cfg.mesh)
     tx = make_optimizer(cfg.optim, tc.steps)
     with jax.set_mesh(mesh):
-        graphdef, state, shardings = create_train_state(cfg.model, cfg.precision, tx, mesh, tc.seed)
+        graphdef, state, shardings = create_train_state(cfg.model, cfg.precision, tx, mesh, tc.seed,
+                                                        cfg.anomaly.window, cfg.pipeline)
         batch = to_global(synthetic_batch(0, tc.batch_size, tc.seq_len, cfg.model.vocab_size), batch_sharding(mesh))
         start = time.perf_counter()
         compiled = jit_train_step(make_train_step(graphdef, tx, cfg.optim.grad_accum), shardings, mesh)
@@ -79,6 +80,27 @@ def loop_throughput(cfg, steps: int) -> dict:
                 tokens_per_sec=summary["tokens_per_sec"], mfu=summary["mfu"])
 
 
+def pipeline_report(cfg) -> dict:
+    """Schedule, theoretical bubble and per-device bytes of the stacked layer weights, pipelined vs not."""
+    import dataclasses
+
+    from jaxllm.mesh import abstract_mesh
+    from jaxllm.pipeline import bubble_fraction
+    from jaxllm.sharding import bytes_per_device
+    from jaxllm.train.state import abstract_model
+
+    from flax import nnx
+
+    p, m, r = cfg.mesh.stage, cfg.pipeline.microbatches, cfg.pipeline.repeats
+    layers = nnx.state(abstract_model(cfg.model, cfg.precision).layers)
+    unpipelined = dataclasses.replace(cfg.mesh, stage=1)  # the same data/fsdp/tensor split, no stages
+    return dict(stages=p, microbatches=m, repeats=r, bubble=bubble_fraction(p, m, r),
+                layer_bytes_per_device=bytes_per_device(layers, abstract_mesh(cfg.mesh)),
+                layer_bytes_per_device_stage1=bytes_per_device(layers, abstract_mesh(unpipelined)),
+                layer_bytes_total=bytes_per_device(layers, abstract_mesh(dataclasses.replace(
+                    cfg.mesh, data=1, fsdp=1, tensor=1, stage=1))))
+
+
 def main(argv):
     args_list, overrides = split_overrides(argv)
     p = parser(__doc__.splitlines()[0])
@@ -112,7 +134,17 @@ def main(argv):
           f"{100 * loop['mfu']:>7.2f} {'':>12} {'':>12}")
     print(f"loop / bare tokens/s = {ratio:.3f} (target >= 0.95); bare runs: {bare_a['tokens_per_sec']:,.0f} "
           f"and {bare_b['tokens_per_sec']:,.0f} tokens/s")
-    print(json.dumps({"bench": "step", "mesh": mesh, "bare": bare, "loop": loop, "loop_over_bare": ratio}))
+    report = {"bench": "step", "mesh": mesh, "bare": bare, "loop": loop, "loop_over_bare": ratio}
+    if cfg.mesh.stage > 1:
+        pp = pipeline_report(cfg)
+        print(f"pipeline p={pp['stages']} m={pp['microbatches']} r={pp['repeats']} "
+              f"({'GPipe' if pp['repeats'] == 1 else 'circular'}): theoretical bubble (p-1)/(r*m+p-1) = "
+              f"{pp['bubble']:.3f}")
+        print(f"layer weights per device: {pp['layer_bytes_per_device']:,} B with stage={pp['stages']} vs "
+              f"{pp['layer_bytes_per_device_stage1']:,} B unpipelined (same data/fsdp/tensor, stage=1) "
+              f"of {pp['layer_bytes_total']:,} B in all")
+        report["pipeline"] = pp
+    print(json.dumps(report))
     return 0
 
 

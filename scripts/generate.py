@@ -1,10 +1,14 @@
-"""Sample from a model: `python scripts/generate.py --hf DIR --prompt "text" [--max_new_tokens N ...]`.
+"""Sample from a model: `python scripts/generate.py (--hf DIR | --checkpoint DIR) --prompt "text" [...]`.
 
-DIR is a Hugging Face LlamaForCausalLM directory (config.json + safetensors). With a `tokenizer.model`
-(sentencepiece) in DIR, --prompt is text and the output is printed as text; without one, pass raw ids with
+--hf DIR is a Hugging Face LlamaForCausalLM directory (config.json + safetensors); --checkpoint DIR is a jaxllm
+checkpoint (a run's workdir, its checkpoints directory or one step directory; --step N picks a step), whose model
+config is read from its metadata (parameters only are restored). The tokenizer is --tokenizer FILE, else the
+`tokenizer.model` in the HF directory, else (checkpoints) the one of the training data store recorded in the
+checkpoint. With a tokenizer, --prompt is text and the output is printed as text; without one, pass raw ids with
 --tokens "1,2,3" and the new ids are printed.
 """
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -18,14 +22,17 @@ def _prompt_ids(args, tokenizer) -> list[int]:
         except ValueError:
             fail(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
     if tokenizer is None:
-        fail(f"--prompt needs a tokenizer.model in {args.hf}; pass raw ids with --tokens instead")
+        fail(f"--prompt needs a tokenizer (--tokenizer FILE, or a tokenizer.model in {args.hf or args.checkpoint}); "
+             "pass raw ids with --tokens instead")
     return [tokenizer.bos_id] + tokenizer.encode(args.prompt)
 
 
 def main(argv):
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--hf", help="Hugging Face model directory")
-    p.add_argument("--checkpoint", help="jaxllm checkpoint directory (not supported yet)")
+    p.add_argument("--checkpoint", help="jaxllm checkpoint (workdir, checkpoints directory or step directory)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--tokenizer", default=None, help="sentencepiece tokenizer.model")
     p.add_argument("--prompt", default=None)
     p.add_argument("--tokens", default=None, help="comma-separated prompt token ids (no tokenizer needed)")
     p.add_argument("--max_new_tokens", type=int, default=64)
@@ -34,24 +41,42 @@ def main(argv):
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.checkpoint is not None:
-        fail("--checkpoint is not supported yet")
-    if args.hf is None:
-        fail("--hf DIR is required")
+    if (args.hf is None) == (args.checkpoint is None):
+        fail("pass exactly one of --hf DIR and --checkpoint DIR")
     if (args.prompt is None) == (args.tokens is None):
         fail("pass exactly one of --prompt and --tokens")
 
-    from jaxllm import hf, sample
-    from jaxllm.data.tokenizer import Tokenizer
+    import jax
 
-    tokenizer_file = Path(args.hf) / "tokenizer.model"
-    tokenizer = Tokenizer.load(tokenizer_file) if tokenizer_file.is_file() else None
+    from jaxllm import hf, sample
+    from jaxllm.checkpoint import CheckpointError
+    from jaxllm.data.tokenizer import Tokenizer
+    from jaxllm.evaluate import load_checkpoint, single_device_mesh
+
+    loaded, mesh = None, None
+    if args.checkpoint is not None:
+        mesh = single_device_mesh()
+        try:
+            loaded = load_checkpoint(args.checkpoint, args.step, mesh)
+        except (FileNotFoundError, CheckpointError) as exc:
+            fail(str(exc))
+    if args.tokenizer is not None:
+        tokenizer_file = Path(args.tokenizer)
+        if not tokenizer_file.is_file():
+            fail(f"--tokenizer {tokenizer_file}: not found")
+    elif loaded is not None:
+        tokenizer_file = loaded.tokenizer_path()
+    else:
+        tokenizer_file = Path(args.hf) / "tokenizer.model"
+    tokenizer = Tokenizer.load(tokenizer_file) if tokenizer_file is not None and tokenizer_file.is_file() else None
     prompt = _prompt_ids(args, tokenizer)
     try:
-        model = hf.from_pretrained(args.hf)
+        model = hf.from_pretrained(args.hf) if loaded is None else loaded.model
         stop_ids = (tokenizer.eos_id,) if tokenizer is not None else ()
-        new = sample.generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, stop_ids=stop_ids, seed=args.seed)[0]
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            new = sample.generate(model, [prompt], max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  stop_ids=stop_ids, seed=args.seed)[0]
     except (FileNotFoundError, ValueError, NotImplementedError) as exc:
         fail(str(exc))
     if tokenizer is not None and args.tokens is None:

@@ -5,6 +5,7 @@
 --print_sharding  print every parameter's path, shape, PartitionSpec and bytes per device, then exit
 """
 
+import os
 import sys
 
 from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
@@ -48,12 +49,23 @@ def main(argv):
         print(format_report(report_rows(state, make_mesh(cfg.mesh))))
         return 0
 
+    from jaxllm.checkpoint import CheckpointError
     from jaxllm.train.loop import train
+    from jaxllm.train.recovery import AnomalyAbort
 
     try:
         train(cfg)
     except ConfigError as exc:
         fail(str(exc))
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # orbax's failed background threads can wait minutes on their own timeouts: do not join them.
+        os._exit(1)
+    except AnomalyAbort as exc:
+        print(f"error: training stopped: {exc}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -1,9 +1,14 @@
 """Test set-up: 8 fake CPU devices, fixed before JAX initialises its backend."""
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# 8 fake devices share 2 cores: under load one device thread can reach a collective long after the others,
+# and XLA's default 40 s rendezvous limit would abort the process. Raise it (tests only ever run here).
+CPU_FLAGS = (
+    "--xla_force_host_platform_device_count=8"
+    " --xla_cpu_collective_call_warn_stuck_timeout_seconds=300"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+)
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)

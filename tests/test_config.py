@@ -21,7 +21,7 @@ BAD = [
     (["--config.model.num_heads=5", "--config.model.num_kv_heads=5"], "model.num_heads: 5 heads are not divisible by mesh.tensor=2"),
     (["--config.model.num_kv_heads=1"], "model.num_kv_heads: 1 kv heads are not divisible by mesh.tensor=2"),
     (["--config.model.num_layers=3", "--config.mesh.stage=2", "--config.mesh.data=1"],
-     "model.num_layers: 3 layers are not divisible by mesh.stage=2"),
+     "model.num_layers: 3 layers are not divisible by mesh.stage*pipeline.repeats=2"),
     (["--config.train.batch_size=6"], "train.batch_size: 6 is not divisible by mesh.data*mesh.fsdp=4"),
     (["--config.optim.grad_accum=8"], "optim.grad_accum: train.batch_size=16 does not split into 8 micro-batches"),
     (["--config.train.steps=abc"], "train.steps: expected an integer, got 'abc'"),

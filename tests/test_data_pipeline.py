@@ -4,8 +4,8 @@ import pickle
 import numpy as np
 import pytest
 
-from jaxllm.data.pipeline import (FIELDS, PackedRows, make_eval_batches, make_train_iterator,
-                                  packing_efficiency)
+from jaxllm.data.pipeline import (FIELDS, MixtureRows, PackedRows, auto_num_workers, make_eval_batches,
+                                  make_mixture_iterator, make_train_iterator, packing_efficiency, rows_of_step)
 from jaxllm.data.token_store import TokenStore, write_token_store
 
 VOCAB = 5000
@@ -202,3 +202,65 @@ def test_state_is_portable_and_checked(store):
     np.testing.assert_array_equal(next(restored)["tokens"], next(it)["tokens"][2:])
     with pytest.raises(ValueError, match="seed"):
         make_train_iterator(store, seed=2, **kw).set_state(state)
+
+
+@pytest.mark.parametrize("procs", [1, 2, 4])
+def test_process_shards_are_disjoint_and_cover_the_epoch(store, procs):
+    """Over one epoch, processes' rows are disjoint, and together they hold every token of the epoch stream
+    in order: every document is covered, except any lying wholly in the < seq_len + 1 token tail that the
+    epoch's last full row leaves (the next epoch's permutation puts different documents there)."""
+    B, T, seed = 8, 16, 7
+    split = TokenStore.open(store).split("train")
+    rows = PackedRows(split, T, seed)
+    R = len(rows)
+    steps = -(-R // B)
+    its = [make_train_iterator(store, global_batch_size=B, seq_len=T, seed=seed, num_steps=steps,
+                               process_index=p, process_count=procs, num_workers=0) for p in range(procs)]
+    owned = {}
+    tokens = {}
+    for s in range(steps):
+        for p, it in enumerate(its):
+            ids = rows_of_step(s, B, p, procs)
+            batch = next(it)
+            for r, tok in zip(ids.tolist(), batch["tokens"]):
+                assert r not in owned
+                owned[r] = p
+                tokens[r] = tok
+    assert set(range(R)) <= set(owned)
+    stream, _ = _reference_rows(split, T, seed, True, 0)
+    got = np.concatenate([tokens[r] for r in range(R)])
+    np.testing.assert_array_equal(got, stream[:R * T])
+    perm = np.random.default_rng([seed, 0]).permutation(split.num_docs)
+    starts = np.concatenate([[0], np.cumsum(split.doc_lengths[perm])])
+    covered = {int(perm[k]) for k in range(split.num_docs) if starts[k] < R * T or split.doc_lengths[perm[k]] == 0}
+    tail_docs = set(range(split.num_docs)) - covered
+    assert split.num_tokens - R * T <= T + 1 and len(tail_docs) <= 1
+
+
+def test_mixture_proportions_determinism_and_resume(tmp_path, store):
+    other = _make_store(tmp_path / "b", {"train": [50] * 40})
+    mix = MixtureRows([PackedRows(TokenStore.open(p).split("train"), 16, 3) for p in (store, other)], [0.7, 0.3], 3)
+    src, local = mix.assign(np.arange(10_000))
+    assert abs((src == 0).mean() - 0.7) < 0.02 and abs((src == 1).mean() - 0.3) < 0.02
+    for i in (0, 1):  # each source's rows are used in order, none skipped or repeated
+        np.testing.assert_array_equal(local[src == i], np.arange((src == i).sum()))
+    kw = dict(global_batch_size=8, seq_len=16, seed=3, num_steps=30, num_workers=0)
+    a = _take(make_mixture_iterator([(store, 0.7), (other, 0.3)], **kw), 6)
+    ref = mix.get_rows(np.arange(8, 16))
+    np.testing.assert_array_equal(a[1]["tokens"], ref["tokens"])
+    it = make_mixture_iterator([(store, 0.7), (other, 0.3)], **kw)
+    _take(it, 3)
+    state = it.get_state()
+    fresh = make_train_iterator([(store, 0.7), (other, 0.3)], **kw)
+    fresh.set_state(state)
+    _assert_same(a[3:], _take(fresh, 3))
+    with pytest.raises(ValueError, match="mixture_weights"):
+        make_mixture_iterator([(store, 0.5), (other, 0.5)], **kw).set_state(state)
+    with pytest.raises(ValueError, match="weights"):
+        make_mixture_iterator([(store, -1.0), (other, 0.5)], **kw)
+
+
+def test_auto_num_workers():
+    assert auto_num_workers(2, "linux") == 0 and auto_num_workers(16, "linux") == 4
+    assert auto_num_workers(64, "linux") == 4 and auto_num_workers(64, "darwin") == 0
+    assert make_train_iterator.__kwdefaults__["num_workers"] is None

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 
 import grain
 import numpy as np
@@ -114,6 +115,91 @@ class PackedRows:
         return state
 
 
+class MixtureRows:
+    """Rows drawn from several PackedRows with given weights: a pure function of (seed, row).
+
+    Global rows are grouped in blocks of `block` rows. Every block holds exactly c_i rows of source i, with
+    c_i = weight_i * block rounded by largest remainder (so proportions are exact to 1/block at every block
+    boundary), placed at positions given by a permutation seeded with (seed, block). Source i's k-th row
+    in global order is its own row k: block b's rows of source i are b * c_i .. b * c_i + c_i - 1, in
+    position order. Nothing depends on earlier rows, so workers, processes and resume behave as for one store.
+    """
+
+    def __init__(self, sources: Sequence[PackedRows], weights: Sequence[float], seed: int = 0, block: int = 4096):
+        if len(sources) != len(weights) or not sources:
+            raise ValueError(f"need one weight per source, got {len(sources)} sources and {len(weights)} weights")
+        w = np.asarray(weights, np.float64)
+        if np.any(w < 0) or not np.isfinite(w).all() or w.sum() <= 0:
+            raise ValueError(f"mixture weights must be >= 0 and not all 0, got {list(weights)}")
+        seq = {s.seq_len for s in sources}
+        if len(seq) != 1:
+            raise ValueError(f"mixture sources have different seq_len {sorted(seq)}")
+        self.sources, self.seed, self.block = list(sources), int(seed), int(block)
+        self.seq_len = sources[0].seq_len
+        self.weights = (w / w.sum()).tolist()
+        exact = np.asarray(self.weights) * block
+        counts = np.floor(exact).astype(np.int64)
+        order = np.argsort(-(exact - counts), kind="stable")
+        counts[order[:block - counts.sum()]] += 1
+        self.counts = counts
+        self._labels = np.repeat(np.arange(len(sources)), counts)  # unpermuted block layout
+        self._cache: collections.OrderedDict | None = None
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source of each position, that source's row index within the block) for block b."""
+        if self._cache is None:
+            self._cache = collections.OrderedDict()
+        if b not in self._cache:
+            src = self._labels[np.random.default_rng([self.seed, 0x4D49, b]).permutation(self.block)]
+            rank = np.zeros(self.block, np.int64)
+            for i in range(len(self.sources)):
+                m = src == i
+                rank[m] = np.arange(int(m.sum()))
+            self._cache[b] = (src, rank)
+            if len(self._cache) > _EPOCH_CACHE:
+                self._cache.popitem(last=False)
+        return self._cache[b]
+
+    def assign(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, row within that source) of each global row."""
+        rows = np.asarray(rows, np.int64)
+        src = np.empty(len(rows), np.int64)
+        local = np.empty(len(rows), np.int64)
+        for b in np.unique(rows // self.block):
+            m = rows // self.block == b
+            s, r = self._block(int(b))
+            pos = rows[m] % self.block
+            src[m] = s[pos]
+            local[m] = b * self.counts[s[pos]] + r[pos]
+        return src, local
+
+    def get_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        src, local = self.assign(rows)
+        out = {f: np.zeros((len(src), self.seq_len), np.int32) for f in FIELDS}
+        for i, source in enumerate(self.sources):
+            m = src == i
+            if m.any():
+                got = source.get_rows(local[m])
+                for f in FIELDS:
+                    out[f][m] = got[f]
+        return out
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_cache"] = None
+        return state
+
+
+def rows_of_step(step: int, global_batch_size: int, process_index: int, process_count: int) -> np.ndarray:
+    """Global row indices of process_index's part of step's batch: a contiguous slice of B / P rows.
+
+    Over the steps of an epoch, the processes' rows are therefore disjoint and together cover every row.
+    """
+    local = global_batch_size // process_count
+    start = int(step) * global_batch_size + process_index * local
+    return np.arange(start, start + local)
+
+
 class _StepBatch:
     """grain map fn: step -> this process's slice of the global batch (a picklable callable)."""
 
@@ -125,7 +211,7 @@ class _StepBatch:
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         start = int(step) * self.global_batch_size + self.first
-        return self.rows.get_rows(np.arange(start, start + self.local))
+        return self.rows.get_rows(np.arange(start, start + self.local))  # == rows_of_step(...)
 
 
 def _allow_worker_processes() -> None:
@@ -150,6 +236,8 @@ class TrainIterator(grain.DatasetIterator):
         super().__init__()
         self._fn = _StepBatch(rows, global_batch_size, process_index, process_count)
         self._key = {"seed": rows.seed, "seq_len": rows.seq_len, "global_batch_size": global_batch_size}
+        if isinstance(rows, MixtureRows):  # a state must not restore into a different mixture
+            self._key["mixture_weights"] = rows.weights
         self._step, self._num_steps = int(start_step), int(num_steps)
         self._num_workers, self._prefetch = num_workers, prefetch
         self._inner = None
@@ -201,8 +289,45 @@ class TrainIterator(grain.DatasetIterator):
         super().close()
 
 
+def auto_num_workers(cpu_count: int | None = None, platform: str | None = None) -> int:
+    """Worker processes used when num_workers is None: min(4, cpus // 4) on Linux, else 0.
+
+    Workers pay for pickling every batch across processes; on a machine with few cores that costs more than
+    it saves (2 workers measured slower than 0 on 2 cores), and the loader alone already exceeds 1M tokens/s
+    in-process. `cpus` is the CPUs this process may use (sched_getaffinity), not the machine's total.
+    """
+    platform = sys.platform if platform is None else platform
+    if cpu_count is None:
+        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cpu_count // 4) if platform.startswith("linux") else 0
+
+
+def _open_rows(store_path, split: str, seq_len: int, seed: int):
+    """PackedRows of one store, or MixtureRows of [(store_path, weight), ...] sharing one tokenizer."""
+    if isinstance(store_path, (str, os.PathLike)):
+        return PackedRows(TokenStore.open(store_path).split(split), seq_len, seed, shuffle=True)
+    pairs = list(store_path)
+    if not pairs or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+        raise ValueError("a mixture is a list of (store_path, weight) pairs")
+    stores = [TokenStore.open(p) for p, _ in pairs]
+    ref = stores[0].manifest
+    for (path, _), st in zip(pairs, stores):
+        m = st.manifest
+        if (m["vocab_size"], m.get("tokenizer_sha256"), m["bos_id"], m["eos_id"]) != (
+                ref["vocab_size"], ref.get("tokenizer_sha256"), ref["bos_id"], ref["eos_id"]):
+            raise ValueError(f"mixture store {path} uses a different tokenizer than {pairs[0][0]}; "
+                             "all stores of a mixture must be tokenized with the same model")
+    sources = [PackedRows(st.split(split), seq_len, seed, shuffle=True) for st in stores]
+    return MixtureRows(sources, [float(w) for _, w in pairs], seed)
+
+
+def make_mixture_iterator(stores: Sequence[tuple[str | os.PathLike, float]], **kwargs) -> "TrainIterator":
+    """make_train_iterator over a weighted mixture of token stores (see MixtureRows)."""
+    return make_train_iterator(list(stores), **kwargs)
+
+
 def make_train_iterator(
-    store_path: str | os.PathLike,
+    store_path: str | os.PathLike | Sequence[tuple[str | os.PathLike, float]],
     *,
     split: str = "train",
     global_batch_size: int,
@@ -212,10 +337,13 @@ def make_train_iterator(
     process_count: int = 1,
     start_step: int = 0,
     num_steps: int,
-    num_workers: int = 0,
+    num_workers: int | None = None,
     prefetch: int = 2,
 ) -> TrainIterator:
     """Iterator over this process's batches for steps start_step .. num_steps - 1.
+
+    store_path is one token store, or a mixture: a list of (store_path, weight) pairs (see MixtureRows).
+    num_workers: grain worker processes; None means auto_num_workers() (0 on a machine with < 8 CPUs).
 
     Each batch is a dict of int32 numpy arrays [global_batch_size // process_count, seq_len] with keys
     tokens, targets, segment_ids, positions, loss_mask. Supports get_state()/set_state() (see TrainIterator).
@@ -224,7 +352,9 @@ def make_train_iterator(
         raise ValueError(f"global_batch_size {global_batch_size} is not divisible by process_count {process_count}")
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} outside [0, {process_count})")
-    rows = PackedRows(TokenStore.open(store_path).split(split), seq_len, seed, shuffle=True)
+    rows = _open_rows(store_path, split, seq_len, seed)
+    if num_workers is None:
+        num_workers = auto_num_workers()
     return TrainIterator(rows, global_batch_size=global_batch_size, process_index=process_index,
                          process_count=process_count, start_step=start_step, num_steps=num_steps,
                          num_workers=num_workers, prefetch=prefetch)

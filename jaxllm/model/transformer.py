@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxllm.config import ModelConfig, PrecisionConfig
 from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, attention_mask, param, rope_tables
+from jaxllm.pipeline import num_stages, pipeline
 from jaxllm.sharding import constrain
 
 REMAT_POLICIES = {
@@ -97,6 +98,19 @@ def scan_layers(layers: DecoderLayer, x_BTD, mask_BTS, sin_BTh, cos_BTh, remat: 
     return x_BTD
 
 
+def pipeline_layers(layers: DecoderLayer, x_BTD, mask_BTS, sin_BTh, cos_BTh, remat: str = "none", *,
+                    microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False):
+    """`scan_layers` as a pipeline over the active mesh's `stage` axis (see `jaxllm.pipeline`): each stage
+    scans its own chunks of the stacked layers; mask and rotary tables travel with their micro-batch."""
+    graphdef, stacked = nnx.split(layers)
+
+    def stage_fn(chunk_state, x_BTD, aux):
+        return scan_layers(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat)
+
+    return pipeline(stage_fn, stacked, x_BTD, (mask_BTS, sin_BTh, cos_BTh), microbatches=microbatches,
+                    repeats=repeats, debug_nan_bubbles=debug_nan_bubbles)
+
+
 class Transformer(nnx.Module):
     """Llama-style causal language model.
 
@@ -105,9 +119,14 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
-                 rope_scaling: RopeScaling | None = None):
+                 rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1):
         dtype = jnp.dtype(precision.params)
         self.cfg = cfg
+        # Pipeline schedule (config.PipelineConfig), used only when the active mesh has stage > 1. Plain static
+        # attributes, not parameters: they live in the graphdef and leave the parameter tree untouched.
+        self.pipeline_microbatches = pipeline_microbatches
+        self.pipeline_repeats = pipeline_repeats
+        self.pipeline_debug_nan_bubbles = False  # tests: feed NaN into bubble iterations
         # Not a ModelConfig field: only imported checkpoints (Llama 3.x) rescale their rotary frequencies.
         self.rope_scaling = rope_scaling
         self.compute_dtype = jnp.dtype(precision.compute)
@@ -128,7 +147,12 @@ class Transformer(nnx.Module):
         sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
         mask_BTS = attention_mask(segment_ids_BT)
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype)
-        x_BTD = scan_layers(self.layers, x_BTD, mask_BTS, sin_BTh, cos_BTh, self.cfg.remat)
+        if num_stages() > 1:
+            x_BTD = pipeline_layers(self.layers, x_BTD, mask_BTS, sin_BTh, cos_BTh, self.cfg.remat,
+                                    microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
+                                    debug_nan_bubbles=self.pipeline_debug_nan_bubbles)
+        else:
+            x_BTD = scan_layers(self.layers, x_BTD, mask_BTS, sin_BTh, cos_BTh, self.cfg.remat)
         return self.norm(x_BTD)
 
     def logits(self, x_BTD):

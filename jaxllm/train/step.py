@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllm.config import AnomalyConfig
 from jaxllm.optim import current_lr
 from jaxllm.sharding import constrain, logical_to_spec
 from jaxllm.train.state import TrainState
@@ -77,21 +78,75 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1):
     return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int = 1) -> Callable:
-    """`step(state, batch) -> (state, metrics)`: `grads_and_loss`, then one optimizer update.
-    Metrics are device scalars (the loop reads them one step late)."""
+def _window_stats(window):
+    """(count, mean, std) of the non-NaN entries of a history window."""
+    valid = jnp.isfinite(window)
+    count = jnp.sum(valid)
+    mean = jnp.sum(jnp.where(valid, window, 0.0)) / jnp.maximum(count, 1)
+    var = jnp.sum(jnp.where(valid, (window - mean) ** 2, 0.0)) / jnp.maximum(count, 1)
+    return count, mean, jnp.sqrt(var)
+
+
+def _is_spike(value, window, z, min_history):
+    count, mean, std = _window_stats(window)
+    # A floor on std: a perfectly flat history must not make every tiny wobble a "spike".
+    return (count >= min_history) & (value > mean + z * jnp.maximum(std, 1e-3 * jnp.abs(mean) + 1e-6))
+
+
+def _push(window, value, keep):
+    """Append `value` to the ring buffer (oldest dropped) when `keep`."""
+    return jnp.where(keep, jnp.concatenate([window[1:], value[None]]), window)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int = 1,
+                    anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False) -> Callable:
+    """`step(state, batch) -> (state, metrics)`: `grads_and_loss`, then one optimizer update scaled by
+    `state.lr_scale`. Metrics are device scalars (the loop reads them one step late).
+
+    Every step checks for anomalies (non-finite loss or gradient norm, loss or gradient-norm spike against the
+    state's history windows); with `skip_anomalies` an anomalous step leaves parameters and optimizer state
+    unchanged, decided inside the compiled step (no host round trip).
+    """
 
     def step(state: TrainState, batch):
         grads, loss, count = grads_and_loss(graphdef, state.params, batch, grad_accum)
+        # One-shot fault injection for drills: NaN gradients, or a loss spike (x1000, gradients too).
+        grads = jax.tree.map(lambda g: jnp.where(state.inject == 1, jnp.nan, g), grads)
+        spike_factor = jnp.where(state.inject == 2, 1000.0, 1.0)
+        loss = loss * spike_factor
+        grads = jax.tree.map(lambda g: g * spike_factor, grads)
+
+        grad_norm = optax.tree.norm(grads)
+        nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+        loss_spike = _is_spike(loss, state.loss_window, anomaly.z, anomaly.min_history)
+        grad_spike = _is_spike(grad_norm, state.grad_window, anomaly.grad_z, anomaly.min_history)
+        is_anomaly = nonfinite | loss_spike | grad_spike
+
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        updates = jax.tree.map(lambda u: u * state.lr_scale, updates)
         params = optax.apply_updates(state.params, updates)
+        if skip_anomalies:
+            keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(is_anomaly, o, n), new, old)
+            params = keep_old(params, state.params)
+            opt_state = keep_old(opt_state, state.opt_state)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
-            "lr": current_lr(opt_state),  # the rate this update used
+            "grad_norm": grad_norm,
+            "lr": current_lr(opt_state) * state.lr_scale,  # the rate this update used
             "target_tokens": count,
+            "anomaly": is_anomaly,
+            "nonfinite": nonfinite,
+            "loss_spike": loss_spike,
+            "grad_spike": grad_spike,
         }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        healthy = ~is_anomaly
+        new_state = TrainState(
+            step=state.step + 1, params=params, opt_state=opt_state, lr_scale=state.lr_scale,
+            loss_window=_push(state.loss_window, loss, healthy),
+            grad_window=_push(state.grad_window, grad_norm, healthy),
+            inject=jnp.zeros_like(state.inject),
+        )
+        return new_state, metrics
 
     return step
 

@@ -1,0 +1,176 @@
+"""Orbax checkpoints of a run: async saves, retention, atomic commits, restore onto any mesh.
+
+A checkpoint `<workdir>/checkpoints/<step>/` holds the train state (parameters, optimizer state, step, LR scale,
+anomaly statistics), the data-iterator state and run metadata (RNG seed, resolved config, LR scale) as JSON.
+Orbax writes into a temporary directory and renames it on commit, so a crash at any moment leaves the previous
+committed checkpoint loadable; uncommitted directories are never listed as steps and are cleaned up on start.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxllm.sharding import sharding_tree
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the directory."""
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+class Checkpointer:
+    """Saves and restores `{state, data, meta}` under `directory`, keeping the last `keep` checkpoints plus
+    every `keep_every`-th step permanently (0: none)."""
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, keep_every: int = 0,
+                 async_save: bool = True, log: Callable[[str], None] = print):
+        self.directory = Path(directory).absolute()
+        self.log = log
+        self._pending: dict | None = None
+        self._lock = threading.Lock()
+        self.saves: list[dict] = []
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max(keep, 1),  # never delete the only committed checkpoint
+            keep_period=keep_every or None,
+            create=True,
+            cleanup_tmp_directories=True,
+            enable_async_checkpointing=async_save,
+            # orbax calls this after each async commit (it accepts no callback for synchronous saves)
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._on_commit) if async_save else None,
+        )
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except (OSError, PermissionError) as exc:
+            raise CheckpointError(f"cannot use checkpoint directory {self.directory}: {exc}") from None
+
+    def _on_commit(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        total = time.perf_counter() - pending["start"]
+        size = directory_bytes(self.directory / str(pending["step"]))
+        record = dict(step=pending["step"], blocking_s=pending["blocking_s"], total_s=total, bytes=size,
+                      gb_per_s=size / total / 1e9 if total > 0 else 0.0)
+        self.saves.append(record)
+        self.log(f"checkpoint {record['step']} committed: {size / 1e6:.2f} MB, blocking {record['blocking_s']:.2f}s, "
+                 f"total {total:.2f}s, {record['gb_per_s']:.2f} GB/s")
+
+    def steps(self) -> list[int]:
+        """Committed checkpoint steps, oldest first."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def check_for_errors(self) -> None:
+        """Raise if a background save failed (called at every step boundary: a failed save is never silent).
+
+        orbax's manager logs a failed commit from its finalize thread rather than re-raising it, so a save that
+        is no longer in progress but never committed its step directory counts as failed too.
+        """
+        try:
+            self.manager.check_for_errors()
+        except Exception as exc:  # orbax re-raises the background thread's exception
+            raise CheckpointError(f"background checkpoint save into {self.directory} failed: {exc}") from None
+        with self._lock:
+            pending = self._pending
+        if pending is not None and not self.manager.is_saving_in_progress():
+            if not (self.directory / str(pending["step"])).exists():
+                with self._lock:
+                    self._pending = None
+                raise CheckpointError(
+                    f"background save of step {pending['step']} into {self.directory} failed (see the log above)"
+                )
+
+    def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
+        """Start an async save of `state` at `step` (returns once device arrays are copied to host)."""
+        self.check_for_errors()
+        start = time.perf_counter()
+        with self._lock:
+            self._pending = {"step": step, "start": start, "blocking_s": 0.0}
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state),
+            meta=ocp.args.JsonSave(meta),
+        )
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint save of step {step} into {self.directory} failed: {exc}") from None
+        with self._lock:
+            if self._pending is not None:  # still in flight: its commit callback will log this
+                self._pending["blocking_s"] = time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until the in-flight save has committed (or raise its error)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint save into {self.directory} failed: {exc}") from None
+        self.check_for_errors()
+
+    def restore(self, step: int, abstract_state: Any, mesh, *, items=("state", "data", "meta")) -> dict:
+        """Restore `step` with every array placed per the sharding rules on `mesh` (resharding on load).
+
+        `abstract_state` gives shapes and dtypes (e.g. `abstract_train_state(...)`); a checkpoint written on any
+        other mesh or device count restores bit-exactly onto this one.
+        """
+        shardings = sharding_tree(abstract_state, mesh)
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              abstract_state, shardings)
+        available = {"state": ocp.args.StandardRestore(target), "data": ocp.args.JsonRestore(),
+                     "meta": ocp.args.JsonRestore()}
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**{k: available[k] for k in items}))
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} is unreadable or does not match this model: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
+        return {k: restored[k] for k in items}
+
+    def restore_params(self, step: int, abstract_params: Any, mesh) -> Any:
+        """Restore only the parameters (`state.params`) of `step`, placed per the sharding rules on `mesh`.
+
+        The optimizer state and the other train-state fields are not read, so a checkpoint written with a
+        different optimizer, anomaly window or train-state layout still seeds these parameters.
+        """
+        shardings = sharding_tree(abstract_params, mesh)
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              abstract_params, shardings)
+        restore_args = jax.tree.map(
+            lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), target)
+        args = ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
+                                      partial_restore=True)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=args))
+        except Exception as exc:
+            raise CheckpointError(
+                f"parameters of checkpoint {self.directory / str(step)} are unreadable or do not match this model: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
+        return restored["state"]["params"]
+
+    def quarantine(self, step: int) -> Path:
+        """Move an unreadable checkpoint aside (kept for inspection, never loaded or overwritten again)."""
+        source = self.directory / str(step)
+        target = self.directory / f"corrupt-{step}-{int(time.time())}"
+        source.rename(target)
+        self.manager.reload()
+        return target
+
+    def close(self) -> None:
+        self.manager.close()

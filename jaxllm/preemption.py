@@ -1,0 +1,44 @@
+"""Preemption: SIGTERM (and SIGINT) ask the loop to finish the current step, save, and exit cleanly."""
+
+from __future__ import annotations
+
+import signal
+
+import jax
+import numpy as np
+
+
+class PreemptionGuard:
+    """Catches SIGTERM/SIGINT while installed; `should_stop()` is then True at the next step boundary.
+
+    With several processes the decision is agreed on (any process signalled -> all stop at the same step),
+    so they all take part in the final checkpoint.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signalled: int | None = None
+        self._previous = {}
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. inside a notebook worker): no handler
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.signalled = signum
+
+    def should_stop(self) -> bool:
+        local = self.signalled is not None
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.array([local]))))
+
+    def restore(self) -> None:
+        """Reinstate the handlers that were there before."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -1,0 +1,104 @@
+"""Convert between Hugging Face Llama directories and jaxllm checkpoints.
+
+  python scripts/convert_hf.py import --hf DIR --out CKPT_DIR [--dtype float32]
+      Writes step 0 of a jaxllm checkpoint (parameters from DIR, a fresh AdamW state) that a run can start
+      from with `--config.checkpoint.restore_from=CKPT_DIR` (use a matching --config.model.*).
+  python scripts/convert_hf.py export --checkpoint CKPT [--step N] --out DIR
+      CKPT is a run's workdir, its checkpoints directory or one step directory; the model config is read from
+      the checkpoint's metadata and only the parameters are read. DIR loads with
+      `transformers.AutoModelForCausalLM.from_pretrained`.
+"""
+
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+from jaxllm.cli import fail, parser
+
+
+def do_import(args) -> int:
+    import jax
+    from flax import nnx
+
+    from jaxllm import hf
+    from jaxllm.checkpoint import Checkpointer, CheckpointError
+    from jaxllm.config import OptimConfig, PrecisionConfig
+    from jaxllm.evaluate import single_device_mesh
+    from jaxllm.optim import make_optimizer
+    from jaxllm.train.state import create_train_state
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        fail(f"--out {out} exists and is not empty")
+    try:
+        model = hf.from_pretrained(args.hf, dtype=args.dtype)
+    except (FileNotFoundError, ValueError, NotImplementedError, KeyError) as exc:
+        fail(str(exc))
+    if getattr(model, "rope_scaling", None) is not None:
+        fail(f"{args.hf} uses RoPE scaling, which a jaxllm run config cannot record; not converted")
+    cfg = model.cfg
+    precision = PrecisionConfig(params=args.dtype)
+    optim = OptimConfig()
+    tx = make_optimizer(optim, 1)
+    mesh = single_device_mesh()
+    with jax.set_mesh(mesh):
+        _, state, shardings = create_train_state(cfg, precision, tx, mesh, seed=0)
+        params = jax.device_put(nnx.state(model), shardings.params)
+        state = state.replace(params=params, opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
+    meta = {"config": {"model": dataclasses.asdict(cfg), "precision": dataclasses.asdict(precision),
+                       "optim": dataclasses.asdict(optim)},
+            "source": str(Path(args.hf).absolute())}
+    tokenizer = Path(args.hf) / "tokenizer.model"
+    if tokenizer.is_file():
+        meta["tokenizer"] = str(tokenizer.absolute())
+    try:
+        checkpointer = Checkpointer(out, keep=1, log=lambda *_: None)
+        checkpointer.save(0, state, {}, meta)
+        checkpointer.wait()
+        checkpointer.close()
+    except CheckpointError as exc:
+        fail(str(exc))
+    print(f"wrote {out.absolute()}/0 ({sum(x.size for x in jax.tree.leaves(params)):,} parameters) from {args.hf}")
+    return 0
+
+
+def do_export(args) -> int:
+    from jaxllm import hf
+    from jaxllm.checkpoint import CheckpointError
+    from jaxllm.evaluate import load_checkpoint
+
+    try:
+        loaded = load_checkpoint(args.checkpoint, args.step)
+    except (FileNotFoundError, CheckpointError) as exc:
+        fail(str(exc))
+    hf.save_pretrained(loaded.model, args.out, max_shard_bytes=args.max_shard_bytes)
+    tokenizer = loaded.tokenizer_path()
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, Path(args.out) / "tokenizer.model")
+    print(f"wrote {Path(args.out).absolute()} from {loaded.path}")
+    return 0
+
+
+def main(argv):
+    p = parser(__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command")
+    imp = sub.add_parser("import", help="Hugging Face directory -> jaxllm checkpoint")
+    imp.add_argument("--hf", required=True)
+    imp.add_argument("--out", required=True)
+    imp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    exp = sub.add_parser("export", help="jaxllm checkpoint -> Hugging Face directory")
+    exp.add_argument("--checkpoint", required=True)
+    exp.add_argument("--step", type=int, default=None)
+    exp.add_argument("--out", required=True)
+    exp.add_argument("--max_shard_bytes", type=int, default=None)
+    for sp in (imp, exp):  # subcommand usage errors follow the one-line convention too
+        sp.error = lambda message: fail(message)
+    args = p.parse_args(argv)
+    if args.command is None:
+        fail("expected a command: import or export")
+    return do_import(args) if args.command == "import" else do_export(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

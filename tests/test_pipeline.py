@@ -1,0 +1,245 @@
+"""Pipeline parallelism over `stage`: pipelined == sequential (loss and gradients), bubbles inert, and the
+compiled step moves activations with collective-permutes without gathering a stage's layer weights.
+
+All runs share one set of parameters (8 layers, so every (p, r) below divides it) and one unpipelined
+reference. The pipelined runs use the layout the pipeline is meant for: the stored `layers` axis split over
+`stage` (RULES['layers'] = ('stage', None); the fixture below pins it for this module).
+"""
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxllm.sharding as sharding
+from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.data.synthetic import synthetic_batch
+from jaxllm.mesh import make_mesh
+from jaxllm.model.transformer import Transformer
+from jaxllm.optim import make_optimizer
+from jaxllm.pipeline import bubble_fraction, pipeline
+from jaxllm.train.state import build_model, create_train_state
+from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
+
+# mlp_dim 48 is a size nothing but layer weights has: the HLO check looks for it in stage-crossing gathers.
+MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48)
+PRECISION = PrecisionConfig(params="float32", compute="float32", output="float32")
+BATCH = synthetic_batch(7, 8, 16, MODEL.vocab_size)
+
+# (mesh (data, fsdp, tensor, stage), microbatches, repeats, remat)
+CASES = [
+    ((4, 1, 1, 2), 2, 1, "none"),
+    ((2, 1, 2, 2), 4, 1, "full"),
+    ((2, 1, 1, 4), 4, 1, "save_dots"),
+    ((1, 2, 2, 2), 4, 2, "none"),
+    ((1, 1, 2, 4), 8, 2, "full"),
+]
+NAN_CASE = ((2, 1, 1, 4), 8, 2, "none")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def layers_split_over_stage():
+    """The RULES entry the pipeline wants at rest: stacked layer weights split over `stage` (1/p per device)."""
+    old = sharding.RULES["layers"]
+    sharding.RULES["layers"] = ("stage", None)
+    yield
+    sharding.RULES["layers"] = old
+
+
+@pytest.fixture(scope="module")
+def params():
+    return nnx.state(build_model(MODEL, PRECISION, jax.random.key(0)))
+
+
+def _graphdef(cfg, m=1, r=1, nan_bubbles=False):
+    def make():
+        with nnx.use_eager_sharding(False):
+            model = Transformer(cfg, PRECISION, rngs=nnx.Rngs(0), pipeline_microbatches=m, pipeline_repeats=r)
+        model.pipeline_debug_nan_bubbles = nan_bubbles
+        return nnx.split(model)
+
+    return jax.eval_shape(make)[0]
+
+
+def _grads(params, layout, m=1, r=1, remat="none", nan_bubbles=False):
+    """(gradients, loss, compiled HLO text) of `grads_and_loss` on `layout` with the given schedule."""
+    mesh = make_mesh(MeshConfig(*layout))
+    graphdef = _graphdef(dataclasses.replace(MODEL, remat=remat), m, r, nan_bubbles)
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(params, sharding.sharding_tree(params, mesh))
+        batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in BATCH.items()}
+        compiled = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 1)[:2]).lower(placed, batch).compile()
+        grads, loss = compiled(placed, batch)
+    return jax.device_get(grads), float(loss), compiled.as_text()
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    return _grads(params, (8, 1, 1, 1))
+
+
+@pytest.fixture(scope="module")
+def pipelined(params):
+    return {case: _grads(params, *case) for case in CASES}
+
+
+def _assert_same(got, want, what):
+    grads, loss, _ = got
+    ref_grads, ref_loss, _ = want
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=what)
+    leaves, ref_leaves = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+    assert len(leaves) == len(ref_leaves)
+    for g, ref in zip(leaves, ref_leaves):
+        assert np.all(np.isfinite(g)), what
+        scale = np.max(np.abs(ref)) + 1e-12
+        np.testing.assert_allclose(g / scale, ref / scale, rtol=0, atol=1e-5, err_msg=what)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"mesh{c[0]}-m{c[1]}-r{c[2]}-{c[3]}")
+def test_pipelined_equals_sequential(pipelined, reference, case):
+    assert sum(float(np.abs(g).sum()) for g in jax.tree.leaves(reference[0])) > 0
+    _assert_same(pipelined[case], reference, str(case))
+
+
+def test_nan_in_bubbles_changes_nothing(params, reference):
+    _assert_same(_grads(params, *NAN_CASE, nan_bubbles=True), reference, "NaN bubbles")
+
+
+# ---- HLO inspection -------------------------------------------------------------------------------------------
+
+def _iota_groups(groups_shape, dims, perm):
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if perm is not None:
+        ids = ids.transpose(perm)
+    return ids.reshape(groups_shape).tolist()
+
+
+def _ints(text):
+    return [int(v) for v in re.findall(r"\d+", text)]
+
+
+def replica_groups(line: str) -> list[list[int]]:
+    """Device groups of one collective in compiled HLO text (explicit, iota and mesh-axes notations)."""
+    explicit = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+    if explicit:
+        return [_ints(g) for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:
+        perm = _ints(iota.group(3)) if iota.group(3) else None
+        return _iota_groups(_ints(iota.group(1)), _ints(iota.group(2)), perm)
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if named:
+        axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        grouped = re.findall(r"'(\w+)'", named.group(2))
+        ids = np.arange(int(np.prod(sizes)))
+        device_ids = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", line)
+        if device_ids:
+            dims = _ints(device_ids.group(1))
+            ids = ids.reshape(dims)
+            if device_ids.group(2):
+                ids = ids.transpose(_ints(device_ids.group(2)))
+        ids = ids.reshape(sizes)
+        keep = [i for i, n in enumerate(names) if n not in grouped]
+        moved = np.moveaxis(ids, [names.index(g) for g in grouped], list(range(len(keep), len(names))))
+        return moved.reshape(-1, int(np.prod([sizes[names.index(g)] for g in grouped]))).tolist()
+    return [list(range(jax.device_count()))]  # no groups: every device
+
+
+def test_replica_group_parser():
+    assert replica_groups("replica_groups={{0,1},{2,3}}, dims") == [[0, 1], [2, 3]]
+    assert replica_groups("replica_groups=[4,2]<=[8], x") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    line = "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, use_global_device_ids=true"
+    assert replica_groups(line) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def stage_crossing_gathers(hlo: str, layout) -> list[str]:
+    """All-gathers whose device groups span more than one pipeline stage (devices in MESH_AXES order)."""
+    stage_of = np.unravel_index(np.arange(int(np.prod(layout))), layout)[3]
+    out = []
+    for line in hlo.splitlines():
+        if re.search(r"\sall-gather(-start)?\(", line):
+            if any(len({int(stage_of[d]) for d in group}) > 1 for group in replica_groups(line)):
+                out.append(line.strip())
+    return out
+
+
+def _result_dims(line: str) -> set[int]:
+    lhs = re.search(r"=\s*(.*?)\sall-gather(?:-start)?\(", line).group(1)
+    return {int(d) for shape in re.findall(r"\[([\d,]*)\]", lhs) for d in _ints(shape)}
+
+
+def _check_pipeline_hlo(hlo, layout, tensor):
+    assert "collective-permute" in hlo
+    mlp_sizes = {MODEL.mlp_dim, MODEL.mlp_dim // tensor}
+    bad = [line for line in stage_crossing_gathers(hlo, layout) if _result_dims(line) & mlp_sizes]
+    assert not bad, "layer weights all-gathered across stages:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[3:4], ids=lambda c: f"mesh{c[0]}-m{c[1]}-r{c[2]}")
+def test_hlo_of_pipelined_grads(pipelined, case):
+    _check_pipeline_hlo(pipelined[case][2], case[0], case[0][2])
+
+
+def test_train_step_with_grad_accum(params, reference):
+    """A full jitted train step on (1,2,2,2), circular schedule, 2 accumulation steps: right loss, sane HLO."""
+    layout, m, r = (1, 2, 2, 2), 2, 2
+    mesh = make_mesh(MeshConfig(*layout))
+    tx = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), total_steps=10)
+    with jax.set_mesh(mesh):
+        _, state, shardings = create_train_state(MODEL, PRECISION, tx, mesh, seed=0)
+        assert state.params["layers"]["mlp"]["up_proj"].sharding.spec[0] == "stage"
+        state = state.replace(params=jax.device_put(params, shardings.params))  # the shared parameters
+        step = jit_train_step(make_train_step(_graphdef(MODEL, m, r), tx, grad_accum=2), shardings, mesh)
+        batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in BATCH.items()}
+        compiled = step.lower(state, batch).compile()
+        _, metrics = compiled(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), reference[1], rtol=1e-5)
+    ref_norm = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in jax.tree.leaves(reference[0])))
+    np.testing.assert_allclose(float(metrics["grad_norm"]), ref_norm, rtol=1e-5)
+    _check_pipeline_hlo(compiled.as_text(), layout, tensor=2)
+
+
+def test_schedule_checks():
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction(1, 1, 1) == 0.0
+    mesh = make_mesh(MeshConfig(4, 1, 1, 2))
+    x = jax.numpy.zeros((8, 4, 2))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="cannot fill"):
+        jax.eval_shape(lambda: pipeline(lambda w, x, a: x, {"w": jax.numpy.zeros((2, 1))}, x, (), microbatches=1))
+
+
+@pytest.mark.smoke
+def test_train_script_stage_2_matches_stage_1(shakespeare_store, tmp_path):
+    """Three steps through scripts/train.py: a (2,1,2,2) pipelined run equals the (2,2,2,1) run."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def losses(name, *mesh):
+        workdir = tmp_path / name
+        cmd = [sys.executable, str(root / "scripts" / "train.py"), "--config", str(root / "configs" / "pretrain.py"),
+               "--workdir", str(workdir), f"--config.data.path={shakespeare_store}", "--config.model.preset=tiny",
+               "--config.model.vocab_size=512", "--config.train.seq_len=32", "--config.train.steps=3",
+               "--config.train.eval_batches=1", "--config.train.sample_tokens=0", "--config.pipeline.microbatches=2",
+               *mesh]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in lines if "loss" in r]
+
+    flat = losses("flat", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+                  "--config.mesh.stage=1")
+    piped = losses("piped", "--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=2",
+                   "--config.mesh.stage=2")
+    assert len(flat) == len(piped) == 3
+    np.testing.assert_allclose(piped, flat, rtol=1e-5)
