@@ -245,8 +245,8 @@ def test_rollback_policy_restores_skips_data_and_halves_lr(shakespeare_store, un
     (incident,) = _incidents(tmp_path)
     assert incident["kind"] == "loss_spike" and incident["action"] == "rollback"
     assert incident["restored_step"] == 6 and incident["skipped_steps"] == [7] and incident["lr_scale"] == 0.5
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if "loss" in x]
-    after = [r for r in lines if r["step"] in (7, 8)][-2:]  # the retried steps 7 and 8
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    after = [r for r in lines if "loss" in r and r["step"] in (7, 8)][-2:]  # the retried steps 7 and 8
     reference = _losses(uninterrupted)
     assert all(abs(r["loss"] - reference[r["step"]]) < 0.5 for r in after)  # back on trend
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -26,7 +26,7 @@ def test_overfit_one_batch_below_0_1():
         losses = []
         for _ in range(steps):
             state, metrics = step(state, batch)
-            losses.append(metrics["loss"])
-    losses = np.asarray(jax.device_get(losses))
+            losses.append(float(metrics["loss"]))  # one step in flight at a time
+    losses = np.asarray(losses)
     assert losses[0] > 4.0  # ~ln(128) at init
     assert losses[-1] < 0.1, losses[-10:]
