@@ -59,7 +59,9 @@ class Checkpointer:
         if pending is None:
             return
         total = time.perf_counter() - pending["start"]
-        size = directory_bytes(self.directory / str(pending["step"]))
+        # The callback can run just before the temporary directory is renamed to the step: count either.
+        size = sum(directory_bytes(p) for p in self.directory.glob(f"{pending['step']}*")
+                   if p.name == str(pending["step"]) or "tmp" in p.name)
         record = dict(step=pending["step"], blocking_s=pending["blocking_s"], total_s=total, bytes=size,
                       gb_per_s=size / total / 1e9 if total > 0 else 0.0)
         self.saves.append(record)

@@ -150,7 +150,8 @@ def test_failed_save_stops_training_and_keeps_earlier_checkpoints(shakespeare_st
         _make_immutable(checkpoints, False)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     last = proc.stderr.strip().splitlines()[-1]  # orbax logs its own background failure above our line
-    assert last.startswith("error:") and "save of step 10" in last, proc.stderr[-2000:]
+    # Reported at the next step boundary, or by the next save if the failing one was still in flight then.
+    assert last.startswith("error:") and "save of step" in last and "failed" in last, proc.stderr[-2000:]
     assert "resuming from checkpoint step 8" in proc.stdout
     steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
     assert steps == [4, 6, 8]

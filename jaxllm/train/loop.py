@@ -167,11 +167,12 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
             checkpointer.wait()
             restored = restore_latest(checkpointer, abstract, mesh, log)
             if restored is not None:
-                new_state, restored_meta = restored
+                new_state, _ = restored
                 rollbacks += 1
                 bad = record["step"]
-                # Skip the data window that led here: resume at the restored step with data after step `bad`.
-                data_offset = int(restored_meta.get("data_offset", 0)) + (bad - int(new_state.step))
+                # Skip the data window that led here: the restored step's successor reads the data after what
+                # step `bad` consumed (the current offset already accounts for earlier rollbacks).
+                data_offset = data_offset + (bad - int(new_state.step))
                 lr_scale = float(new_state.lr_scale) * ac.lr_factor
                 state = new_state.replace(lr_scale=jax.device_put(np.float32(lr_scale), replicated))
                 incidents.write(dict(incident, restored_step=int(new_state.step),
