@@ -33,12 +33,22 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the four mesh axes (their product is the device count)."""
+    """Sizes of the four mesh axes (their product is the device count, over all processes).
+
+    With several processes (hosts) the `dcn_*` sizes say how much of each axis crosses hosts: axis `a` is laid out
+    as `dcn_a` host groups of `a / dcn_a` devices inside a host (a hybrid mesh), so axes with dcn size 1 stay on the
+    fast intra-host links. All 0 (the default): the processes go on `data`, then `stage`, then `fsdp`; never on
+    `tensor` unless asked for.
+    """
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
     stage: int = 1
+    dcn_data: int = 0
+    dcn_fsdp: int = 0
+    dcn_tensor: int = 0
+    dcn_stage: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -47,6 +57,16 @@ class MeshConfig:
     @property
     def num_devices(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def dcn_shape(self) -> tuple[int, int, int, int]:
+        """How many host groups each axis spans (unset sizes count as 1)."""
+        return tuple(max(d, 1) for d in (self.dcn_data, self.dcn_fsdp, self.dcn_tensor, self.dcn_stage))
+
+    @property
+    def host_shape(self) -> tuple[int, int, int, int]:
+        """The axis sizes inside one host (process)."""
+        return tuple(size // dcn for size, dcn in zip(self.shape, self.dcn_shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,13 +286,46 @@ def resolve_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
         raise ConfigError(
             "mesh", f"data*fsdp*tensor*stage = {shape} = {product} but there are {num_devices} devices"
         )
-    return MeshConfig(**sizes)
+    return dataclasses.replace(mesh, **sizes)
 
 
-def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool = True) -> Config:
+DCN_ORDER = ("data", "stage", "fsdp")  # axes that take processes when mesh.dcn_* are unset, in this order
+
+
+def resolve_dcn(mesh: MeshConfig, num_processes: int) -> MeshConfig:
+    """Fill the `dcn_*` sizes for `num_processes` hosts (see `MeshConfig`) and check they fit the axes."""
+    given = {a: getattr(mesh, f"dcn_{a}") for a in MESH_AXES}
+    for axis, dcn in given.items():
+        if dcn < 0:
+            raise ConfigError(f"mesh.dcn_{axis}", f"must be >= 0 (0: automatic), got {dcn}")
+    sizes = dict(zip(MESH_AXES, mesh.shape))
+    if any(given.values()):
+        dcn = {a: max(d, 1) for a, d in given.items()}
+    else:
+        dcn, remaining = dict.fromkeys(MESH_AXES, 1), num_processes
+        for axis in DCN_ORDER:
+            dcn[axis] = math.gcd(sizes[axis], remaining)
+            remaining //= dcn[axis]
+        if remaining > 1:
+            raise ConfigError(
+                "mesh", f"cannot lay {num_processes} processes over data={sizes['data']}, stage={sizes['stage']}, "
+                f"fsdp={sizes['fsdp']}; set mesh.dcn_* (their product must be the process count)")
+    for axis in MESH_AXES:
+        if sizes[axis] % dcn[axis]:
+            raise ConfigError(f"mesh.dcn_{axis}", f"{dcn[axis]} does not divide mesh.{axis}={sizes[axis]}")
+    if math.prod(dcn.values()) != num_processes:
+        shape = "x".join(str(dcn[a]) for a in MESH_AXES)
+        raise ConfigError("mesh", f"dcn_data*dcn_fsdp*dcn_tensor*dcn_stage = {shape} but there are "
+                          f"{num_processes} processes")
+    return dataclasses.replace(mesh, **{f"dcn_{a}": d for a, d in dcn.items()})
+
+
+def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool = True,
+             num_processes: int | None = 1) -> Config:
     """Turn a ConfigDict into a typed `Config`, raising `ConfigError` on the first problem.
 
-    `num_devices` is the device count the mesh must cover (for a dry run: the hypothetical cluster).
+    `num_devices` is the device count the mesh must cover (for a dry run: the hypothetical cluster), spread over
+    `num_processes` processes (None: do not lay the mesh out over hosts, as in a dry run).
     `check_batch=False` skips the batch-versus-mesh checks (a dry run plans parameters and optimizer state).
     """
     top_fields = {f.name for f in dataclasses.fields(Config)}
@@ -285,6 +338,8 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
 
     mesh = _build(MeshConfig, cd.mesh, "mesh.")
     mesh = resolve_mesh(mesh, num_devices)
+    if num_processes is not None:
+        mesh = resolve_dcn(mesh, num_processes)
     model = _build(ModelConfig, cd.model, "model.")
     precision = _build(PrecisionConfig, cd.precision, "precision.")
     optim = _build(OptimConfig, cd.optim, "optim.")

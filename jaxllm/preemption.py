@@ -17,7 +17,8 @@ class PreemptionGuard:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, check_every: int = 10):
+        self.check_every = check_every
         self.signalled: int | None = None
         self._previous = {}
         for sig in self.SIGNALS:
@@ -29,10 +30,18 @@ class PreemptionGuard:
     def _handle(self, signum, frame) -> None:
         self.signalled = signum
 
-    def should_stop(self) -> bool:
+    def should_stop(self, step: int) -> bool:
+        """Whether to save and stop after `step`.
+
+        With several processes the processes agree every `check_every` steps only: agreeing is a collective
+        that waits for the step in flight, which would otherwise stall every step's dispatch. A scheduler's
+        grace period (tens of seconds at least) covers that many steps.
+        """
         local = self.signalled is not None
         if jax.process_count() == 1:
             return local
+        if step % self.check_every:
+            return False
         from jax.experimental import multihost_utils
 
         return bool(np.any(multihost_utils.process_allgather(np.array([local]))))

@@ -34,7 +34,8 @@ def bare_step_throughput(cfg, steps: int) -> dict:
     with jax.set_mesh(mesh):
         graphdef, state, shardings = create_train_state(cfg.model, cfg.precision, tx, mesh, tc.seed,
                                                         cfg.anomaly.window, cfg.pipeline)
-        batch = to_global(synthetic_batch(0, tc.batch_size, tc.seq_len, cfg.model.vocab_size), batch_sharding(mesh))
+        batch = to_global(synthetic_batch(0, tc.batch_size, tc.seq_len, cfg.model.vocab_size), batch_sharding(mesh),
+                          tc.batch_size)
         start = time.perf_counter()
         compiled = jit_train_step(make_train_step(graphdef, tx, cfg.optim.grad_accum), shardings, mesh)
         compiled = compiled.lower(state, batch).compile()

@@ -3,6 +3,12 @@
 --dry_run      build the model abstractly and report parameters and per-device bytes for the mesh (no devices
                needed: the mesh may be larger than this machine)
 --print_sharding  print every parameter's path, shape, PartitionSpec and bytes per device, then exit
+
+Multi-process (one process per host): under SLURM (and Open MPI) the processes find each other by themselves;
+elsewhere pass --coordinator_address host:port --num_processes N --process_id i, or set the same names in the
+environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Process 0 also listens on the
+coordinator's port + 1 for a rendezvous that names processes that do not arrive within --init_timeout seconds.
+A process that dies makes the others exit non-zero within --heartbeat_timeout seconds.
 """
 
 import os
@@ -19,9 +25,34 @@ def main(argv):
     p.add_argument("--workdir", default=None, help="run directory (same as --config.workdir)")
     p.add_argument("--dry_run", action="store_true")
     p.add_argument("--print_sharding", action="store_true")
+    p.add_argument("--coordinator_address", default=None, help="host:port of process 0 (multi-process runs)")
+    p.add_argument("--num_processes", type=int, default=None, help="number of processes in the job")
+    p.add_argument("--process_id", type=int, default=None, help="this process's index in [0, num_processes)")
+    p.add_argument("--init_timeout", type=float, default=300.0,
+                   help="seconds to wait for all processes to start (default 300)")
+    p.add_argument("--heartbeat_timeout", type=int, default=100,
+                   help="seconds of silence after which a process counts as dead and the job stops (default 100)")
     args = p.parse_args(args_list)
+    from jaxllm.distributed import DistributedError, initialize, resolve_layout
+
     try:
         cd = build_config(args.config, overrides, args.workdir)
+        planning = args.dry_run or args.print_sharding  # plans need no other processes
+        layout = None if planning else resolve_layout(args.coordinator_address, args.num_processes,
+                                                      args.process_id)
+        if args.init_timeout <= 0:
+            raise UsageError(f"--init_timeout: must be positive, got {args.init_timeout}")
+        if args.heartbeat_timeout <= 0:
+            raise UsageError(f"--heartbeat_timeout: must be positive, got {args.heartbeat_timeout}")
+    except (ConfigError, UsageError, DistributedError) as exc:
+        fail(str(exc))
+    if layout is not None:
+        try:
+            initialize(layout, init_timeout=args.init_timeout, heartbeat_timeout=args.heartbeat_timeout)
+        except DistributedError as exc:
+            print(f"error: process {layout.process_id}: {exc}", file=sys.stderr)
+            return 1
+    try:
         import math
 
         import jax
@@ -29,7 +60,8 @@ def main(argv):
         sizes = [cd.mesh.data, cd.mesh.fsdp, cd.mesh.tensor, cd.mesh.stage]
         # A dry run plans for the mesh as written (it may be larger than this machine).
         num_devices = math.prod(sizes) if args.dry_run and -1 not in sizes else jax.device_count()
-        cfg = validate(cd, num_devices, check_batch=not args.dry_run)
+        cfg = validate(cd, num_devices, check_batch=not args.dry_run,
+                       num_processes=None if planning else jax.process_count())
     except (ConfigError, UsageError) as exc:
         fail(str(exc))
 
@@ -66,6 +98,15 @@ def main(argv):
     except AnomalyAbort as exc:
         print(f"error: training stopped: {exc}", file=sys.stderr)
         return 3
+    except jax.errors.JaxRuntimeError as exc:
+        if jax.process_count() == 1:
+            raise
+        # Usually a peer died mid-collective; JAX's heartbeat check would stop this process shortly anyway.
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"error: process {jax.process_index()}: lost the other processes ({first})", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 0
 
 

@@ -2,12 +2,12 @@
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from train_runs import train_command, train_env
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -78,17 +78,13 @@ def test_export_round_trip_matches_transformers(hf_model, imported, ids, tmp_pat
 
 def test_import_then_train_from_it(imported, shakespeare_store, tmp_path):
     workdir = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cmd = [
-        sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "pretrain.py"),
-        "--workdir", str(workdir), f"--config.data.path={shakespeare_store}",
-        "--config.model.preset=tiny", "--config.model.vocab_size=512", "--config.train.steps=2",
-        "--config.train.eval_every=100", "--config.train.eval_batches=1", "--config.train.seq_len=32",
-        "--config.train.sample_tokens=0", "--config.precision.compute=float32",
+    cmd = train_command(
+        shakespeare_store, workdir, "--config.train.steps=2", "--config.train.eval_every=100",
+        "--config.precision.compute=float32",
         "--config.anomaly.window=7",  # differs from the imported state's window: only params may be read
         f"--config.checkpoint.restore_from={imported}", "--config.checkpoint.every=2",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env(), cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"starting from the parameters of {imported / '0'}" in proc.stdout
     summary = json.loads((workdir / "summary.json").read_text())

@@ -216,26 +216,18 @@ def test_schedule_checks():
 @pytest.mark.smoke
 def test_train_script_stage_2_matches_stage_1(shakespeare_store, tmp_path):
     """Three steps through scripts/train.py: a (2,1,2,2) pipelined run equals the (2,2,2,1) run."""
-    import json
-    import os
     import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    from train_runs import losses as train_losses
+    from train_runs import train_command, train_env
 
     def losses(name, *mesh):
         workdir = tmp_path / name
-        cmd = [sys.executable, str(root / "scripts" / "train.py"), "--config", str(root / "configs" / "pretrain.py"),
-               "--workdir", str(workdir), f"--config.data.path={shakespeare_store}", "--config.model.preset=tiny",
-               "--config.model.vocab_size=512", "--config.train.seq_len=32", "--config.train.steps=3",
-               "--config.train.eval_batches=1", "--config.train.sample_tokens=0", "--config.pipeline.microbatches=2",
-               *mesh]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                              timeout=600)
+        cmd = train_command(shakespeare_store, workdir, "--config.train.steps=3",
+                            "--config.pipeline.microbatches=2", *mesh)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env(), timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss"] for r in lines if "loss" in r]
+        return [loss for _, loss in sorted(train_losses(workdir).items())]
 
     flat = losses("flat", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
                   "--config.mesh.stage=1")

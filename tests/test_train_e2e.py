@@ -1,12 +1,12 @@
 """scripts/train.py end to end in a real process: data -> sharded train steps -> metrics, eval, sample."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from train_runs import train_command, train_env
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s"}
@@ -15,15 +15,10 @@ METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step
 @pytest.mark.smoke
 def test_train_script_runs_and_writes_metrics(shakespeare_store, tmp_path):
     workdir = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")  # XLA_FLAGS (8 devices) set by conftest
-    cmd = [
-        sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "pretrain.py"),
-        "--workdir", str(workdir), f"--config.data.path={shakespeare_store}",
-        "--config.model.preset=tiny", "--config.model.vocab_size=512", "--config.train.steps=6",
-        "--config.train.eval_every=3", "--config.train.eval_batches=2", "--config.train.seq_len=32",
-        "--config.train.sample_tokens=8", "--config.optim.grad_accum=2",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    cmd = train_command(shakespeare_store, workdir, "--config.train.steps=6", "--config.train.eval_every=3",
+                        "--config.train.eval_batches=2", "--config.train.sample_tokens=8",
+                        "--config.optim.grad_accum=2")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env(), cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "loss" in r]
@@ -38,4 +33,5 @@ def test_train_script_runs_and_writes_metrics(shakespeare_store, tmp_path):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert "held-out loss" in proc.stdout and "greedy sample" in proc.stdout
     config = json.loads((workdir / "config.json").read_text())
-    assert config["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
+    assert config["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1,  # one process: nothing crosses hosts
+                              "dcn_data": 1, "dcn_fsdp": 1, "dcn_tensor": 1, "dcn_stage": 1}

@@ -30,14 +30,16 @@ from jaxllm.progress import ProgressBar
 from jaxllm.sample import greedy_generate
 from jaxllm.train.recovery import AnomalyAbort, restore_latest, restore_start
 from jaxllm.train.state import abstract_train_state, create_train_state
-from jaxllm.train.step import batch_sharding, jit_eval_step, jit_train_step, make_eval_step, make_train_step
+from jaxllm.train.step import (batch_sharding, jit_eval_step, jit_train_step, make_eval_step, make_train_step,
+                               process_rows)
 
 INJECT_NAN, INJECT_SPIKE = 1, 2
 
 
-def to_global(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
-    """Process-local numpy rows -> one global jax.Array per field, split over the batch mesh axes."""
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+def to_global(batch: dict[str, np.ndarray], sharding, global_rows: int) -> dict[str, jax.Array]:
+    """This process's block of rows (numpy) -> one global jax.Array per field, split over the batch mesh axes."""
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), (global_rows,) + np.shape(v)[1:])
+            for k, v in batch.items()}
 
 
 def open_data(cfg: Config) -> tuple[TokenStore, Tokenizer]:
@@ -82,6 +84,12 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
     abstract = abstract_train_state(cfg.model, cfg.precision, tx, window)
     replicated = NamedSharding(mesh, PartitionSpec())
     rows_sharding = batch_sharding(mesh)
+    # Each process reads only the block of batch rows its devices hold (one block per host group on `data`).
+    shard_index, shard_count = process_rows(rows_sharding, tc.batch_size)
+    # Every process says this (to its own log): which data it reads is per process.
+    print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices, "
+          f"reading batch rows block {shard_index} of {shard_count}", file=stream if is_main else sys.stderr,
+          flush=True)
 
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep,
                                 keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save, log=log)
@@ -93,20 +101,20 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
         """Batches for train steps first_step+1, ... (data index = step - 1 + data_offset)."""
         return make_train_iterator(
             cfg.data.path, split="train", global_batch_size=tc.batch_size, seq_len=tc.seq_len, seed=tc.seed,
-            process_index=jax.process_index(), process_count=jax.process_count(),
+            process_index=shard_index, process_count=shard_count,
             start_step=first_step + data_offset, num_steps=tc.steps + data_offset + 1,
             num_workers=cfg.data.num_workers,
         )
 
     train_iter = data_iterator(start_step)
     local_eval = make_eval_batches(cfg.data.path, split="eval", batch_size=tc.batch_size, seq_len=tc.seq_len,
-                                   max_batches=tc.eval_batches or None, process_index=jax.process_index(),
-                                   process_count=jax.process_count())
-    eval_batches = [to_global(b, rows_sharding) for b in local_eval]
+                                   max_batches=tc.eval_batches or None, process_index=shard_index,
+                                   process_count=shard_count)
+    eval_batches = [to_global(b, rows_sharding, tc.batch_size) for b in local_eval]
 
     local = next(train_iter)
     packing = packing_efficiency(local)
-    batch = to_global(local, rows_sharding)
+    batch = to_global(local, rows_sharding, tc.batch_size)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         step_fn = make_train_step(graphdef, tx, cfg.optim.grad_accum, ac, skip_anomalies=tc.on_anomaly == "skip")
@@ -214,7 +222,7 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
             pending = None
             stop = boundary = evaluating = False
             if not rolled_back:
-                stop = guard.should_stop()
+                stop = guard.should_stop(step)
                 boundary = step % cfg.checkpoint.every == 0 or step == tc.steps or stop
                 evaluating = step % tc.eval_every == 0 and step < tc.steps and eval_step is not None
                 if boundary or evaluating:  # a step must be known healthy before it is saved or evaluated
@@ -237,7 +245,7 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
             if step < tc.steps:
                 local = next(train_iter)
                 packing = packing_efficiency(local)
-                batch = to_global(local, rows_sharding)
+                batch = to_global(local, rows_sharding, tc.batch_size)
         if pending is not None:
             check(report(*pending))
         checkpointer.wait()

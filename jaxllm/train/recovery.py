@@ -19,14 +19,28 @@ def restore_latest(checkpointer: Checkpointer, abstract, mesh, log, items=("stat
     """(state, meta, data) of the newest checkpoint that restores, trying older ones when one is unreadable;
     None when there is none."""
     for step in reversed(checkpointer.steps()):
+        error = None
         try:
             restored = checkpointer.restore(step, abstract, mesh, items=items)
         except CheckpointError as exc:
-            moved = checkpointer.quarantine(step) if jax.process_index() == 0 else None
-            log(f"warning: {exc}; moved it to {moved} and trying an earlier checkpoint")
+            error = exc
+        if not _everywhere(error is None):  # all processes must fall back together, or none
+            moved = checkpointer.quarantine(step)
+            log(f"warning: {error or f'checkpoint {step} failed to restore on another process'}; moved it to "
+                f"{moved} and trying an earlier checkpoint")
             continue
         return restored["state"], {**restored.get("meta", {}), "data": restored.get("data", {})}
     return None
+
+
+def _everywhere(ok: bool) -> bool:
+    """True when `ok` holds on every process."""
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
 
 
 def _locate(path: str) -> tuple[Path, int | None]:

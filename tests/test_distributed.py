@@ -1,0 +1,94 @@
+"""Process layout resolution (flags, JAX_* variables, SLURM), host layout of the mesh, per-process batch rows."""
+
+import os
+
+import pytest
+
+from jaxllm.config import ConfigError, MeshConfig, resolve_dcn
+from jaxllm.distributed import DistributedError, resolve_layout
+from jaxllm.mesh import make_mesh
+from jaxllm.train.step import batch_sharding, process_rows
+
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
+              "SLURM_STEP_NUM_NODES", "JAX_COORDINATOR_PORT", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE")
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    for var in SLURM_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_flags_win_over_environment(no_cluster):
+    env = {"JAX_COORDINATOR_ADDRESS": "other:1", "JAX_NUM_PROCESSES": "8", "JAX_PROCESS_ID": "7"}
+    layout = resolve_layout("10.0.0.1:1234", 4, 2, environ=env)
+    assert (layout.coordinator_address, layout.num_processes, layout.process_id, layout.source) == \
+        ("10.0.0.1:1234", 4, 2, "flags")
+    assert layout.host_port == ("10.0.0.1", 1234)
+
+
+def test_environment_variables(no_cluster):
+    env = {"JAX_COORDINATOR_ADDRESS": "pre-workers-0-0.pre:2222", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    layout = resolve_layout(environ=env)
+    assert (layout.num_processes, layout.process_id, layout.source) == (4, 3, "env")
+    assert layout.host_port == ("pre-workers-0-0.pre", 2222)
+
+
+def test_single_process_needs_no_initialisation(no_cluster):
+    assert resolve_layout(environ={}) is None
+    assert resolve_layout("localhost:1234", 1, 0, environ={}) is None
+
+
+def test_slurm_is_detected_with_all_gpus_per_node(no_cluster):
+    for key, value in dict(SLURM_JOB_ID="77", SLURM_STEP_NODELIST="gpu[012-015]", SLURM_NTASKS="4",
+                           SLURM_PROCID="2", SLURM_LOCALID="0", SLURM_STEP_NUM_NODES="4").items():
+        no_cluster.setenv(key, value)
+    layout = resolve_layout(environ=dict(os.environ))
+    assert layout.source == "slurm" and (layout.num_processes, layout.process_id) == (4, 2)
+    assert layout.coordinator_address.startswith("gpu012:")  # the first node of the step
+    assert layout.local_device_ids is None  # one process per node keeps every GPU of the node
+    # One process per GPU (8 tasks on 2 nodes): each process is pinned to its local GPU.
+    no_cluster.setenv("SLURM_NTASKS", "8")
+    no_cluster.setenv("SLURM_STEP_NUM_NODES", "2")
+    no_cluster.setenv("SLURM_LOCALID", "3")
+    layout = resolve_layout(environ=dict(os.environ))
+    assert layout.local_device_ids == (3,)
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (("h:1", 2, None), {}, "--process_id: missing"),
+    ((None, None, None), {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "JAX_COORDINATOR_ADDRESS: missing"),
+    (("h:1", 2, 2), {}, "--process_id: 2 is outside [0, 2)"),
+    (("nohost", 2, 0), {}, "--coordinator_address: expected host:port"),
+    ((None, None, None), {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+     "JAX_NUM_PROCESSES: expected an integer"),
+])
+def test_incomplete_or_bad_layouts_name_the_flag(no_cluster, args, env, message):
+    with pytest.raises(DistributedError) as info:
+        resolve_layout(*args, environ=env)
+    assert message in str(info.value)
+
+
+def test_processes_go_on_data_then_stage_then_fsdp():
+    mesh = MeshConfig(data=2, fsdp=2, tensor=2, stage=1)
+    assert resolve_dcn(mesh, 1).dcn_shape == (1, 1, 1, 1)
+    assert resolve_dcn(mesh, 2).dcn_shape == (2, 1, 1, 1)
+    assert resolve_dcn(mesh, 2).host_shape == (1, 2, 2, 1)
+    assert resolve_dcn(MeshConfig(2, 2, 2, 2), 4).dcn_shape == (2, 1, 1, 2)
+    assert resolve_dcn(MeshConfig(1, 4, 2, 1), 2).dcn_shape == (1, 2, 1, 1)
+    assert resolve_dcn(MeshConfig(2, 1, 4, 1, dcn_tensor=2), 2).dcn_shape == (1, 1, 2, 1)  # only when asked
+
+
+def test_bad_host_layouts_name_the_key():
+    with pytest.raises(ConfigError, match="mesh: cannot lay 2 processes"):
+        resolve_dcn(MeshConfig(1, 1, 8, 1), 2)  # tensor never crosses hosts unless asked
+    with pytest.raises(ConfigError, match="mesh.dcn_data: 4 does not divide mesh.data=2"):
+        resolve_dcn(MeshConfig(2, 4, 1, 1, dcn_data=4), 4)
+    with pytest.raises(ConfigError, match="there are 4 processes"):
+        resolve_dcn(MeshConfig(2, 4, 1, 1, dcn_data=2), 4)
+
+
+def test_a_single_process_reads_every_row():
+    mesh = make_mesh(MeshConfig(2, 2, 2, 1))
+    assert process_rows(batch_sharding(mesh), 16) == (0, 1)

@@ -1,0 +1,166 @@
+"""Multi-process training on localhost: real `scripts/train.py` processes (2 x 4 CPU devices, gloo collectives)
+against one process with 8 devices, cross-process-count checkpoints, and start-up / peer-death failures."""
+
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from train_runs import ROOT, TINY, free_port_pair, losses, metrics, train_command, train_env
+
+from jaxllm.checkpoint import Checkpointer
+from jaxllm.cli import build_config, split_overrides
+from jaxllm.config import MeshConfig, validate
+from jaxllm.mesh import make_mesh
+from jaxllm.optim import make_optimizer
+from jaxllm.train.state import abstract_train_state
+
+STEPS = 4
+RUN = ("--config.train.eval_every=1000", "--config.optim.warmup_steps=2", "--config.checkpoint.every=2",
+       f"--config.train.steps={STEPS}")
+
+
+def launch(store, workdir, *args, processes=2, how="flags", extra_env=None):
+    """Start `processes` training processes (4 devices each when several) on one workdir; logs go beside it."""
+    port = free_port_pair()
+    procs = []
+    for i in range(processes):
+        cmd = train_command(store, workdir, *RUN, *args)
+        env = train_env(4 if processes > 1 else 8, **(extra_env or {}))
+        if processes > 1 and how == "flags":
+            cmd += ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(processes),
+                    "--process_id", str(i)]
+        elif processes > 1 and how == "env":
+            env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
+                       JAX_PROCESS_ID=str(i))
+        elif processes > 1 and how == "slurm":  # what srun sets for one task per node on two nodes
+            env.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS=str(processes),
+                       SLURM_STEP_NUM_NODES=str(processes), SLURM_PROCID=str(i), SLURM_LOCALID="0",
+                       JAX_COORDINATOR_PORT=str(port))
+        log = open(Path(f"{workdir}.p{i}.log"), "w")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True))
+        log.close()
+    return procs
+
+
+def finish(procs, workdir, timeout=600) -> list[str]:
+    """Wait for every process; their logs (asserting each exited 0)."""
+    for p in procs:
+        p.wait(timeout=timeout)
+    logs = [Path(f"{workdir}.p{i}.log").read_text() for i in range(len(procs))]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return logs
+
+
+@pytest.fixture(scope="module")
+def runs(shakespeare_store, tmp_path_factory):
+    """The same 4-step run twice from scratch: 1 process x 8 devices and 2 processes x 4 devices."""
+    base = tmp_path_factory.mktemp("mp")
+    one, two = base / "one", base / "two"
+    logs_one = finish(launch(shakespeare_store, one, processes=1), one)
+    logs_two = finish(launch(shakespeare_store, two, processes=2, how="flags"), two)
+    return dict(one=one, two=two, logs_one=logs_one, logs_two=logs_two, base=base)
+
+
+def test_two_processes_train_like_one(runs):
+    one, two = losses(runs["one"]), losses(runs["two"])
+    assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))  # each step written once: by process 0 only
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)
+    evals_one = [r["eval_loss"] for r in metrics(runs["one"]) if "eval_loss" in r]
+    evals_two = [r["eval_loss"] for r in metrics(runs["two"]) if "eval_loss" in r]
+    np.testing.assert_allclose(evals_two, evals_one, rtol=1e-5)
+    log0, log1 = runs["logs_two"]
+    assert "process 0 of 2: 4 local devices, reading batch rows block 0 of 2" in log0
+    assert "process 1 of 2: 4 local devices, reading batch rows block 1 of 2" in log1
+    assert "process 0 of 1: 8 local devices, reading batch rows block 0 of 1" in runs["logs_one"][0]
+    assert "held-out loss" in log0 and "held-out loss" not in log1  # progress is logged by process 0 only
+
+
+def _restored_params(workdir, step, mesh):
+    _, overrides = split_overrides([*TINY, *RUN])
+    cfg = validate(build_config(str(ROOT / "configs" / "pretrain.py"), overrides), 8)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    abstract = abstract_train_state(cfg.model, cfg.precision, tx, cfg.anomaly.window)
+    ckpt = Checkpointer(Path(workdir) / "checkpoints")
+    try:
+        state = ckpt.restore(step, abstract, mesh, items=("state",))["state"]
+    finally:
+        ckpt.close()
+    return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+def test_checkpoint_written_by_two_processes_restores_in_one(runs):
+    mesh = make_mesh(MeshConfig(8, 1, 1, 1))  # another layout than the writers' (2, 2, 2, 1) too
+    from_two, from_one = _restored_params(runs["two"], STEPS, mesh), _restored_params(runs["one"], STEPS, mesh)
+    assert len(from_two) == len(from_one) > 0
+    for a, b in zip(from_two, from_one):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _wait_for_losses(workdir, count, procs, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not ((workdir / "metrics.jsonl").exists() and len(losses(workdir)) >= count):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            Path(f"{workdir}.p0.log").read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def test_checkpoint_written_by_one_process_resumes_in_two_and_sigterm_stops_both(runs, shakespeare_store):
+    workdir = runs["base"] / "one_then_two"
+    shutil.copytree(runs["one"] / "checkpoints", workdir / "checkpoints")
+    shutil.rmtree(workdir / "checkpoints" / str(STEPS))  # resume from step 2
+    procs = launch(shakespeare_store, workdir, "--config.train.steps=2000", processes=2, how="env")
+    _wait_for_losses(workdir, 2, procs)
+    # A preemption notice to one process only (say, one pod evicted): both must save the same step and exit 0.
+    procs[1].send_signal(signal.SIGTERM)
+    logs = finish(procs, workdir, timeout=300)
+    assert "resuming from checkpoint step 2" in logs[0]
+    # Step 3's loss is computed from the restored parameters (before any update under this run's longer schedule).
+    np.testing.assert_allclose(losses(workdir)[3], losses(runs["one"])[3], rtol=1e-5)
+    stopped = int(logs[0].split("preempted: saved step ")[1].split(",")[0])
+    assert stopped % 10 == 0 and stopped < 2000  # processes agree on stopping every 10 steps
+    assert (workdir / "checkpoints" / str(stopped)).is_dir()
+    assert max(losses(workdir)) == stopped
+
+
+def test_missing_process_times_out_naming_it(shakespeare_store, tmp_path):
+    # Process 0 alone, and (on another port) process 1 alone: both must give up within 60 s and say why.
+    start = time.monotonic()
+    procs = []
+    for alone in (0, 1):
+        cmd = train_command(shakespeare_store, tmp_path / f"w{alone}", "--coordinator_address",
+                            f"127.0.0.1:{free_port_pair()}", "--num_processes", "2", "--process_id", str(alone),
+                            "--init_timeout", "20")
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=train_env(4)))
+    outputs = [p.communicate(timeout=120) for p in procs]
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, elapsed
+    (_, err0), (_, err1) = outputs
+    assert procs[0].returncode == 1 and procs[1].returncode == 1
+    assert "error: process 0: process 1 of 2 did not arrive within 20s" in err0, err0[-2000:]
+    assert "error: process 1: process 0 (the coordinator" in err1 and "did not arrive within 20s" in err1, err1[-2000:]
+    assert "Traceback" not in err0 + err1
+
+
+def test_killed_process_stops_the_survivor(shakespeare_store, tmp_path):
+    """Launched the way SLURM does it (JAX detects the cluster from SLURM_* variables); one process is killed."""
+    workdir = tmp_path / "run"
+    procs = launch(shakespeare_store, workdir, "--config.train.steps=2000", "--config.checkpoint.every=1000",
+                   "--heartbeat_timeout", "15", processes=2, how="slurm")
+    _wait_for_losses(workdir, 2, procs)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    procs[0].wait(timeout=180)
+    survived_s = time.monotonic() - killed_at
+    log0 = Path(f"{workdir}.p0.log").read_text()
+    assert "process 0 of 2" in log0  # the SLURM variables made it a 2-process job
+    assert procs[0].returncode != 0
+    assert survived_s < 120, survived_s
+    print(f"survivor exited {procs[0].returncode} {survived_s:.1f}s after its peer was killed")
