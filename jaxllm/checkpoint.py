@@ -28,6 +28,31 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
+def _array_registry():
+    """orbax's type handlers, with arrays written without replica-parallel slicing.
+
+    orbax splits each replicated shard among its replicas by default on CPU (not on GPU) so that several hosts
+    share its writing; that slices every replicated array on its device inside the blocking part of the save
+    (about a millisecond per shard, plus a compilation per shape at the first save), which made the blocking part
+    over half of an async save here. Without it each shard is written once, by its first replica, as on GPU.
+    """
+    from orbax.checkpoint._src.metadata import array_metadata_store
+    from orbax.checkpoint._src.serialization import type_handler_registry
+
+    arrays = ocp.type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(),
+                                            use_replica_parallel=False)
+    handlers = dict(type_handler_registry._DEFAULT_TYPE_HANDLERS)
+    handlers[jax.Array] = arrays
+    return type_handler_registry.create_type_handler_registry(*handlers.items())
+
+
+def _restore_args(target):
+    """PyTreeRestore arguments placing every array of `target` (ShapeDtypeStructs with shardings)."""
+    restore_args = jax.tree.map(
+        lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), target)
+    return target, restore_args
+
+
 class Checkpointer:
     """Saves and restores `{state, data, meta}` under `directory`, keeping the last `keep` checkpoints plus
     every `keep_every`-th step permanently (0: none)."""
@@ -36,6 +61,7 @@ class Checkpointer:
                  async_save: bool = True, log: Callable[[str], None] = print):
         self.directory = Path(directory).absolute()
         self.log = log
+        self.async_save = async_save
         self._pending: dict | None = None
         self._lock = threading.Lock()
         self.saves: list[dict] = []
@@ -49,23 +75,33 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(post_finalization_callback=self._on_commit) if async_save else None,
         )
         try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options)
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(type_handler_registry=_array_registry()),
+                "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
         except (OSError, PermissionError) as exc:
             raise CheckpointError(f"cannot use checkpoint directory {self.directory}: {exc}") from None
 
     def _on_commit(self) -> None:
+        """orbax's post-commit callback (background thread): log the save unless `save` has not returned yet."""
         with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        total = time.perf_counter() - pending["start"]
+            pending = self._pending
+            if pending is None:
+                return
+            pending["total_s"] = time.perf_counter() - pending["start"]
+            if pending["blocking_s"] is None:  # a tiny save committed before `save` returned: it logs it
+                return
+            self._pending = None
+        self._record(pending)
+
+    def _record(self, pending: dict) -> None:
+        step, total = pending["step"], pending["total_s"]
         # The callback can run just before the temporary directory is renamed to the step: count either.
-        size = sum(directory_bytes(p) for p in self.directory.glob(f"{pending['step']}*")
-                   if p.name == str(pending["step"]) or "tmp" in p.name)
-        record = dict(step=pending["step"], blocking_s=pending["blocking_s"], total_s=total, bytes=size,
+        size = sum(directory_bytes(p) for p in self.directory.glob(f"{step}*")
+                   if p.name == str(step) or "tmp" in p.name)
+        record = dict(step=step, blocking_s=pending["blocking_s"], total_s=total, bytes=size,
                       gb_per_s=size / total / 1e9 if total > 0 else 0.0)
         self.saves.append(record)
-        self.log(f"checkpoint {record['step']} committed: {size / 1e6:.2f} MB, blocking {record['blocking_s']:.2f}s, "
+        self.log(f"checkpoint {step} committed: {size / 1e6:.2f} MB, blocking {record['blocking_s']:.2f}s, "
                  f"total {total:.2f}s, {record['gb_per_s']:.2f} GB/s")
 
     def steps(self) -> list[int]:
@@ -89,7 +125,9 @@ class Checkpointer:
             raise CheckpointError(f"background checkpoint save into {self.directory} failed: {exc}") from None
         with self._lock:
             pending = self._pending
-        if pending is not None and not self.manager.is_saving_in_progress():
+        # Only process 0 commits (renames) a multi-process checkpoint, and only it is sure to have finished when
+        # its own save is no longer in progress; a failure there stops process 0, and the others with it.
+        if pending is not None and jax.process_index() == 0 and not self.manager.is_saving_in_progress():
             if not (self.directory / str(pending["step"])).exists():
                 with self._lock:
                     self._pending = None
@@ -100,11 +138,14 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
         """Start an async save of `state` at `step` (returns once device arrays are copied to host)."""
         self.check_for_errors()
+        # orbax would wait for the previous save inside `manager.save` anyway; waiting first keeps each commit
+        # callback paired with its own save's record.
+        self.wait()
         start = time.perf_counter()
         with self._lock:
-            self._pending = {"step": step, "start": start, "blocking_s": 0.0}
+            self._pending = {"step": step, "start": start, "blocking_s": None}
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
+            state=ocp.args.PyTreeSave(state),
             data=ocp.args.JsonSave(data_state),
             meta=ocp.args.JsonSave(meta),
         )
@@ -113,8 +154,16 @@ class Checkpointer:
         except Exception as exc:
             raise CheckpointError(f"checkpoint save of step {step} into {self.directory} failed: {exc}") from None
         with self._lock:
-            if self._pending is not None:  # still in flight: its commit callback will log this
-                self._pending["blocking_s"] = time.perf_counter() - start
+            pending = self._pending
+            if pending is not None:
+                pending["blocking_s"] = time.perf_counter() - start
+                if not self.async_save:  # committed already (orbax calls no callback for synchronous saves)
+                    pending["total_s"] = pending["blocking_s"]
+                if "total_s" not in pending:
+                    return  # still in flight: its commit callback logs it
+                self._pending = None
+        if pending is not None:
+            self._record(pending)
 
     def wait(self) -> None:
         """Block until the in-flight save has committed (or raise its error)."""
@@ -133,7 +182,9 @@ class Checkpointer:
         shardings = sharding_tree(abstract_state, mesh)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_state, shardings)
-        available = {"state": ocp.args.StandardRestore(target), "data": ocp.args.JsonRestore(),
+        item, restore_args = _restore_args(target)
+        available = {"state": ocp.args.PyTreeRestore(item=item, restore_args=restore_args),
+                     "data": ocp.args.JsonRestore(),
                      "meta": ocp.args.JsonRestore()}
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**{k: available[k] for k in items}))
@@ -153,9 +204,8 @@ class Checkpointer:
         shardings = sharding_tree(abstract_params, mesh)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_params, shardings)
-        restore_args = jax.tree.map(
-            lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), target)
-        args = ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
+        item, restore_args = _restore_args(target)
+        args = ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": restore_args},
                                       partial_restore=True)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=args))
@@ -166,11 +216,20 @@ class Checkpointer:
             ) from None
         return restored["state"]["params"]
 
-    def quarantine(self, step: int) -> Path:
-        """Move an unreadable checkpoint aside (kept for inspection, never loaded or overwritten again)."""
-        source = self.directory / str(step)
-        target = self.directory / f"corrupt-{step}-{int(time.time())}"
-        source.rename(target)
+    def quarantine(self, step: int) -> Path | None:
+        """Move an unreadable checkpoint aside (kept for inspection, never loaded or overwritten again).
+
+        Every process calls this; process 0 moves the directory and the others wait for it. Returns the new
+        path on process 0, None elsewhere.
+        """
+        target = None
+        if jax.process_index() == 0:
+            target = self.directory / f"corrupt-{step}-{int(time.time())}"
+            (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxllm quarantine {step}")
         self.manager.reload()
         return target
 

@@ -46,12 +46,16 @@ def numpy_write(state, directory: Path) -> float:
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     root = Path(args.dir or tempfile.mkdtemp(prefix="jaxllm-bench-ckpt-"))
     mesh = make_mesh(MeshConfig(2, 2, 2, 1))
     tx = make_optimizer(OptimConfig(), 100)
     _, state, _ = create_train_state(MODEL, F32, tx, mesh, seed=0)
+    # Random values everywhere (fresh Adam moments are zeros, which compress to nothing and flatter the writer).
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(lambda x: jax.device_put(rng.standard_normal(x.shape, np.float32).astype(x.dtype), x.sharding)
+                         if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, state)
     jax.block_until_ready(state)
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
@@ -82,9 +86,9 @@ def main(argv):
         print(f"{i:<4} {r['blocking_s']:>11.2f} {r['total_s']:>9.2f} {r['blocking_s'] / r['total_s']:>15.2f} "
               f"{r['restore_s']:>10.2f} {r['numpy_write_s']:>14.2f} {r['total_s'] / r['numpy_write_s']:>12.2f} "
               f"{r['bytes'] / r['total_s'] / 1e9:>7.2f}")
-    best = min(rows, key=lambda r: r["total_s"])
-    print("blocking part of the async save: "
-          f"{100 * best['blocking_s'] / best['total_s']:.0f}% of the total (target <= 25%)")
+    worst = max(r["blocking_s"] / r["total_s"] for r in rows)
+    print(f"blocking part of the async save: at most {100 * worst:.0f}% of the total over {len(rows)} saves, the "
+          "first included (target <= 25%)")
     print(json.dumps({"bench": "checkpoint", "state_bytes": state_bytes, "runs": rows}))
     return 0
 

@@ -1,11 +1,9 @@
 """Checkpoints, exact resume and fault tolerance, with real training processes and real orbax directories."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,39 +11,26 @@ import jax
 import numpy as np
 import pytest
 
+from train_runs import losses, metrics, train_command, train_env
+
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.mesh import make_mesh
 from jaxllm.optim import make_optimizer
 from jaxllm.train.state import abstract_train_state, create_train_state
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
 
 
 def _cmd(store, workdir, *overrides):
-    return [
-        sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "pretrain.py"),
-        "--workdir", str(workdir), f"--config.data.path={store}", "--config.model.preset=tiny",
-        "--config.model.vocab_size=512", "--config.train.seq_len=32", "--config.train.eval_every=1000",
-        "--config.train.eval_batches=1", "--config.train.sample_tokens=0", "--config.checkpoint.every=2",
-        "--config.optim.warmup_steps=2", *overrides,
-    ]
-
-
-def _env():
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return train_command(store, workdir, "--config.train.eval_every=1000", "--config.checkpoint.every=2",
+                         "--config.optim.warmup_steps=2", *overrides)
 
 
 def _run(store, workdir, *overrides, timeout=600):
-    return subprocess.run(_cmd(store, workdir, *overrides), capture_output=True, text=True, env=_env(),
+    return subprocess.run(_cmd(store, workdir, *overrides), capture_output=True, text=True, env=train_env(),
                           timeout=timeout)
-
-
-def _losses(workdir):
-    lines = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in lines if "loss" in r}
 
 
 def _wait_for_step(workdir, step, proc, timeout=300):
@@ -54,7 +39,7 @@ def _wait_for_step(workdir, step, proc, timeout=300):
         if proc.poll() is not None:
             raise AssertionError(f"training exited early: {proc.stderr.read()[-2000:]}")
         path = Path(workdir) / "metrics.jsonl"
-        if path.exists() and any(s >= step for s in _losses(workdir)):
+        if path.exists() and any(s >= step for s in losses(workdir)):
             return
         time.sleep(0.2)
     raise AssertionError(f"step {step} not reached in {timeout}s")
@@ -79,7 +64,7 @@ def uninterrupted(shakespeare_store, tmp_path_factory):
 
 def test_resume_after_sigterm_is_bitwise_identical(shakespeare_store, uninterrupted, tmp_path):
     proc = subprocess.Popen(_cmd(shakespeare_store, tmp_path, "--config.train.steps=8"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env())
     _wait_for_step(tmp_path, 3, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
@@ -91,7 +76,7 @@ def test_resume_after_sigterm_is_bitwise_identical(shakespeare_store, uninterrup
     again = _run(shakespeare_store, tmp_path, "--config.train.steps=8")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from checkpoint step {stopped}" in again.stdout
-    full, resumed = _losses(uninterrupted), _losses(tmp_path)
+    full, resumed = losses(uninterrupted), losses(tmp_path)
     assert sorted(resumed) == list(range(1, 9))
     for step in range(stopped + 1, 9):
         assert resumed[step] == full[step], (step, resumed[step], full[step])
@@ -103,7 +88,7 @@ def test_kill_9_during_saves_resumes_from_last_committed(shakespeare_store, tmp_
     for kill_after_step in (2, 5):  # several moments: right after the first save, and mid-run
         proc = subprocess.Popen(_cmd(shakespeare_store, tmp_path, "--config.train.steps=8",
                                      "--config.checkpoint.every=1"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env())
         _wait_for_step(tmp_path, kill_after_step, proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
@@ -202,6 +187,27 @@ def test_restore_across_pipeline_stage_counts_is_bit_exact(tmp_path):
     ckpt.close()
 
 
+def test_async_save_survives_donated_updates_right_after_it(tmp_path):
+    """The blocking part of a save only references host copies of the shards; the train step that follows
+    donates (reuses) the state's buffers. The checkpoint must hold the values at save time."""
+    mesh = make_mesh(MeshConfig(2, 2, 2, 1))
+    tx = make_optimizer(OptimConfig(warmup_steps=2), 8)
+    _, state, _ = create_train_state(MODEL, F32, tx, mesh, seed=0)
+    expected = [np.array(x) for x in jax.tree.leaves(state)]
+    scramble = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
+    ckpt = Checkpointer(tmp_path / "ckpt", log=lambda msg: None)
+    ckpt.save(1, state, {"step": 1}, {})
+    for _ in range(3):
+        state = scramble(state)
+    jax.block_until_ready(state)
+    ckpt.wait()
+    restored = ckpt.restore(1, abstract_train_state(MODEL, F32, tx), make_mesh(MeshConfig(8, 1, 1, 1)),
+                            items=("state",))["state"]
+    ckpt.close()
+    for got, want in zip(jax.tree.leaves(restored), expected):
+        assert np.array_equal(np.asarray(got), want, equal_nan=True)
+
+
 def test_retention_keeps_last_and_never_the_only_one(tmp_path):
     tx = make_optimizer(OptimConfig(), 10)
     mesh = make_mesh(MeshConfig(2, 2, 2, 1))
@@ -240,8 +246,8 @@ def test_skip_policy_keeps_training(shakespeare_store, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (incident,) = _incidents(tmp_path)
     assert incident["step"] == 3 and incident["action"] == "skip" and incident["kind"] == "nonfinite"
-    losses = _losses(tmp_path)
-    assert all(np.isfinite(losses[s]) for s in (4, 5, 6))
+    after = losses(tmp_path)
+    assert all(np.isfinite(after[s]) for s in (4, 5, 6))
 
 
 def test_rollback_policy_restores_skips_data_and_halves_lr(shakespeare_store, uninterrupted, tmp_path):
@@ -251,9 +257,8 @@ def test_rollback_policy_restores_skips_data_and_halves_lr(shakespeare_store, un
     (incident,) = _incidents(tmp_path)
     assert incident["kind"] == "loss_spike" and incident["action"] == "rollback"
     assert incident["restored_step"] == 6 and incident["skipped_steps"] == [7] and incident["lr_scale"] == 0.5
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    after = [r for r in lines if "loss" in r and r["step"] in (7, 8)][-2:]  # the retried steps 7 and 8
-    reference = _losses(uninterrupted)
+    after = [r for r in metrics(tmp_path) if "loss" in r and r["step"] in (7, 8)][-2:]  # the retried steps 7 and 8
+    reference = losses(uninterrupted)
     assert all(abs(r["loss"] - reference[r["step"]]) < 0.5 for r in after)  # back on trend
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rollbacks"] == 1 and summary["lr_scale"] == 0.5
