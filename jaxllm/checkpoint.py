@@ -102,7 +102,7 @@ class Checkpointer:
                       gb_per_s=size / total / 1e9 if total > 0 else 0.0)
         self.saves.append(record)
         self.log(f"checkpoint {step} committed: {size / 1e6:.2f} MB, blocking {record['blocking_s']:.2f}s, "
-                 f"total {total:.2f}s, {record['gb_per_s']:.2f} GB/s")
+                 f"total {total:.2f}s, {1000 * record['gb_per_s']:.0f} MB/s")
 
     def steps(self) -> list[int]:
         """Committed checkpoint steps, oldest first."""

@@ -4,6 +4,7 @@ against one process with 8 devices, cross-process-count checkpoints, and start-u
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -59,7 +60,39 @@ def finish(procs, workdir, timeout=600) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(shakespeare_store, tmp_path_factory):
+def lone_processes(shakespeare_store, tmp_path_factory):
+    """Process 0 of 2 alone, and (on another port) process 1 of 2 alone, with --init_timeout=20.
+
+    They spend their time waiting for a peer, so they are started first and wait while the other runs of this
+    module work. Returns a function giving, per process, (process, stdout, stderr, seconds from start to exit).
+    """
+    base = tmp_path_factory.mktemp("lone")
+    results: dict[int, tuple] = {}
+
+    def run(alone: int) -> None:
+        start = time.monotonic()
+        cmd = train_command(shakespeare_store, base / f"w{alone}", "--coordinator_address",
+                            f"127.0.0.1:{free_port_pair()}", "--num_processes", "2", "--process_id", str(alone),
+                            "--init_timeout", "20")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env(4))
+        out, err = proc.communicate(timeout=180)
+        results[alone] = (proc, out, err, time.monotonic() - start)
+
+    threads = [threading.Thread(target=run, args=(alone,), daemon=True) for alone in (0, 1)]
+    for t in threads:
+        t.start()
+
+    def collect():
+        for t in threads:
+            t.join(timeout=200)
+        assert sorted(results) == [0, 1], "a lone process did not finish"
+        return [results[0], results[1]]
+
+    return collect
+
+
+@pytest.fixture(scope="module")
+def runs(shakespeare_store, tmp_path_factory, lone_processes):
     """The same 4-step run twice from scratch: 1 process x 8 devices and 2 processes x 4 devices."""
     base = tmp_path_factory.mktemp("mp")
     one, two = base / "one", base / "two"
@@ -129,24 +162,14 @@ def test_checkpoint_written_by_one_process_resumes_in_two_and_sigterm_stops_both
     assert max(losses(workdir)) == stopped
 
 
-def test_missing_process_times_out_naming_it(shakespeare_store, tmp_path):
-    # Process 0 alone, and (on another port) process 1 alone: both must give up within 60 s and say why.
-    start = time.monotonic()
-    procs = []
-    for alone in (0, 1):
-        cmd = train_command(shakespeare_store, tmp_path / f"w{alone}", "--coordinator_address",
-                            f"127.0.0.1:{free_port_pair()}", "--num_processes", "2", "--process_id", str(alone),
-                            "--init_timeout", "20")
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=train_env(4)))
-    outputs = [p.communicate(timeout=120) for p in procs]
-    elapsed = time.monotonic() - start
-    assert elapsed < 60, elapsed
-    (_, err0), (_, err1) = outputs
-    assert procs[0].returncode == 1 and procs[1].returncode == 1
+def test_missing_process_times_out_naming_it(lone_processes):
+    for alone, (proc, out, err, elapsed) in enumerate(lone_processes()):
+        assert elapsed < 60, (alone, elapsed)
+        assert proc.returncode == 1, err[-2000:]
+        assert "Traceback" not in err
+    (_, _, err0, _), (_, _, err1, _) = lone_processes()
     assert "error: process 0: process 1 of 2 did not arrive within 20s" in err0, err0[-2000:]
     assert "error: process 1: process 0 (the coordinator" in err1 and "did not arrive within 20s" in err1, err1[-2000:]
-    assert "Traceback" not in err0 + err1
 
 
 def test_killed_process_stops_the_survivor(shakespeare_store, tmp_path):
