@@ -13,9 +13,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# --no-compile: byte-compiling every installed file (torch has thousands) took ~80 s of a ~125 s install;
-	# Python compiles the modules actually imported on first use instead.
-	$(BIN)/python -m pip install -q --no-compile -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
 data: $(DATA)/manifest.json
