@@ -48,9 +48,8 @@ def _array_registry():
 
 def _restore_args(target):
     """PyTreeRestore arguments placing every array of `target` (ShapeDtypeStructs with shardings)."""
-    restore_args = jax.tree.map(
+    return jax.tree.map(
         lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), target)
-    return target, restore_args
 
 
 class Checkpointer:
@@ -137,9 +136,8 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
         """Start an async save of `state` at `step` (returns once device arrays are copied to host)."""
-        self.check_for_errors()
         # orbax would wait for the previous save inside `manager.save` anyway; waiting first keeps each commit
-        # callback paired with its own save's record.
+        # callback paired with its own save's record (and raises a failed earlier save, as `wait` checks errors).
         self.wait()
         start = time.perf_counter()
         with self._lock:
@@ -182,8 +180,7 @@ class Checkpointer:
         shardings = sharding_tree(abstract_state, mesh)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_state, shardings)
-        item, restore_args = _restore_args(target)
-        available = {"state": ocp.args.PyTreeRestore(item=item, restore_args=restore_args),
+        available = {"state": ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target)),
                      "data": ocp.args.JsonRestore(),
                      "meta": ocp.args.JsonRestore()}
         try:
@@ -204,8 +201,7 @@ class Checkpointer:
         shardings = sharding_tree(abstract_params, mesh)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_params, shardings)
-        item, restore_args = _restore_args(target)
-        args = ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": restore_args},
+        args = ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": _restore_args(target)},
                                       partial_restore=True)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=args))
