@@ -165,10 +165,13 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the in-flight save has committed (or raise its error)."""
+        with self._lock:
+            pending = self._pending
         try:
             self.manager.wait_until_finished()
         except Exception as exc:
-            raise CheckpointError(f"checkpoint save into {self.directory} failed: {exc}") from None
+            what = f"save of step {pending['step']}" if pending is not None else "save"
+            raise CheckpointError(f"checkpoint {what} into {self.directory} failed: {exc}") from None
         self.check_for_errors()
 
     def restore(self, step: int, abstract_state: Any, mesh, *, items=("state", "data", "meta")) -> dict:
