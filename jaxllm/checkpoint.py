@@ -57,7 +57,10 @@ class Checkpointer:
     every `keep_every`-th step permanently (0: none)."""
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, keep_every: int = 0,
-                 async_save: bool = True, log: Callable[[str], None] = print):
+                 async_save: bool = True, pinned_host_transfer: bool | None = None,
+                 log: Callable[[str], None] = print):
+        """`pinned_host_transfer`: copy arrays to page-locked host memory before writing (None: orbax's default,
+        on for GPUs)."""
         self.directory = Path(directory).absolute()
         self.log = log
         self.async_save = async_save
@@ -75,7 +78,8 @@ class Checkpointer:
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
-                "state": ocp.PyTreeCheckpointHandler(type_handler_registry=_array_registry()),
+                "state": ocp.PyTreeCheckpointHandler(type_handler_registry=_array_registry(),
+                                                     enable_pinned_host_transfer=pinned_host_transfer),
                 "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
         except (OSError, PermissionError) as exc:
             raise CheckpointError(f"cannot use checkpoint directory {self.directory}: {exc}") from None

@@ -18,7 +18,7 @@ from jaxllm.model.presets import GPU_PRESETS, PRESETS
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots")
-ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
 
@@ -85,7 +85,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     remat: str = "none"
-    attention: str = "xla"
+    # auto: cudnn on GPUs when computing in bf16/fp16, else xla (see jaxllm.model.visibility.resolve_attention)
+    attention: str = "auto"
     preset: str = ""
 
 
@@ -356,6 +357,9 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     _positive("model.norm_eps", model.norm_eps)
     _choice("model.remat", model.remat, REMAT_POLICIES)
     _choice("model.attention", model.attention, ATTENTION_IMPLS)
+    if model.attention == "cudnn" and precision.compute not in ("bfloat16", "float16"):
+        raise ConfigError("model.attention", f"'cudnn' needs precision.compute bfloat16 or float16, got "
+                                             f"{precision.compute!r}")
     if model.num_heads % model.num_kv_heads:
         raise ConfigError(
             "model.num_kv_heads", f"{model.num_kv_heads} must divide model.num_heads={model.num_heads} (grouped-query attention)"

@@ -1,6 +1,7 @@
 """Benchmark checkpoints: `python scripts/bench_checkpoint.py [--dir DIR] [--repeats N]`.
 
-Builds a train state of ~1 GB (parameters + AdamW moments, float32) on the 8-device (2,2,2,1) CPU mesh, then
+Builds a train state of ~1 GB (parameters + AdamW moments, float32) on the 8-device (2,2,2,1) CPU mesh (any
+other device count: all devices on fsdp, or `--mesh data,fsdp,tensor,stage`), then
 times an async orbax save (the blocking part and the total until commit), a restore onto the mesh, and, as the
 baseline, writing the same bytes with numpy to the same disk. Prints a table and one JSON line.
 """
@@ -47,9 +48,20 @@ def main(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--mesh", default=None, help="data,fsdp,tensor,stage sizes (default: 2,2,2,1 on 8 devices, "
+                                                 "else 1,<devices>,1,1)")
+    p.add_argument("--pinned", choices=("auto", "on", "off"), default="auto",
+                   help="copy to page-locked host memory first (auto: orbax's default, on for GPUs)")
     args = p.parse_args(argv)
+    n = jax.device_count()
+    try:
+        sizes = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else ((2, 2, 2, 1) if n == 8 else (1, n, 1, 1))
+        if len(sizes) != 4 or np.prod(sizes) != n:
+            raise ValueError
+    except ValueError:
+        p.error(f"--mesh: expected 4 comma-separated sizes whose product is the device count {n}, got {args.mesh!r}")
     root = Path(args.dir or tempfile.mkdtemp(prefix="jaxllm-bench-ckpt-"))
-    mesh = make_mesh(MeshConfig(2, 2, 2, 1))
+    mesh = make_mesh(MeshConfig(*sizes))
     tx = make_optimizer(OptimConfig(), 100)
     _, state, _ = create_train_state(MODEL, F32, tx, mesh, seed=0)
     # Random values everywhere (fresh Adam moments are zeros, which compress to nothing and flatter the writer).
@@ -60,7 +72,8 @@ def main(argv):
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
     rows = []
-    ckpt = Checkpointer(root / "orbax", keep=args.repeats + 1, log=lambda msg: None)
+    ckpt = Checkpointer(root / "orbax", keep=args.repeats + 1, log=lambda msg: None,
+                        pinned_host_transfer={"auto": None, "on": True, "off": False}[args.pinned])
     for r in range(args.repeats):
         start = time.perf_counter()
         ckpt.save(r + 1, state, {"step": r + 1}, {})
@@ -79,7 +92,7 @@ def main(argv):
         shutil.rmtree(root, ignore_errors=True)
 
     print(f"train state {state_bytes / 1e9:.2f} GB ({MODEL.num_layers} layers, D={MODEL.dim}, V={MODEL.vocab_size}) "
-          f"on mesh (2,2,2,1), {jax.devices()[0].platform}")
+          f"on mesh {sizes}, {jax.devices()[0].device_kind}, pinned host transfer {args.pinned}")
     print(f"{'run':<4} {'blocking s':>11} {'total s':>9} {'blocking/total':>15} {'restore s':>10} "
           f"{'numpy write s':>14} {'total/numpy':>12} {'GB/s':>7}")
     for i, r in enumerate(rows):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config import ModelConfig, PrecisionConfig
+from jaxllm.config import ConfigError, ModelConfig, PrecisionConfig
+from jaxllm.model.visibility import attention_mask, packed_segments
 from jaxllm.model.transformer import Transformer, total_params
 from jaxllm.train.state import build_model
 
@@ -95,3 +96,108 @@ def test_bfloat16_compute_policy_keeps_float32_params_and_logits():
     assert logits.dtype == jnp.float32
     reference = build_model(CFG, F32, jax.random.key(0))(np.ones((1, 4), np.int32))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(reference), atol=5e-2)
+
+
+def _mask_from_packed_layout(offsets, lengths, T):
+    """[B, T, S] visibility that cuDNN's packed causal layout describes (the kernel's semantics, in numpy)."""
+    B = offsets.shape[0]
+    mask = np.zeros((B, T, T), bool)
+    for b in range(B):
+        for start, length in zip(offsets[b], lengths[b]):
+            if length < 0:
+                assert start == -1
+                continue
+            run = np.arange(start, start + length)
+            mask[b, run[:, None], run[None, :]] = run[:, None] >= run[None, :]
+    return mask
+
+
+@pytest.mark.parametrize("max_runs", [64, 7, 3])
+def test_packed_document_layout_describes_the_attention_mask(max_runs):
+    """cuDNN's offsets/lengths cover every token once and give exactly the causal same-document mask; rows with
+    more runs than the layout holds are flagged (cuDNN attention then uses the masked kernel)."""
+    T = 24
+    segments = np.array([
+        [1] * 5 + [2] * 9 + [3] * 6 + [0] * 4,  # padding at the end is a run of its own
+        [1] * T,
+        [1, 2, 3, 4, 5, 6] + [7] * 18,
+        [1] * 10 + [2] * 13 + [0],
+    ], np.int32)
+    runs = np.array([4, 1, 7, 3])
+    layout = packed_segments(jnp.asarray(segments), max_runs)
+    M = min(max_runs, T)
+    assert layout.offsets.shape == (4, M + 1) and layout.lengths.shape == (4, M)
+    fits = np.asarray(layout.fits)
+    np.testing.assert_array_equal(fits, runs <= M)
+    offsets, lengths = np.asarray(layout.offsets)[fits], np.asarray(layout.lengths)[fits]
+    assert (offsets[:, -1] == -1).all()
+    np.testing.assert_array_equal((lengths > 0).sum(axis=1), runs[fits])
+    np.testing.assert_array_equal(lengths.clip(0).sum(axis=1), T)
+    np.testing.assert_array_equal(_mask_from_packed_layout(offsets, lengths, T),
+                                  np.asarray(attention_mask(jnp.asarray(segments[fits]))))
+
+
+def test_auto_attention_resolves_per_backend_and_precision():
+    from jaxllm.model.visibility import resolve_attention
+    on_gpu = jax.default_backend() == "gpu"
+    assert resolve_attention("auto", "bfloat16") == ("cudnn" if on_gpu else "xla")
+    assert resolve_attention("auto", "float16") == ("cudnn" if on_gpu else "xla")
+    assert resolve_attention("auto", "float32") == "xla"
+    assert resolve_attention("dot_product", "bfloat16") == "dot_product"
+    bf16 = PrecisionConfig(params="float32", compute="bfloat16", output="float32")
+    assert build_model(CFG, bf16, jax.random.key(0)).cfg.attention == ("cudnn" if on_gpu else "xla")
+
+
+def test_cudnn_attention_needs_a_gpu_and_half_precision():
+    cfg = ModelConfig(**{**CFG.__dict__, "attention": "cudnn"})
+    bf16 = PrecisionConfig(params="float32", compute="bfloat16", output="float32")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ConfigError, match="model.attention: 'cudnn' needs GPUs"):
+            build_model(cfg, bf16, jax.random.key(0))(np.ones((1, 8), np.int32))
+    from jaxllm.config import default_config_dict, validate
+    cd = default_config_dict()
+    cd.model.attention, cd.precision.compute = "cudnn", "float32"
+    with pytest.raises(ConfigError, match="needs precision.compute bfloat16 or float16"):
+        validate(cd, 1)
+
+
+def _many_short_documents(T):
+    """One row of 1-2 token documents: more runs than cuDNN's packed layout holds."""
+    lengths = np.tile([1, 2], T)[:T]
+    ids = np.repeat(np.arange(1, len(lengths) + 1), lengths)[:T]
+    return ids, np.concatenate([np.arange(n) for n in lengths])[:T]
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention runs on GPUs only; the packed layout "
+                    "it reads is checked on CPU above")
+@pytest.mark.parametrize("layout", ["packed", "masked_fallback"])
+def test_cudnn_attention_matches_xla_on_gpu(layout):
+    """Logits and gradients of the whole model with cuDNN attention vs the einsum path, in bfloat16: rows within
+    the packed layout's bound, and a row of more documents than it holds (the masked kernel)."""
+    cfg = ModelConfig(vocab_size=256, dim=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=512)
+    bf16 = PrecisionConfig(params="float32", compute="bfloat16", output="float32")
+    T = 128
+    tokens = np.random.default_rng(3).integers(4, cfg.vocab_size, (2, T)).astype(np.int32)
+    segments = np.array([[1] * 40 + [2] * 50 + [3] * 30 + [0] * 8, [1] * T], np.int32)
+    positions = np.stack([np.concatenate([np.arange(40), np.arange(50), np.arange(30), np.arange(8)]), np.arange(T)])
+    if layout == "masked_fallback":
+        segments[1], positions[1] = _many_short_documents(T)
+    assert bool(packed_segments(jnp.asarray(segments)).fits.all()) == (layout == "packed")
+    real = segments > 0
+
+    def logits_and_grads(attention):
+        m = build_model(ModelConfig(**{**cfg.__dict__, "attention": attention}), bf16, jax.random.key(0))
+        graphdef, params = nnx.split(m)
+
+        def loss(p):
+            logits = nnx.merge(graphdef, p)(tokens, segments, positions)
+            return (logits.mean(-1) * real).sum(), logits
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return np.asarray(logits)[real], jax.tree.leaves(grads)
+
+    got_logits, got_grads = logits_and_grads("cudnn")
+    want_logits, want_grads = logits_and_grads("xla")
+    np.testing.assert_allclose(got_logits, want_logits, atol=3e-2)
+    for got, want in zip(got_grads, want_grads):
+        scale = np.abs(np.asarray(want)).max()
+        assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 3e-2 * scale + 1e-6

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.model.cudnn_attention import cudnn_attention
 from jaxllm.sharding import constrain
 
 # Masked attention scores use a large finite negative: -inf would turn fully masked rows (padding) into NaN.
@@ -118,12 +119,16 @@ def apply_rope(x_BTNH: jax.Array, sin_BTh: jax.Array, cos_BTh: jax.Array) -> jax
     return out.astype(x_BTNH.dtype)
 
 
-def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
-    """[B, T, S] boolean: causal, and only within the same packed document (segment)."""
-    T = segment_ids_BT.shape[1]
-    causal_TS = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-    return causal_TS[None] & same_BTS
+def xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
+    """Grouped-query attention in plain einsums (softmax in float32); `mask_BTS` says who may see whom."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32) * H**-0.5
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
+    return out_BTKGH.reshape(B, T, N, H)
 
 
 class Attention(nnx.Module):
@@ -137,7 +142,6 @@ class Attention(nnx.Module):
         self.k_proj = param(rngs, stack + (D, K, H), lead + ("embed", "kv_heads", "head_dim"), dtype, std)
         self.v_proj = param(rngs, stack + (D, K, H), lead + ("embed", "kv_heads", "head_dim"), dtype, std)
         self.o_proj = param(rngs, stack + (N, H, D), lead + ("heads", "head_dim", "embed"), dtype, out_std)
-        self.num_kv_heads = K
         self.impl = cfg.attention
 
     def _project(self, x_BTD, sin_BTh, cos_BTh):
@@ -151,17 +155,16 @@ class Attention(nnx.Module):
         v_BSKH = constrain(v_BSKH, ("batch", "seq", "kv_heads", "head_dim"))
         return q_BTNH, k_BSKH, v_BSKH
 
-    def __call__(self, x_BTD, mask_BTS, sin_BTh, cos_BTh):
+    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh):
+        """Self-attention of `x_BTD`; `visible` comes from `attention_visibility(self.impl, segment_ids)`."""
         dtype = x_BTD.dtype
         q_BTNH, k_BSKH, v_BSKH = self._project(x_BTD, sin_BTh, cos_BTh)
         if self.impl == "xla":
-            out_BTNH = self._xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
-        else:
-            # jax.nn.dot_product_attention handles GQA itself; 'cudnn' selects the fused GPU kernel.
-            out_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
-                implementation="cudnn" if self.impl == "cudnn" else None,
-            )
+            out_BTNH = xla_attention(q_BTNH, k_BSKH, v_BSKH, visible)
+        elif self.impl == "cudnn":
+            out_BTNH = cudnn_attention(q_BTNH, k_BSKH, v_BSKH, visible)
+        else:  # jax.nn's XLA implementation (it handles grouped-query heads itself)
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible[:, None])
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.o_proj[...].astype(dtype))
 
@@ -177,19 +180,9 @@ class Attention(nnx.Module):
         k_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, index, 0, 0))
         v_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, index, 0, 0))
         # Always the XLA path: T is 1 per step, where fused kernels bring nothing and cuDNN needs T == S.
-        out_BTNH = self._xla_attention(q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), mask_BTS)
+        out_BTNH = xla_attention(q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), mask_BTS)
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.o_proj[...].astype(dtype)), k_BTKH, v_BTKH
-
-    def _xla_attention(self, q_BTNH, k_BSKH, v_BSKH, mask_BTS):
-        B, T, N, H = q_BTNH.shape
-        K = self.num_kv_heads
-        q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-        scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32) * H**-0.5
-        scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
-        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
-        out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
-        return out_BTKGH.reshape(B, T, N, H)
 
 
 class MLP(nnx.Module):

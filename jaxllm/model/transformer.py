@@ -8,6 +8,7 @@ compile time flat in depth.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -15,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig, PrecisionConfig
-from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, attention_mask, param, rope_tables
+from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, param, rope_tables
+from jaxllm.model.visibility import attention_visibility, resolve_attention
 from jaxllm.pipeline import num_stages, pipeline
 from jaxllm.sharding import constrain
 
@@ -34,8 +36,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs)
 
-    def __call__(self, x_BTD, mask_BTS, sin_BTh, cos_BTh):
-        h_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), mask_BTS, sin_BTh, cos_BTh)
+    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh):
+        h_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), visible, sin_BTh, cos_BTh)
         h_BTD = constrain(h_BTD, ("batch", "seq", "embed"))
         out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
         return constrain(out_BTD, ("batch", "seq", "embed"))
@@ -84,13 +86,13 @@ def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_
     return x_BTD, KVCache(k, v)
 
 
-def scan_layers(layers: DecoderLayer, x_BTD, mask_BTS, sin_BTh, cos_BTh, remat: str = "none"):
+def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none"):
     """Run stacked `layers` over `x_BTD` with `lax.scan`, rematerialising each layer per `remat`."""
     graphdef, stacked = nnx.split(layers)
 
     def body(x, layer_state):
         layer = nnx.merge(graphdef, layer_state)
-        return layer(x, mask_BTS, sin_BTh, cos_BTh), None
+        return layer(x, visible, sin_BTh, cos_BTh), None
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
@@ -98,16 +100,17 @@ def scan_layers(layers: DecoderLayer, x_BTD, mask_BTS, sin_BTh, cos_BTh, remat: 
     return x_BTD
 
 
-def pipeline_layers(layers: DecoderLayer, x_BTD, mask_BTS, sin_BTh, cos_BTh, remat: str = "none", *,
+def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", *,
                     microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False):
     """`scan_layers` as a pipeline over the active mesh's `stage` axis (see `jaxllm.pipeline`): each stage
-    scans its own chunks of the stacked layers; mask and rotary tables travel with their micro-batch."""
+    scans its own chunks of the stacked layers; visibility (mask or packed documents) and rotary tables travel
+    with their micro-batch."""
     graphdef, stacked = nnx.split(layers)
 
     def stage_fn(chunk_state, x_BTD, aux):
         return scan_layers(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat)
 
-    return pipeline(stage_fn, stacked, x_BTD, (mask_BTS, sin_BTh, cos_BTh), microbatches=microbatches,
+    return pipeline(stage_fn, stacked, x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
                     repeats=repeats, debug_nan_bubbles=debug_nan_bubbles)
 
 
@@ -121,6 +124,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
                  rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1):
         dtype = jnp.dtype(precision.params)
+        cfg = dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, precision.compute))
         self.cfg = cfg
         # Pipeline schedule (config.PipelineConfig), used only when the active mesh has stage > 1. Plain static
         # attributes, not parameters: they live in the graphdef and leave the parameter tree untouched.
@@ -145,14 +149,14 @@ class Transformer(nnx.Module):
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
-        mask_BTS = attention_mask(segment_ids_BT)
+        visible = attention_visibility(self.cfg.attention, segment_ids_BT)
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype)
         if num_stages() > 1:
-            x_BTD = pipeline_layers(self.layers, x_BTD, mask_BTS, sin_BTh, cos_BTh, self.cfg.remat,
+            x_BTD = pipeline_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat,
                                     microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
                                     debug_nan_bubbles=self.pipeline_debug_nan_bubbles)
         else:
-            x_BTD = scan_layers(self.layers, x_BTD, mask_BTS, sin_BTh, cos_BTh, self.cfg.remat)
+            x_BTD = scan_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat)
         return self.norm(x_BTD)
 
     def logits(self, x_BTD):

@@ -1,0 +1,38 @@
+"""cuDNN fused attention over packed documents (`model.attention=cudnn`, GPUs only).
+
+`jax.nn.dot_product_attention(implementation="cudnn")` can express "causal within each document" only as a dense
+[B, 1, T, S] mask, which it turns into an additive bias read for every score. cuDNN's packed-sequence layout says
+the same with document offsets and lengths and skips the masked tiles: on an H200 (B4 T4096 N32/K8 H64, bf16,
+forward + backward) 3.4 ms against 7.8 ms with the mask, same results (scripts/bench_attention.py). JAX exposes
+that layout only in its cuDNN module, not in `jax.nn`, hence the private import (same signature in jax 0.10-0.12).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxllm.config import ConfigError
+from jaxllm.model.visibility import PackedSegments, attention_mask
+
+
+def cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segments: PackedSegments) -> jax.Array:
+    """Causal attention within each packed document by cuDNN (bf16/fp16 inputs, grouped-query heads allowed).
+
+    Uses the packed layout when every row fits its bound, else the masked kernel: both are compiled, and the
+    batch picks one at run time, so a row of unusually many short documents is slower, never wrong.
+    """
+    if jax.default_backend() != "gpu":  # cuDNN's own failure here would be a lowering traceback
+        raise ConfigError("model.attention", f"'cudnn' needs GPUs; this run has {jax.default_backend()} devices "
+                                             "(use 'xla' or 'dot_product')")
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    def packed(q, k, v):
+        return dot_product_attention(
+            q, k, v, q_seqlen=segments.lengths, kv_seqlen=segments.lengths, q_offsets=segments.offsets,
+            kv_offsets=segments.offsets, scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL)
+
+    def masked(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segments.segment_ids)[:, None],
+                                            implementation="cudnn")
+
+    return jax.lax.cond(segments.fits.all(), packed, masked, q_BTNH, k_BSKH, v_BSKH)
