@@ -112,6 +112,9 @@ def main(argv):
         import jax
 
         cfg = validate(build_config(args.config, overrides), jax.device_count())
+        from jaxllm.train.loop import open_data
+
+        open_data(cfg)  # the loop run needs the token store: check it before minutes of bare-step timing
     except (ConfigError, UsageError) as exc:
         fail(str(exc))
 
