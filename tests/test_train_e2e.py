@@ -32,6 +32,7 @@ def test_train_script_runs_and_writes_metrics(shakespeare_store, tmp_path):
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert "held-out loss" in proc.stdout and "greedy sample" in proc.stdout
+    assert "attention xla" in proc.stdout  # auto resolves to the einsum path on CPU
     config = json.loads((workdir / "config.json").read_text())
     assert config["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1,  # one process: nothing crosses hosts
                               "dcn_data": 1, "dcn_fsdp": 1, "dcn_tensor": 1, "dcn_stage": 1}

@@ -24,6 +24,7 @@ from jaxllm.data.tokenizer import Tokenizer
 from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter, mfu, peak_flops_per_device
 from jaxllm.model.transformer import train_flops_per_token
+from jaxllm.model.visibility import resolve_attention
 from jaxllm.optim import make_optimizer
 from jaxllm.preemption import PreemptionGuard
 from jaxllm.progress import ProgressBar
@@ -122,7 +123,9 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
         eval_step = jit_eval_step(make_eval_step(graphdef), shardings.params, mesh)
         eval_step = eval_step.lower(state.params, eval_batches[0]).compile() if eval_batches else None
     compile_s = time.perf_counter() - t0
-    log(f"compiled train+eval steps in {compile_s:.1f}s on mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}")
+    attention = resolve_attention(cfg.model.attention, cfg.precision.compute)
+    log(f"compiled train+eval steps in {compile_s:.1f}s on mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}, "
+        f"attention {attention}")
 
     flops_per_token = train_flops_per_token(cfg.model, tc.seq_len)
     flops_causal = train_flops_per_token(cfg.model, tc.seq_len, causal=True)
