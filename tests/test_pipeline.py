@@ -10,15 +10,19 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import jaxllm.model.layers as layers
 import jaxllm.sharding as sharding
 from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.mesh import make_mesh
+from jaxllm.model.layers import xla_attention
 from jaxllm.model.transformer import Transformer
+from jaxllm.model.visibility import attention_mask
 from jaxllm.optim import make_optimizer
 from jaxllm.pipeline import bubble_fraction, pipeline
 from jaxllm.train.state import build_model, create_train_state
@@ -64,10 +68,10 @@ def _graphdef(cfg, m=1, r=1, nan_bubbles=False):
     return jax.eval_shape(make)[0]
 
 
-def _grads(params, layout, m=1, r=1, remat="none", nan_bubbles=False):
+def _grads(params, layout, m=1, r=1, remat="none", nan_bubbles=False, attention="xla"):
     """(gradients, loss, compiled HLO text) of `grads_and_loss` on `layout` with the given schedule."""
     mesh = make_mesh(MeshConfig(*layout))
-    graphdef = _graphdef(dataclasses.replace(MODEL, remat=remat), m, r, nan_bubbles)
+    graphdef = _graphdef(dataclasses.replace(MODEL, remat=remat, attention=attention), m, r, nan_bubbles)
     with jax.set_mesh(mesh):
         placed = jax.device_put(params, sharding.sharding_tree(params, mesh))
         batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in BATCH.items()}
@@ -106,6 +110,26 @@ def test_pipelined_equals_sequential(pipelined, reference, case):
 
 def test_nan_in_bubbles_changes_nothing(params, reference):
     _assert_same(_grads(params, *NAN_CASE, nan_bubbles=True), reference, "NaN bubbles")
+
+
+def _packed_layout_attention(q_BTNH, k_BSKH, v_BSKH, segments):
+    """CPU stand-in for cuDNN's kernel: attention under the mask its packed layout describes (the masked
+    fallback when a row overflows the layout), so everything around the kernel can be checked here."""
+    t = jnp.arange(q_BTNH.shape[1])
+    starts_BM, lengths_BM = segments.offsets[:, :-1], segments.lengths
+    inside_BMT = (starts_BM[..., None] <= t) & (t < (starts_BM + lengths_BM)[..., None]) & (lengths_BM[..., None] > 0)
+    run_BT = jnp.argmax(inside_BMT, axis=1)
+    packed_BTS = (run_BT[:, :, None] == run_BT[:, None, :]) & (t[:, None] >= t[None, :])
+    mask_BTS = jnp.where(segments.fits.all(), packed_BTS, attention_mask(segments.segment_ids))
+    return xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+
+
+def test_cudnn_packed_layout_travels_through_pipeline_and_sharding(params, reference, monkeypatch):
+    """model.attention=cudnn builds its packed-document layout once per batch; it must reach every layer intact
+    through micro-batching, the circular schedule, remat and fsdp/tensor sharding. The kernel itself needs a
+    GPU (tests/test_model.py checks it there), so a stand-in that reads the same layout replaces it here."""
+    monkeypatch.setattr(layers, "cudnn_attention", _packed_layout_attention)
+    _assert_same(_grads(params, (1, 2, 2, 2), 4, 2, "full", attention="cudnn"), reference, "cudnn layout, pipelined")
 
 
 # ---- HLO inspection -------------------------------------------------------------------------------------------
