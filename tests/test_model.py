@@ -7,9 +7,11 @@ import pytest
 from flax import nnx
 
 from jaxllm.config import ConfigError, ModelConfig, PrecisionConfig
+from jaxllm.model.transformer import total_params
 from jaxllm.model.visibility import attention_mask, packed_segments
-from jaxllm.model.transformer import Transformer, total_params
 from jaxllm.train.state import build_model
+
+from packed_layout import mask_from_packed_layout
 
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
 CFG = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -98,20 +100,6 @@ def test_bfloat16_compute_policy_keeps_float32_params_and_logits():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(reference), atol=5e-2)
 
 
-def _mask_from_packed_layout(offsets, lengths, T):
-    """[B, T, S] visibility that cuDNN's packed causal layout describes (the kernel's semantics, in numpy)."""
-    B = offsets.shape[0]
-    mask = np.zeros((B, T, T), bool)
-    for b in range(B):
-        for start, length in zip(offsets[b], lengths[b]):
-            if length < 0:
-                assert start == -1
-                continue
-            run = np.arange(start, start + length)
-            mask[b, run[:, None], run[None, :]] = run[:, None] >= run[None, :]
-    return mask
-
-
 @pytest.mark.parametrize("max_runs", [64, 7, 3])
 def test_packed_document_layout_describes_the_attention_mask(max_runs):
     """cuDNN's offsets/lengths cover every token once and give exactly the causal same-document mask; rows with
@@ -130,10 +118,10 @@ def test_packed_document_layout_describes_the_attention_mask(max_runs):
     fits = np.asarray(layout.fits)
     np.testing.assert_array_equal(fits, runs <= M)
     offsets, lengths = np.asarray(layout.offsets)[fits], np.asarray(layout.lengths)[fits]
-    assert (offsets[:, -1] == -1).all()
+    assert (offsets[:, -1] == -1).all() and (offsets[:, :-1][lengths < 0] == -1).all()
     np.testing.assert_array_equal((lengths > 0).sum(axis=1), runs[fits])
     np.testing.assert_array_equal(lengths.clip(0).sum(axis=1), T)
-    np.testing.assert_array_equal(_mask_from_packed_layout(offsets, lengths, T),
+    np.testing.assert_array_equal(np.asarray(mask_from_packed_layout(offsets, lengths, T)),
                                   np.asarray(attention_mask(jnp.asarray(segments[fits]))))
 
 

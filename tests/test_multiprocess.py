@@ -163,11 +163,12 @@ def test_checkpoint_written_by_one_process_resumes_in_two_and_sigterm_stops_both
 
 
 def test_missing_process_times_out_naming_it(lone_processes):
-    for alone, (proc, out, err, elapsed) in enumerate(lone_processes()):
+    results = lone_processes()
+    for alone, (proc, _, err, elapsed) in enumerate(results):
         assert elapsed < 60, (alone, elapsed)
         assert proc.returncode == 1, err[-2000:]
         assert "Traceback" not in err
-    (_, _, err0, _), (_, _, err1, _) = lone_processes()
+    (_, _, err0, _), (_, _, err1, _) = results
     assert "error: process 0: process 1 of 2 did not arrive within 20s" in err0, err0[-2000:]
     assert "error: process 1: process 0 (the coordinator" in err1 and "did not arrive within 20s" in err1, err1[-2000:]
 

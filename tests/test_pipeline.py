@@ -28,6 +28,8 @@ from jaxllm.pipeline import bubble_fraction, pipeline
 from jaxllm.train.state import build_model, create_train_state
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 
+from packed_layout import mask_from_packed_layout
+
 # mlp_dim 48 is a size nothing but layer weights has: the HLO check looks for it in stage-crossing gathers.
 MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48)
 PRECISION = PrecisionConfig(params="float32", compute="float32", output="float32")
@@ -115,11 +117,7 @@ def test_nan_in_bubbles_changes_nothing(params, reference):
 def _packed_layout_attention(q_BTNH, k_BSKH, v_BSKH, segments):
     """CPU stand-in for cuDNN's kernel: attention under the mask its packed layout describes (the masked
     fallback when a row overflows the layout), so everything around the kernel can be checked here."""
-    t = jnp.arange(q_BTNH.shape[1])
-    starts_BM, lengths_BM = segments.offsets[:, :-1], segments.lengths
-    inside_BMT = (starts_BM[..., None] <= t) & (t < (starts_BM + lengths_BM)[..., None]) & (lengths_BM[..., None] > 0)
-    run_BT = jnp.argmax(inside_BMT, axis=1)
-    packed_BTS = (run_BT[:, :, None] == run_BT[:, None, :]) & (t[:, None] >= t[None, :])
+    packed_BTS = mask_from_packed_layout(segments.offsets, segments.lengths, q_BTNH.shape[1])
     mask_BTS = jnp.where(segments.fits.all(), packed_BTS, attention_mask(segments.segment_ids))
     return xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
 
