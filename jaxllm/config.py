@@ -157,23 +157,34 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AnomalyConfig:
-    """Loss / gradient-norm spike detection: a value above mean + z * std of the last `window` healthy steps
-    (once `min_history` steps are known) is an anomaly, as is any non-finite loss or gradient norm."""
+    """Anomaly detection (jaxllm/train/anomaly.py). A non-finite loss or gradient norm is an anomaly, and so is
+    a loss spike: on the log scale, more than `z` standard deviations above the mean of the last `window` healthy
+    steps (once `min_history` are known) and at least `loss_ratio` times their geometric mean. Gradient-norm
+    spikes (`grad_z`, `grad_ratio`, the same way) are counted and reported, and acted on only with
+    `act_on_grad_spike` (clipping already bounds them). An anomaly is handled per `train.on_anomaly`."""
 
     window: int = 50
     min_history: int = 20
     z: float = 6.0
+    loss_ratio: float = 1.5
     grad_z: float = 6.0
+    grad_ratio: float = 4.0
+    act_on_grad_spike: bool = False
     lr_factor: float = 0.5
     max_rollbacks: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class DebugConfig:
-    """Fault injection for tests and drills (0: off). Each fires once per process, at that step."""
+    """Fault injection for tests and drills (0: off). Each fires once per process, at that step.
+
+    `hold_at_step`: after step K's metrics are written, the loop waits (up to 10 minutes) for SIGTERM/SIGINT
+    before going on, so that a test's signal or kill always lands mid-run however fast the steps are.
+    """
 
     inject_nan_at_step: int = 0
     inject_spike_at_step: int = 0
+    hold_at_step: int = 0
 
 
 ANOMALY_POLICIES = ("rollback", "skip", "abort")
@@ -435,6 +446,9 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     _positive("anomaly.window", anomaly.window)
     _positive("anomaly.z", anomaly.z)
     _positive("anomaly.grad_z", anomaly.grad_z)
+    for key in ("loss_ratio", "grad_ratio"):
+        if not getattr(anomaly, key) >= 1.0:
+            raise ConfigError(f"anomaly.{key}", f"must be >= 1, got {getattr(anomaly, key)}")
     if not 0.0 < anomaly.lr_factor <= 1.0:
         raise ConfigError("anomaly.lr_factor", f"must be in (0, 1], got {anomaly.lr_factor}")
     if anomaly.max_rollbacks < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import jax
 import numpy as np
@@ -45,6 +46,13 @@ class PreemptionGuard:
         from jax.experimental import multihost_utils
 
         return bool(np.any(multihost_utils.process_allgather(np.array([local]))))
+
+    def wait_for_signal(self, timeout: float) -> bool:
+        """Sleep until SIGTERM/SIGINT arrives or `timeout` seconds pass; True when signalled."""
+        deadline = time.monotonic() + timeout
+        while self.signalled is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.signalled is not None
 
     def restore(self) -> None:
         """Reinstate the handlers that were there before."""

@@ -63,7 +63,10 @@ def uninterrupted(shakespeare_store, tmp_path_factory):
 
 
 def test_resume_after_sigterm_is_bitwise_identical(shakespeare_store, uninterrupted, tmp_path):
-    proc = subprocess.Popen(_cmd(shakespeare_store, tmp_path, "--config.train.steps=8"),
+    # The run holds after step 3 until a signal comes, so the real SIGTERM below always lands mid-run (a tiny
+    # run on a fast machine used to finish all 8 steps before the signal was handled).
+    proc = subprocess.Popen(_cmd(shakespeare_store, tmp_path, "--config.train.steps=8",
+                                 "--config.debug.hold_at_step=3"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env())
     _wait_for_step(tmp_path, 3, proc)
     proc.send_signal(signal.SIGTERM)
@@ -71,7 +74,7 @@ def test_resume_after_sigterm_is_bitwise_identical(shakespeare_store, uninterrup
     assert proc.returncode == 0, err[-3000:]
     assert "preempted: saved step" in out
     stopped = int(out.split("preempted: saved step ")[1].split(",")[0])
-    assert 3 <= stopped < 8
+    assert stopped == 3
 
     again = _run(shakespeare_store, tmp_path, "--config.train.steps=8")
     assert again.returncode == 0, again.stderr[-3000:]
@@ -86,12 +89,14 @@ def test_resume_after_sigterm_is_bitwise_identical(shakespeare_store, uninterrup
 
 def test_kill_9_during_saves_resumes_from_last_committed(shakespeare_store, tmp_path):
     for kill_after_step in (2, 5):  # several moments: right after the first save, and mid-run
+        # Held after that step (its predecessor's async save may still be in flight), so the kill lands mid-run.
         proc = subprocess.Popen(_cmd(shakespeare_store, tmp_path, "--config.train.steps=8",
-                                     "--config.checkpoint.every=1"),
+                                     "--config.checkpoint.every=1", f"--config.debug.hold_at_step={kill_after_step}"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env())
         _wait_for_step(tmp_path, kill_after_step, proc)
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+        assert proc.wait(timeout=60) == -signal.SIGKILL  # killed, not finished before the signal
+        assert max(losses(tmp_path)) == kill_after_step
     committed = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert committed
     again = _run(shakespeare_store, tmp_path, "--config.train.steps=8", "--config.checkpoint.every=1")
@@ -262,3 +267,17 @@ def test_rollback_policy_restores_skips_data_and_halves_lr(shakespeare_store, un
     assert all(abs(r["loss"] - reference[r["step"]]) < 0.5 for r in after)  # back on trend
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rollbacks"] == 1 and summary["lr_scale"] == 0.5
+
+
+def test_rollback_with_no_checkpoint_yet_skips_the_update(shakespeare_store, uninterrupted, tmp_path):
+    """Under the default policy an anomaly before the first checkpoint skips that update instead of aborting."""
+    proc = _run(shakespeare_store, tmp_path, "--config.train.steps=6", "--config.checkpoint.every=1000",
+                "--config.debug.inject_spike_at_step=5", "--config.anomaly.min_history=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (incident,) = _incidents(tmp_path)
+    assert incident["kind"] == "loss_spike" and incident["skipped_steps"] == [5]
+    assert incident["action"] == "skip (no healthy checkpoint to roll back to)"
+    after = losses(tmp_path)[6]  # from step 4's parameters: step 5's update never happened
+    assert np.isfinite(after) and abs(after - losses(uninterrupted)[6]) < 0.5
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rollbacks"] == 0 and summary["lr_scale"] == 1.0

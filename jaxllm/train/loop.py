@@ -29,12 +29,14 @@ from jaxllm.optim import make_optimizer
 from jaxllm.preemption import PreemptionGuard
 from jaxllm.progress import ProgressBar
 from jaxllm.sample import greedy_generate
+from jaxllm.train.anomaly import incident_kind
 from jaxllm.train.recovery import AnomalyAbort, restore_latest, restore_start
 from jaxllm.train.state import abstract_train_state, create_train_state
 from jaxllm.train.step import (batch_sharding, jit_eval_step, jit_train_step, make_eval_step, make_train_step,
                                process_rows)
 
 INJECT_NAN, INJECT_SPIKE = 1, 2
+HOLD_TIMEOUT_S = 600.0
 
 
 def to_global(batch: dict[str, np.ndarray], sharding, global_rows: int) -> dict[str, jax.Array]:
@@ -118,7 +120,10 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
     batch = to_global(local, rows_sharding, tc.batch_size)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        step_fn = make_train_step(graphdef, tx, cfg.optim.grad_accum, ac, skip_anomalies=tc.on_anomaly == "skip")
+        # Under `rollback` too an anomalous update is skipped inside the step: the next step, already dispatched
+        # when the anomaly is seen, then starts from a healthy state, which is the fallback with no checkpoint.
+        step_fn = make_train_step(graphdef, tx, cfg.optim.grad_accum, ac,
+                                  skip_anomalies=tc.on_anomaly in ("skip", "rollback"))
         train_step = jit_train_step(step_fn, shardings, mesh).lower(state, batch).compile()
         eval_step = jit_eval_step(make_eval_step(graphdef), shardings.params, mesh)
         eval_step = eval_step.lower(state.params, eval_batches[0]).compile() if eval_batches else None
@@ -141,6 +146,7 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
 
     bar = ProgressBar(tc.steps, start=start_step, stream=stream) if is_main else None
     injected: set[int] = set()
+    held: set[int] = set()
     step_times, losses = [], []
     last_ready = time.perf_counter()
 
@@ -167,7 +173,7 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
     def handle_anomaly(record) -> bool:
         """Act on an anomalous step per `train.on_anomaly`; True when the state was rolled back."""
         nonlocal state, data_offset, rollbacks, train_iter
-        kind = "nonfinite" if record["nonfinite"] else "loss_spike" if record["loss_spike"] else "grad_spike"
+        kind = incident_kind(record)
         incident = dict(step=record["step"], kind=kind, loss=record["loss"], grad_norm=record["grad_norm"],
                         action=tc.on_anomaly)
         if tc.on_anomaly == "skip":
@@ -194,7 +200,12 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
                 train_iter.close()
                 train_iter = data_iterator(int(new_state.step))
                 return True
-            incident["action"] = "abort (no healthy checkpoint to roll back to)"
+            # The compiled step already left the state as it was (see make_train_step): carry on without it.
+            incidents.write(dict(incident, action="skip (no healthy checkpoint to roll back to)",
+                                 skipped_steps=[record["step"]]))
+            log(f"step {record['step']}: {kind} (loss {record['loss']:.4g}), update skipped (no healthy checkpoint "
+                f"to roll back to)")
+            return False
         elif tc.on_anomaly == "rollback":
             incident["action"] = f"abort (gave up after {rollbacks} rollbacks)"
         incidents.write(incident)
@@ -204,6 +215,12 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
 
     def check(record) -> bool:
         """True when `record`'s step was anomalous and the state got rolled back."""
+        if record["grad_spike"] and not record["anomaly"]:  # counted and reported, not acted on
+            summary["grad_spikes"] = summary.get("grad_spikes", 0) + 1
+            incidents.write(dict(step=record["step"], kind="grad_spike", loss=record["loss"],
+                                 grad_norm=record["grad_norm"], action="reported"))
+            log(f"step {record['step']}: gradient-norm spike ({record['grad_norm']:.4g}, loss {record['loss']:.4g}); "
+                f"reported only (clipping bounds the update)")
         return bool(record["anomaly"]) and handle_anomaly(record)
 
     guard = PreemptionGuard()
@@ -224,11 +241,19 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
             rolled_back = pending is not None and check(report(*pending))  # ... then wait for the previous one
             pending = None
             stop = boundary = evaluating = False
+            if not rolled_back and step == cfg.debug.hold_at_step and step not in held:
+                # Drills: the step's metrics are out before the hold, so whoever waits for them signals mid-run.
+                held.add(step)
+                rolled_back = check(report(*current))
+                current = None
+                if not rolled_back:
+                    log(f"holding after step {step} until a signal arrives (debug.hold_at_step)")
+                    guard.wait_for_signal(HOLD_TIMEOUT_S)
             if not rolled_back:
                 stop = guard.should_stop(step)
                 boundary = step % cfg.checkpoint.every == 0 or step == tc.steps or stop
                 evaluating = step % tc.eval_every == 0 and step < tc.steps and eval_step is not None
-                if boundary or evaluating:  # a step must be known healthy before it is saved or evaluated
+                if current is not None and (boundary or evaluating):  # known healthy before saved or evaluated
                     rolled_back = check(report(*current))
                 else:
                     pending = current

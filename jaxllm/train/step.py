@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxllm.config import AnomalyConfig
 from jaxllm.optim import current_lr
 from jaxllm.sharding import constrain, logical_to_spec
+from jaxllm.train.anomaly import detect, push
 from jaxllm.train.state import TrainState
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -95,35 +96,14 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1):
     return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count
 
 
-def _window_stats(window):
-    """(count, mean, std) of the non-NaN entries of a history window."""
-    valid = jnp.isfinite(window)
-    count = jnp.sum(valid)
-    mean = jnp.sum(jnp.where(valid, window, 0.0)) / jnp.maximum(count, 1)
-    var = jnp.sum(jnp.where(valid, (window - mean) ** 2, 0.0)) / jnp.maximum(count, 1)
-    return count, mean, jnp.sqrt(var)
-
-
-def _is_spike(value, window, z, min_history, rel_floor):
-    """`value` above mean + z * std of the history, with std floored at `rel_floor * |mean|`: a flat history
-    must not turn ordinary wobbles into "spikes" (gradient norms are heavy-tailed, so their floor is high)."""
-    count, mean, std = _window_stats(window)
-    return (count >= min_history) & (value > mean + z * jnp.maximum(std, rel_floor * jnp.abs(mean) + 1e-6))
-
-
-def _push(window, value, keep):
-    """Append `value` to the ring buffer (oldest dropped) when `keep`."""
-    return jnp.where(keep, jnp.concatenate([window[1:], value[None]]), window)
-
-
 def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int = 1,
                     anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False) -> Callable:
     """`step(state, batch) -> (state, metrics)`: `grads_and_loss`, then one optimizer update scaled by
     `state.lr_scale`. Metrics are device scalars (the loop reads them one step late).
 
-    Every step checks for anomalies (non-finite loss or gradient norm, loss or gradient-norm spike against the
-    state's history windows); with `skip_anomalies` an anomalous step leaves parameters and optimizer state
-    unchanged, decided inside the compiled step (no host round trip).
+    Every step checks for anomalies (`jaxllm.train.anomaly.detect` against the state's history windows); with
+    `skip_anomalies` an anomalous step leaves parameters and optimizer state unchanged, decided inside the
+    compiled step (no host round trip), so the step dispatched after it starts from a healthy state.
     """
 
     def step(state: TrainState, batch):
@@ -135,12 +115,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
         grads = jax.tree.map(lambda g: g * spike_factor, grads)
 
         grad_norm = optax.tree.norm(grads)
-        nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
-        # Floors: with z = 6 a loss spike is at least 1.3x the recent mean, a gradient-norm spike 4x. Small
-        # batches make both noisy; a rollback for an ordinary hard batch would waste more than it saves.
-        loss_spike = _is_spike(loss, state.loss_window, anomaly.z, anomaly.min_history, 0.05)
-        grad_spike = _is_spike(grad_norm, state.grad_window, anomaly.grad_z, anomaly.min_history, 0.5)
-        is_anomaly = nonfinite | loss_spike | grad_spike
+        flags = detect(loss, grad_norm, state.loss_window, state.grad_window, anomaly)
+        is_anomaly = flags["anomaly"]
 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         updates = jax.tree.map(lambda u: u * state.lr_scale, updates)
@@ -154,16 +130,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
             "grad_norm": grad_norm,
             "lr": current_lr(opt_state) * state.lr_scale,  # the rate this update used
             "target_tokens": count,
-            "anomaly": is_anomaly,
-            "nonfinite": nonfinite,
-            "loss_spike": loss_spike,
-            "grad_spike": grad_spike,
+            **flags,
         }
         healthy = ~is_anomaly
         new_state = TrainState(
             step=state.step + 1, params=params, opt_state=opt_state, lr_scale=state.lr_scale,
-            loss_window=_push(state.loss_window, loss, healthy),
-            grad_window=_push(state.grad_window, grad_norm, healthy),
+            loss_window=push(state.loss_window, loss, healthy),
+            grad_window=push(state.grad_window, grad_norm, healthy),
             inject=jnp.zeros_like(state.inject),
         )
         return new_state, metrics
