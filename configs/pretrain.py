@@ -17,7 +17,7 @@ def get_config():
     # This CPU default computes in float32: CPUs without native bf16 run bf16 matmuls ~1.7x slower.
     config.precision.update(params="float32", compute="float32", output="float32")
     config.optim.update(name="adamw", lr=3e-3, schedule="cosine", warmup_steps=30, weight_decay=0.1)
-    config.train.update(steps=300, batch_size=16, seq_len=128, eval_every=100, eval_batches=8)
+    config.train.update(steps=300, batch_size=16, seq_len=128, eval_every=100, eval_batches=8, sample_prompt="ROMEO.")
     config.data.update(path="build/data/shakespeare", num_workers=0)
     config.checkpoint.update(every=100, keep=3)
     config.lock()

@@ -119,7 +119,8 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Length and shape of the run."""
+    """Length and shape of the run. The end-of-run greedy sample continues `sample_prompt` (empty: the
+    objective's own prompt) by `sample_tokens` tokens."""
 
     steps: int = 300
     batch_size: int = 16
@@ -129,7 +130,7 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 1
     sample_tokens: int = 48
-    sample_prompt: str = "ROMEO."
+    sample_prompt: str = ""
     on_anomaly: str = "rollback"
 
 
@@ -187,6 +188,30 @@ class DebugConfig:
     hold_at_step: int = 0
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Adapters of rank `rank` on `targets` (comma-separated projection names), scaled by alpha / rank (alpha /
+    sqrt(rank) with `rslora`), with dropout `dropout` on their input. Rank 0 means full fine-tuning (no
+    adapters)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.1
+    targets: str = "q_proj,v_proj"
+    rslora: bool = False
+
+    @property
+    def target_list(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
 ANOMALY_POLICIES = ("rollback", "skip", "abort")
 
 
@@ -215,6 +240,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     anomaly: AnomalyConfig = AnomalyConfig()
     debug: DebugConfig = DebugConfig()
+    lora: LoRAConfig = LoRAConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
 
@@ -361,6 +387,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     checkpoint = _build(CheckpointConfig, cd.get("checkpoint", {}), "checkpoint.")
     anomaly = _build(AnomalyConfig, cd.get("anomaly", {}), "anomaly.")
     debug = _build(DebugConfig, cd.get("debug", {}), "debug.")
+    lora = _build(LoRAConfig, cd.get("lora", {}), "lora.")
 
     for key in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
         _positive(f"model.{key}", getattr(model, key))
@@ -437,6 +464,8 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
             f"(times optim.grad_accum={optim.grad_accum})",
         )
     _choice("train.on_anomaly", train.on_anomaly, ANOMALY_POLICIES)
+    if debug.hold_at_step and num_processes is not None and num_processes > 1:
+        raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
     _positive("checkpoint.every", checkpoint.every)
     _positive("checkpoint.keep", checkpoint.keep)
     if checkpoint.keep_every < 0:
@@ -453,6 +482,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         raise ConfigError("anomaly.lr_factor", f"must be in (0, 1], got {anomaly.lr_factor}")
     if anomaly.max_rollbacks < 0:
         raise ConfigError("anomaly.max_rollbacks", f"must be >= 0, got {anomaly.max_rollbacks}")
+    _check_lora(lora)
     if data.num_workers < 0:
         raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
     if not str(cd.get("workdir", "")):
@@ -469,16 +499,30 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         checkpoint=checkpoint,
         anomaly=anomaly,
         debug=debug,
+        lora=lora,
         workdir=str(cd.get("workdir", Config.workdir)),
         peak_flops=float(cd.get("peak_flops", 0.0)),
     )
+
+
+def _check_lora(cfg: LoRAConfig) -> None:
+    if cfg.rank < 0:
+        raise ConfigError("lora.rank", f"must be >= 0 (0: full fine-tuning), got {cfg.rank}")
+    if cfg.rank and cfg.alpha <= 0:
+        raise ConfigError("lora.alpha", f"must be positive, got {cfg.alpha}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError("lora.dropout", f"must be in [0, 1), got {cfg.dropout}")
+    unknown = [t for t in cfg.target_list if t not in LORA_TARGETS]
+    if unknown or (cfg.rank and not cfg.target_list):
+        raise ConfigError("lora.targets", f"expected a comma-separated subset of {','.join(LORA_TARGETS)}, got "
+                                          f"{cfg.targets!r}")
 
 
 def default_config_dict() -> ml_collections.ConfigDict:
     """A ConfigDict holding every field with its dataclass default; config files start from it."""
     sections = dict(mesh=MeshConfig, model=ModelConfig, precision=PrecisionConfig, optim=OptimConfig,
                     train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
-                    anomaly=AnomalyConfig, debug=DebugConfig)
+                    anomaly=AnomalyConfig, debug=DebugConfig, lora=LoRAConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

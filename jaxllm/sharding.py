@@ -31,6 +31,7 @@ RULES: dict[str, tuple[MeshAxes, MeshAxes]] = {
     "layers": ("stage", None),  # stacked layer weights: each pipeline stage holds its own layers
     "stage": ("stage", "stage"),
     "norm": (None, None),
+    "lora_rank": (None, None),  # LoRA adapters' rank axis: small, replicated
 }
 
 

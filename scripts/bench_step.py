@@ -24,28 +24,29 @@ def bare_step_throughput(cfg, steps: int) -> dict:
     from jaxllm.metrics import mfu, peak_flops_per_device
     from jaxllm.model.transformer import train_flops_per_token
     from jaxllm.optim import make_optimizer
-    from jaxllm.train.loop import to_global
-    from jaxllm.train.state import create_train_state
-    from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
+    from jaxllm.train.loop import StepRunner, to_global
+    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.train.state import init_objective_state
+    from jaxllm.train.step import batch_sharding
 
     tc = cfg.train
     mesh = make_mesh(cfg.mesh)
     tx = make_optimizer(cfg.optim, tc.steps)
+    objective = lm_objective(cfg.model, cfg.precision, cfg.pipeline)
     with jax.set_mesh(mesh):
-        graphdef, state, shardings = create_train_state(cfg.model, cfg.precision, tx, mesh, tc.seed,
-                                                        cfg.anomaly.window, cfg.pipeline)
+        state, frozen, shardings, frozen_shardings = init_objective_state(objective, tx, mesh, tc.seed,
+                                                                          cfg.anomaly.window)
         batch = to_global(synthetic_batch(0, tc.batch_size, tc.seq_len, cfg.model.vocab_size), batch_sharding(mesh),
                           tc.batch_size)
-        start = time.perf_counter()
-        compiled = jit_train_step(make_train_step(graphdef, tx, cfg.optim.grad_accum), shardings, mesh)
-        compiled = compiled.lower(state, batch).compile()
-        compile_s = time.perf_counter() - start
+    runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh)  # the very step the loop runs
+    compile_s = runner.compile(state, batch, frozen)
+    compiled = runner.compiled
     for _ in range(2):  # warm up
-        state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, batch, frozen)
     jax.block_until_ready(metrics)
     start = time.perf_counter()
     for _ in range(steps):
-        state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, batch, frozen)
     jax.block_until_ready(metrics)
     elapsed = time.perf_counter() - start
     tokens_per_sec = steps * tc.batch_size * tc.seq_len / elapsed
@@ -112,7 +113,7 @@ def main(argv):
         import jax
 
         cfg = validate(build_config(args.config, overrides), jax.device_count())
-        from jaxllm.train.loop import open_data
+        from jaxllm.train.pretrain import open_data
 
         open_data(cfg)  # the loop run needs the token store: check it before minutes of bare-step timing
     except (ConfigError, UsageError) as exc:

@@ -125,6 +125,24 @@ def test_corrupted_checkpoint_falls_back_to_previous(shakespeare_store, base_run
     assert "resuming from checkpoint step 6" in proc.stdout
 
 
+def test_resume_never_holds_two_train_states(shakespeare_store, uninterrupted, base_run):
+    """A resume restores into abstract shapes: its start-up peak of live device bytes is a fresh start's."""
+    shutil.rmtree(base_run / "checkpoints" / "8")
+    proc = _run(shakespeare_store, base_run, "--config.train.steps=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from checkpoint step 6" in proc.stdout
+    fresh = json.loads((uninterrupted / "summary.json").read_text())["startup_peak_live_bytes"]
+    resumed = json.loads((base_run / "summary.json").read_text())["startup_peak_live_bytes"]
+    ckpt = Checkpointer(base_run / "checkpoints")
+    tx = make_optimizer(OptimConfig(warmup_steps=2), 8)
+    state = ckpt.restore(6, abstract_train_state(MODEL, F32, tx), make_mesh(MeshConfig(2, 2, 2, 1)),
+                         items=("state",))["state"]
+    ckpt.close()
+    one_state = sum(shard.data.nbytes for x in jax.tree.leaves(state) for shard in x.addressable_shards)
+    print(f"start-up peak live bytes: fresh {fresh}, resumed {resumed}, one train state {one_state}")
+    assert one_state <= fresh <= 1.2 * one_state and one_state <= resumed <= 1.2 * one_state
+
+
 def _make_immutable(path, on: bool) -> bool:
     """chattr +i: a read-only directory that even root (which ignores file modes) cannot write into."""
     return subprocess.run(["chattr", "+i" if on else "-i", str(path)], capture_output=True).returncode == 0

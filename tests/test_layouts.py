@@ -8,6 +8,7 @@ from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.mesh import make_mesh
 from jaxllm.optim import make_optimizer
+from jaxllm.train.pretrain import lm_objective
 from jaxllm.train.state import create_train_state
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 
@@ -29,7 +30,7 @@ def _run(layout):
         graphdef, state, shardings = create_train_state(MODEL, PRECISION, tx, mesh, seed=0)
         grad_fn = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 1)[0])
         grads = jax.device_get(grad_fn(state.params, _global(synthetic_batch(99, 8, 32, 256), mesh)))
-        step = jit_train_step(make_train_step(graphdef, tx, grad_accum=2), shardings, mesh)
+        step = jit_train_step(make_train_step(lm_objective(MODEL, PRECISION), tx, grad_accum=2), shardings, mesh)
         losses = []
         batch = _global(synthetic_batch(1, 8, 32, 256), mesh)  # repeated, so the loss must fall
         for _ in range(3):

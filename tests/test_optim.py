@@ -51,7 +51,7 @@ def test_each_optimizer_updates_and_lowers_the_loss(name):
 
         @jax.jit
         def step(state):
-            grads, loss, _ = grads_and_loss(graphdef, state.params, batch)
+            grads, loss, _, _ = grads_and_loss(graphdef, state.params, batch)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             import optax
             return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state), loss

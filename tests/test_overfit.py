@@ -7,6 +7,7 @@ from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.mesh import make_mesh
 from jaxllm.optim import make_optimizer
+from jaxllm.train.pretrain import lm_objective
 from jaxllm.train.state import create_train_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 
@@ -19,8 +20,8 @@ def test_overfit_one_batch_below_0_1():
     mesh = make_mesh(MeshConfig(2, 2, 2, 1))
     local = synthetic_batch(7, 8, 32, 128)
     with jax.set_mesh(mesh):
-        graphdef, state, shardings = create_train_state(model, precision, tx, mesh, seed=0)
-        step = jit_train_step(make_train_step(graphdef, tx), shardings, mesh)
+        _, state, shardings = create_train_state(model, precision, tx, mesh, seed=0)
+        step = jit_train_step(make_train_step(lm_objective(model, precision), tx), shardings, mesh)
         sharding = batch_sharding(mesh)
         batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
         losses = []

@@ -17,7 +17,7 @@ from flax import nnx
 
 import jaxllm.model.layers as layers
 import jaxllm.sharding as sharding
-from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PipelineConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.mesh import make_mesh
 from jaxllm.model.layers import xla_attention
@@ -25,6 +25,7 @@ from jaxllm.model.transformer import Transformer
 from jaxllm.model.visibility import attention_mask
 from jaxllm.optim import make_optimizer
 from jaxllm.pipeline import bubble_fraction, pipeline
+from jaxllm.train.pretrain import lm_objective
 from jaxllm.train.state import build_model, create_train_state
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 
@@ -216,7 +217,7 @@ def test_train_step_with_grad_accum(params, reference):
         _, state, shardings = create_train_state(MODEL, PRECISION, tx, mesh, seed=0)
         assert state.params["layers"]["mlp"]["up_proj"].sharding.spec[0] == "stage"
         state = state.replace(params=jax.device_put(params, shardings.params))  # the shared parameters
-        step = jit_train_step(make_train_step(_graphdef(MODEL, m, r), tx, grad_accum=2), shardings, mesh)
+        step = jit_train_step(make_train_step(lm_objective(MODEL, PRECISION, PipelineConfig(m, r)), tx, grad_accum=2), shardings, mesh)
         batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in BATCH.items()}
         compiled = step.lower(state, batch).compile()
         _, metrics = compiled(state, batch)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.lora import adapter, project
 from jaxllm.model.cudnn_attention import cudnn_attention
 from jaxllm.sharding import constrain
 
@@ -132,9 +133,10 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with rotary positions (q_proj, k_proj, v_proj, o_proj)."""
+    """Grouped-query self-attention with rotary positions (q_proj, k_proj, v_proj, o_proj), each projection with
+    an optional LoRA adapter (`lora`: a `jaxllm.lora.LoRAConfig`)."""
 
-    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None):
         D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lead = ("layers",) * len(stack)
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
@@ -142,23 +144,27 @@ class Attention(nnx.Module):
         self.k_proj = param(rngs, stack + (D, K, H), lead + ("embed", "kv_heads", "head_dim"), dtype, std)
         self.v_proj = param(rngs, stack + (D, K, H), lead + ("embed", "kv_heads", "head_dim"), dtype, std)
         self.o_proj = param(rngs, stack + (N, H, D), lead + ("heads", "head_dim", "embed"), dtype, out_std)
+        kw = dict(stack=stack, dtype=dtype, rngs=rngs)
+        self.q_proj_lora = adapter(lora, "q_proj", (D,), (N, H), ("embed",), ("heads", "head_dim"), **kw)
+        self.k_proj_lora = adapter(lora, "k_proj", (D,), (K, H), ("embed",), ("kv_heads", "head_dim"), **kw)
+        self.v_proj_lora = adapter(lora, "v_proj", (D,), (K, H), ("embed",), ("kv_heads", "head_dim"), **kw)
+        self.o_proj_lora = adapter(lora, "o_proj", (N, H), (D,), ("heads", "head_dim"), ("embed",), **kw)
         self.impl = cfg.attention
 
-    def _project(self, x_BTD, sin_BTh, cos_BTh):
+    def _project(self, x_BTD, sin_BTh, cos_BTh, rng=None):
         """Rotated queries [B, T, N, H] and rotated keys / values [B, T, K, H] of `x_BTD`."""
-        dtype = x_BTD.dtype
-        q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.q_proj[...].astype(dtype))
-        k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.k_proj[...].astype(dtype))
-        v_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.v_proj[...].astype(dtype))
+        q_BTNH = project("BTD,DNH->BTNH", x_BTD, self.q_proj, self.q_proj_lora, _fold(rng, 0))
+        k_BSKH = project("BSD,DKH->BSKH", x_BTD, self.k_proj, self.k_proj_lora, _fold(rng, 1))
+        v_BSKH = project("BSD,DKH->BSKH", x_BTD, self.v_proj, self.v_proj_lora, _fold(rng, 2))
         q_BTNH = constrain(apply_rope(q_BTNH, sin_BTh, cos_BTh), ("batch", "seq", "heads", "head_dim"))
         k_BSKH = constrain(apply_rope(k_BSKH, sin_BTh, cos_BTh), ("batch", "seq", "kv_heads", "head_dim"))
         v_BSKH = constrain(v_BSKH, ("batch", "seq", "kv_heads", "head_dim"))
         return q_BTNH, k_BSKH, v_BSKH
 
-    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh):
-        """Self-attention of `x_BTD`; `visible` comes from `attention_visibility(self.impl, segment_ids)`."""
-        dtype = x_BTD.dtype
-        q_BTNH, k_BSKH, v_BSKH = self._project(x_BTD, sin_BTh, cos_BTh)
+    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None):
+        """Self-attention of `x_BTD`; `visible` comes from `attention_visibility(self.impl, segment_ids)`; `rng`
+        drives the adapters' dropout (None: none)."""
+        q_BTNH, k_BSKH, v_BSKH = self._project(x_BTD, sin_BTh, cos_BTh, rng)
         if self.impl == "xla":
             out_BTNH = xla_attention(q_BTNH, k_BSKH, v_BSKH, visible)
         elif self.impl == "cudnn":
@@ -166,7 +172,7 @@ class Attention(nnx.Module):
         else:  # jax.nn's XLA implementation (it handles grouped-query heads itself)
             out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible[:, None])
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.o_proj[...].astype(dtype))
+        return project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora, _fold(rng, 3))
 
     def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
         """Attend from T new tokens to a KV cache of S slots (the new tokens' keys written at slot `index`).
@@ -182,23 +188,31 @@ class Attention(nnx.Module):
         # Always the XLA path: T is 1 per step, where fused kernels bring nothing and cuDNN needs T == S.
         out_BTNH = xla_attention(q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), mask_BTS)
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.o_proj[...].astype(dtype)), k_BTKH, v_BTKH
+        return project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora), k_BTKH, v_BTKH
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), each projection with an optional LoRA adapter."""
 
-    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None):
         D, F = cfg.dim, cfg.mlp_dim
         lead = ("layers",) * len(stack)
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.gate_proj = param(rngs, stack + (D, F), lead + ("embed", "mlp"), dtype, std)
         self.up_proj = param(rngs, stack + (D, F), lead + ("embed", "mlp"), dtype, std)
         self.down_proj = param(rngs, stack + (F, D), lead + ("mlp", "embed"), dtype, out_std)
+        kw = dict(stack=stack, dtype=dtype, rngs=rngs)
+        self.gate_proj_lora = adapter(lora, "gate_proj", (D,), (F,), ("embed",), ("mlp",), **kw)
+        self.up_proj_lora = adapter(lora, "up_proj", (D,), (F,), ("embed",), ("mlp",), **kw)
+        self.down_proj_lora = adapter(lora, "down_proj", (F,), (D,), ("mlp",), ("embed",), **kw)
 
-    def __call__(self, x_BTD):
-        dtype = x_BTD.dtype
-        gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.gate_proj[...].astype(dtype))
-        up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.up_proj[...].astype(dtype))
+    def __call__(self, x_BTD, rng=None):
+        gate_BTF = project("BTD,DF->BTF", x_BTD, self.gate_proj, self.gate_proj_lora, _fold(rng, 4))
+        up_BTF = project("BTD,DF->BTF", x_BTD, self.up_proj, self.up_proj_lora, _fold(rng, 5))
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
-        return jnp.einsum("BTF,FD->BTD", h_BTF, self.down_proj[...].astype(dtype))
+        return project("BTF,FD->BTD", h_BTF, self.down_proj, self.down_proj_lora, _fold(rng, 6))
+
+
+def _fold(rng, i: int):
+    """The key of adapter `i` of a layer (None stays None: no dropout)."""
+    return None if rng is None else jax.random.fold_in(rng, i)

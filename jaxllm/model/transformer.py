@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.config import ModelConfig, PrecisionConfig
+from jaxllm.config import LoRAConfig, ModelConfig, PrecisionConfig
 from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, param, rope_tables
 from jaxllm.model.visibility import attention_visibility, resolve_attention
 from jaxllm.pipeline import num_stages, pipeline
@@ -30,16 +30,17 @@ REMAT_POLICIES = {
 class DecoderLayer(nnx.Module):
     """One pre-norm decoder block; built with `stack=(L,)` it holds all L layers' parameters."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, stack: tuple = (), rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None):
         self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
-        self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs)
+        self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora)
         self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
-        self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora)
 
-    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh):
-        h_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), visible, sin_BTh, cos_BTh)
+    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None):
+        attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
+        h_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), visible, sin_BTh, cos_BTh, attn_rng)
         h_BTD = constrain(h_BTD, ("batch", "seq", "embed"))
-        out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+        out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD), mlp_rng)
         return constrain(out_BTD, ("batch", "seq", "embed"))
 
     def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
@@ -86,31 +87,40 @@ def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_
     return x_BTD, KVCache(k, v)
 
 
-def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none"):
-    """Run stacked `layers` over `x_BTD` with `lax.scan`, rematerialising each layer per `remat`."""
+def layer_keys(rng, num_layers: int):
+    """Per-layer key data [L, 2] (uint32) for randomness inside the stacked layers, or None without `rng`.
+    Plain arrays stacked like the weights, so `lax.scan` and the pipeline hand each layer its own."""
+    return None if rng is None else jax.random.key_data(jax.random.split(rng, num_layers))
+
+
+def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", keys_L=None):
+    """Run stacked `layers` over `x_BTD` with `lax.scan`, rematerialising each layer per `remat`; layer l draws
+    its randomness (LoRA dropout) from `keys_L[l]` (None: deterministic)."""
     graphdef, stacked = nnx.split(layers)
 
-    def body(x, layer_state):
+    def body(x, xs):
+        layer_state, key = xs
         layer = nnx.merge(graphdef, layer_state)
-        return layer(x, visible, sin_BTh, cos_BTh), None
+        return layer(x, visible, sin_BTh, cos_BTh, None if key is None else jax.random.wrap_key_data(key)), None
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
+    x_BTD, _ = jax.lax.scan(body, x_BTD, (stacked, keys_L))
     return x_BTD
 
 
 def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", *,
-                    microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False):
+                    microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False, keys_L=None):
     """`scan_layers` as a pipeline over the active mesh's `stage` axis (see `jaxllm.pipeline`): each stage
     scans its own chunks of the stacked layers; visibility (mask or packed documents) and rotary tables travel
-    with their micro-batch."""
+    with their micro-batch. Per-layer keys travel with their layers, so a step's micro-batches share them."""
     graphdef, stacked = nnx.split(layers)
 
-    def stage_fn(chunk_state, x_BTD, aux):
-        return scan_layers(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat)
+    def stage_fn(chunk, x_BTD, aux):
+        chunk_state, chunk_keys = chunk
+        return scan_layers(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys)
 
-    return pipeline(stage_fn, stacked, x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
+    return pipeline(stage_fn, (stacked, keys_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
                     repeats=repeats, debug_nan_bubbles=debug_nan_bubbles)
 
 
@@ -122,7 +132,8 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
-                 rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1):
+                 rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1,
+                 lora: LoRAConfig | None = None):
         dtype = jnp.dtype(precision.params)
         cfg = dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, precision.compute))
         self.cfg = cfg
@@ -133,16 +144,20 @@ class Transformer(nnx.Module):
         self.pipeline_debug_nan_bubbles = False  # tests: feed NaN into bubble iterations
         # Not a ModelConfig field: only imported checkpoints (Llama 3.x) rescale their rotary frequencies.
         self.rope_scaling = rope_scaling
+        self.precision = precision
         self.compute_dtype = jnp.dtype(precision.compute)
         self.output_dtype = jnp.dtype(precision.output)
+        # Adapters (jaxllm.lora) on the stacked projections; None or rank 0: none. Static, in the graphdef.
+        self.lora = lora if lora is not None and lora.rank else None
         self.embed_tokens = Embed(cfg.vocab_size, cfg.dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
-        self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs)
+        self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs, lora=self.lora)
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, cfg.init_std)
 
-    def hidden_states(self, tokens_BT, segment_ids_BT=None, positions_BT=None):
-        """Final normalised hidden states [B, T, D] in compute dtype."""
+    def hidden_states(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):
+        """Final normalised hidden states [B, T, D] in compute dtype; `rng` drives the adapters' dropout (None:
+        deterministic, as in evaluation and decoding)."""
         B, T = tokens_BT.shape
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
@@ -151,12 +166,13 @@ class Transformer(nnx.Module):
         sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
         visible = attention_visibility(self.cfg.attention, segment_ids_BT)
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype)
+        keys_L = layer_keys(rng if self.lora is not None else None, self.cfg.num_layers)
         if num_stages() > 1:
             x_BTD = pipeline_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat,
                                     microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
-                                    debug_nan_bubbles=self.pipeline_debug_nan_bubbles)
+                                    debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L)
         else:
-            x_BTD = scan_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat)
+            x_BTD = scan_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L)
         return self.norm(x_BTD)
 
     def logits(self, x_BTD):
@@ -167,8 +183,8 @@ class Transformer(nnx.Module):
             logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head[...].astype(x_BTD.dtype))
         return constrain(logits_BTV.astype(self.output_dtype), ("batch", "seq", "vocab"))
 
-    def __call__(self, tokens_BT, segment_ids_BT=None, positions_BT=None):
-        return self.logits(self.hidden_states(tokens_BT, segment_ids_BT, positions_BT))
+    def __call__(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):
+        return self.logits(self.hidden_states(tokens_BT, segment_ids_BT, positions_BT, rng))
 
     def decode(self, tokens_BT, cache: KVCache, index, start_B):
         """KV-cache forward of T new tokens that occupy cache slots [index, index + T).

@@ -57,10 +57,10 @@ def detect(loss, grad_norm, loss_window, grad_window, cfg: AnomalyConfig) -> dic
     return {"anomaly": acted, "nonfinite": nonfinite, "loss_spike": loss_spike, "grad_spike": grad_spike}
 
 
-def replay(losses, grad_norms, cfg: AnomalyConfig) -> list[tuple[int, str]]:
-    """(index, kind) of every step that `detect` flags over recorded traces, with the windows updated as the
-    train step updates them. `kind` is the flag that names an incident (see `incident_kind`); acted-on steps
-    leave the windows untouched, as in training."""
+def replay(losses, grad_norms, cfg: AnomalyConfig) -> list[tuple[int, str, bool]]:
+    """(index, kind, acted on) of every step that `detect` flags over recorded traces, with the windows updated
+    as the train step updates them: acted-on steps leave the windows untouched. `kind` names the incident (see
+    `incident_kind`)."""
 
     def step(carry, xs):
         loss_window, grad_window = carry
@@ -73,8 +73,8 @@ def replay(losses, grad_norms, cfg: AnomalyConfig) -> list[tuple[int, str]]:
     xs = (jnp.asarray(losses, jnp.float32), jnp.asarray(grad_norms, jnp.float32))
     _, flags = jax.lax.scan(step, carry, xs)
     flags = jax.device_get(flags)
-    return [(i, incident_kind({k: v[i] for k, v in flags.items()})) for i in range(len(losses))
-            if flags["anomaly"][i] or flags["grad_spike"][i]]
+    return [(i, incident_kind({k: v[i] for k, v in flags.items()}), bool(flags["anomaly"][i]))
+            for i in range(len(losses)) if flags["anomaly"][i] or flags["grad_spike"][i]]
 
 
 def incident_kind(flags: dict) -> str:

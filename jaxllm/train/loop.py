@@ -1,12 +1,18 @@
-"""The training loop: compile once, dispatch step N+1 before reading step N's metrics, evaluate, checkpoint,
-recover from anomalies, stop cleanly on preemption, sample.
+"""The training loop every objective shares: compile once, dispatch step N+1 before reading step N's metrics,
+evaluate, checkpoint, recover from anomalies, stop cleanly on preemption, sample.
 
 Reading a metric blocks the host until that step finishes; fetching one step late keeps a step always queued
 on the devices, so the host's Python (data, logging) overlaps device work instead of adding to it.
+
+The parts, each small: `Run` (the mutable position of the run: state, data offset, rollbacks, batch source),
+`StepRunner` (the compiled step and its drill variants), `MetricsLog` (metrics.jsonl, progress bar, timing),
+`AnomalyPolicy` (jaxllm/train/recovery.py: what a flagged step calls for) and `train`, whose loop reads top to
+bottom as what happens in a step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -14,13 +20,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from flax import nnx
 
 from jaxllm.checkpoint import Checkpointer
-from jaxllm.config import Config, ConfigError
-from jaxllm.data.pipeline import make_eval_batches, make_train_iterator, packing_efficiency
-from jaxllm.data.token_store import TokenStore
-from jaxllm.data.tokenizer import Tokenizer
+from jaxllm.config import Config
+from jaxllm.data.pipeline import packing_efficiency
 from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter, mfu, peak_flops_per_device
 from jaxllm.model.transformer import train_flops_per_token
@@ -29,13 +33,13 @@ from jaxllm.optim import make_optimizer
 from jaxllm.preemption import PreemptionGuard
 from jaxllm.progress import ProgressBar
 from jaxllm.sample import greedy_generate
-from jaxllm.train.anomaly import incident_kind
-from jaxllm.train.recovery import AnomalyAbort, restore_latest, restore_start
-from jaxllm.train.state import abstract_train_state, create_train_state
-from jaxllm.train.step import (batch_sharding, jit_eval_step, jit_train_step, make_eval_step, make_train_step,
-                               process_rows)
+from jaxllm.sharding import sharding_tree
+from jaxllm.train.faults import planned_faults, with_scaled_loss
+from jaxllm.train.objective import BatchRequest, Objective
+from jaxllm.train.recovery import Recovery, restore_start
+from jaxllm.train.state import abstract_objective_state
+from jaxllm.train.step import batch_sharding, jit_eval_step, jit_train_step, make_eval_step, make_train_step, process_rows
 
-INJECT_NAN, INJECT_SPIKE = 1, 2
 HOLD_TIMEOUT_S = 600.0
 
 
@@ -45,31 +49,144 @@ def to_global(batch: dict[str, np.ndarray], sharding, global_rows: int) -> dict[
             for k, v in batch.items()}
 
 
-def open_data(cfg: Config) -> tuple[TokenStore, Tokenizer]:
-    """The token store and its tokenizer, checked against the model's vocabulary."""
-    store_path = Path(cfg.data.path)
-    if not (store_path / "manifest.json").exists():
-        raise ConfigError("data.path", f"no token store at {store_path} (run `make data` or scripts/prepare_data.py)")
-    store = TokenStore.open(str(store_path))
-    tokenizer = Tokenizer.load(str(store_path / store.manifest.get("tokenizer", "tokenizer.model")))
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            "model.vocab_size",
-            f"{cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} tokens in {store_path}",
-        )
-    return store, tokenizer
+def live_bytes() -> int:
+    """Bytes of every live jax array on this process's devices (per shard, so replicas count on each device).
+
+    Buffers are counted once each: reading a shard makes a single-device array that is itself live and shares
+    the shard's buffer.
+    """
+    buffers = {(shard.device.id, shard.data.unsafe_buffer_pointer()): shard.data.nbytes
+               for x in jax.live_arrays() for shard in x.addressable_shards}
+    return sum(buffers.values())
 
 
-def evaluate(eval_step, params, batches) -> float:
+class PeakLiveBytes:
+    """The largest `live_bytes()` seen at the moments it is sampled (memory_stats() is None on CPU)."""
+
+    def __init__(self):
+        self.peak = 0
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, live_bytes())
+
+
+@dataclasses.dataclass
+class Run:
+    """The mutable position of a run: the state the next step updates, the frozen variables, the data offset
+    (data index = step - 1 + offset), the rollbacks so far, and the open batch source."""
+
+    objective: Objective
+    steps: int
+    rows: tuple[int, int]
+    state: object
+    frozen: object
+    data_offset: int = 0
+    rollbacks: int = 0
+    batches: object = None
+
+    def reopen_batches(self) -> None:
+        """(Re)open the batch source for the steps after `state.step`."""
+        if self.batches is not None:
+            self.batches.close()
+        first = int(self.state.step)
+        self.batches = self.objective.open_batches(BatchRequest(
+            first=first + self.data_offset, end=self.steps + self.data_offset + 1, rows=self.rows,
+            current=lambda: self.state))
+
+
+class StepRunner:
+    """The compiled train step, and for drills (debug.inject_*) a variant with a scaled loss that runs once at
+    its step, compiled when first needed."""
+
+    def __init__(self, objective: Objective, tx, cfg: Config, shardings, frozen_shardings, mesh):
+        skip = cfg.train.on_anomaly in ("skip", "rollback")
+        # Under `rollback` too an anomalous update is skipped inside the step: the next step, already dispatched
+        # when the anomaly is seen, then starts from a healthy state, which is the fallback with no checkpoint.
+        self._jit = lambda obj: jit_train_step(
+            make_train_step(obj, tx, cfg.optim.grad_accum, cfg.anomaly, skip_anomalies=skip),
+            shardings, mesh, frozen_shardings)
+        self.objective, self.mesh = objective, mesh
+        self.compiled = None
+        self.faults = planned_faults(cfg.debug)
+
+    def compile(self, state, batch, frozen) -> float:
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            self.compiled = self._jit(self.objective).lower(state, batch, frozen).compile()
+        return time.perf_counter() - start
+
+    def __call__(self, step: int, state, batch, frozen):
+        factor = self.faults.pop(step, None)
+        if factor is None:
+            return self.compiled(state, batch, frozen)
+        with jax.set_mesh(self.mesh):
+            return self._jit(with_scaled_loss(self.objective, factor))(state, batch, frozen)
+
+
+class MetricsLog:
+    """Per-step records (metrics.jsonl), the progress bar and step timing, written by process 0."""
+
+    def __init__(self, cfg: Config, mesh, workdir: Path, start_step: int, is_main: bool, stream):
+        tc = cfg.train
+        self.tokens_per_step = tc.batch_size * tc.seq_len
+        self.flops = train_flops_per_token(cfg.model, tc.seq_len)
+        self.flops_causal = train_flops_per_token(cfg.model, tc.seq_len, causal=True)
+        self.peak, self.devices = peak_flops_per_device(cfg.peak_flops), mesh.size
+        self.writer = JsonlWriter(workdir / "metrics.jsonl", enabled=is_main)
+        self.bar = ProgressBar(tc.steps, start=start_step, stream=stream) if is_main else None
+        self.log_every, self.total = tc.log_every, tc.steps
+        self.step_times: list[float] = []
+        self.losses: list[float] = []
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Time from now on counts toward the next step (eval and checkpoint restores do not)."""
+        self.last_ready = time.perf_counter()
+
+    def mfu(self, tokens_per_sec: float, causal: bool = False) -> float:
+        return mfu(tokens_per_sec, self.flops_causal if causal else self.flops, self.devices, self.peak)
+
+    def report(self, step: int, metrics, packing: float) -> dict:
+        """Fetch one step's metrics (blocks on that step only), log them, return them."""
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        step_time, self.last_ready = now - self.last_ready, now
+        tps = self.tokens_per_step / step_time
+        record = dict(values, step=step, step_time_s=step_time, tokens_per_sec=tps, mfu=self.mfu(tps),
+                      mfu_causal=self.mfu(tps, causal=True), packing_efficiency=packing)
+        self.writer.write(record)
+        self.step_times.append(step_time)
+        self.losses.append(values["loss"])
+        if self.bar is not None and (step % self.log_every == 0 or step == self.total):
+            self.bar.update(step, values["loss"], tps, record["mfu"], force=step == self.total)
+        return record
+
+    def steady_tokens_per_sec(self) -> float:
+        steady = self.step_times[min(2, len(self.step_times) - 1):] if self.step_times else [float("nan")]
+        return self.tokens_per_step * len(steady) / float(np.sum(steady))
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def evaluate(eval_step, params, frozen, batches) -> float:
     """Token-weighted mean loss over `batches` (already global arrays)."""
-    sums = [eval_step(params, b) for b in batches]
+    sums = [eval_step(params, b, frozen) for b in batches]
     total, count = np.sum([jax.device_get(s) for s in sums], axis=0)
     return float(total / max(count, 1.0))
 
 
-def train(cfg: Config, stream=sys.stdout) -> dict:
+def objective_for(cfg: Config) -> Objective:
+    """The objective a config trains (pretraining; post-training objectives join here)."""
+    from jaxllm.train.pretrain import pretrain_objective
+
+    return pretrain_objective(cfg)
+
+
+def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) -> dict:
     """Train `cfg` end to end (resuming from `<workdir>/checkpoints` if there are any); returns a summary."""
-    store, tokenizer = open_data(cfg)
+    objective = objective or objective_for(cfg)
     mesh = make_mesh(cfg.mesh)
     is_main = jax.process_index() == 0
     workdir = Path(cfg.workdir)
@@ -77,237 +194,149 @@ def train(cfg: Config, stream=sys.stdout) -> dict:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     log = (lambda msg: print(msg, file=stream, flush=True)) if is_main else (lambda msg: None)
+    tc = cfg.train
 
-    tc, ac = cfg.train, cfg.anomaly
     tx = make_optimizer(cfg.optim, tc.steps)
-    window = ac.window
-    with jax.set_mesh(mesh):
-        graphdef, state, shardings = create_train_state(cfg.model, cfg.precision, tx, mesh, tc.seed, window,
-                                                        cfg.pipeline)
-    abstract = abstract_train_state(cfg.model, cfg.precision, tx, window)
-    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract = abstract_objective_state(objective, tx, cfg.anomaly.window)
+    shardings, frozen_shardings = (sharding_tree(tree, mesh) for tree in abstract)
     rows_sharding = batch_sharding(mesh)
     # Each process reads only the block of batch rows its devices hold (one block per host group on `data`).
-    shard_index, shard_count = process_rows(rows_sharding, tc.batch_size)
+    rows = process_rows(rows_sharding, tc.batch_size)
     # Every process says this (to its own log): which data it reads is per process.
     print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices, "
-          f"reading batch rows block {shard_index} of {shard_count}", file=stream if is_main else sys.stderr,
-          flush=True)
+          f"reading batch rows block {rows[0]} of {rows[1]}", file=stream if is_main else sys.stderr, flush=True)
 
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep,
                                 keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save, log=log)
     incidents = JsonlWriter(workdir / "incidents.jsonl", enabled=is_main)
-    state, data_offset, rollbacks = restore_start(cfg, checkpointer, state, abstract, mesh, log)
-    start_step = int(state.step)
+    peak_live = PeakLiveBytes()
+    with jax.set_mesh(mesh):
+        start = restore_start(cfg, objective, tx, checkpointer, abstract, mesh, log, on_loaded=peak_live.sample)
+    run = Run(objective, tc.steps, rows, start.state, start.frozen, start.data_offset, start.rollbacks)
+    start_step = int(run.state.step)
+    run.reopen_batches()
+    eval_batches = ([to_global(b, rows_sharding, tc.batch_size) for b in objective.eval_batches(rows)]
+                    if objective.eval_batches else [])
 
-    def data_iterator(first_step: int):
-        """Batches for train steps first_step+1, ... (data index = step - 1 + data_offset)."""
-        return make_train_iterator(
-            cfg.data.path, split="train", global_batch_size=tc.batch_size, seq_len=tc.seq_len, seed=tc.seed,
-            process_index=shard_index, process_count=shard_count,
-            start_step=first_step + data_offset, num_steps=tc.steps + data_offset + 1,
-            num_workers=cfg.data.num_workers,
-        )
-
-    train_iter = data_iterator(start_step)
-    local_eval = make_eval_batches(cfg.data.path, split="eval", batch_size=tc.batch_size, seq_len=tc.seq_len,
-                                   max_batches=tc.eval_batches or None, process_index=shard_index,
-                                   process_count=shard_count)
-    eval_batches = [to_global(b, rows_sharding, tc.batch_size) for b in local_eval]
-
-    local = next(train_iter)
+    local = next(run.batches)
     packing = packing_efficiency(local)
     batch = to_global(local, rows_sharding, tc.batch_size)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        # Under `rollback` too an anomalous update is skipped inside the step: the next step, already dispatched
-        # when the anomaly is seen, then starts from a healthy state, which is the fallback with no checkpoint.
-        step_fn = make_train_step(graphdef, tx, cfg.optim.grad_accum, ac,
-                                  skip_anomalies=tc.on_anomaly in ("skip", "rollback"))
-        train_step = jit_train_step(step_fn, shardings, mesh).lower(state, batch).compile()
-        eval_step = jit_eval_step(make_eval_step(graphdef), shardings.params, mesh)
-        eval_step = eval_step.lower(state.params, eval_batches[0]).compile() if eval_batches else None
+    runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh)
+    runner.compile(run.state, batch, run.frozen)
+    eval_step = None
+    if eval_batches:
+        with jax.set_mesh(mesh):
+            eval_step = jit_eval_step(make_eval_step(objective.graphdef, objective.loss_fn), shardings.params, mesh,
+                                      frozen_shardings)
+            eval_step = eval_step.lower(run.state.params, eval_batches[0], run.frozen).compile()
     compile_s = time.perf_counter() - t0
-    attention = resolve_attention(cfg.model.attention, cfg.precision.compute)
+    peak_live.sample()
     log(f"compiled train+eval steps in {compile_s:.1f}s on mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}, "
-        f"attention {attention}")
+        f"attention {resolve_attention(cfg.model.attention, cfg.precision.compute)}")
 
-    flops_per_token = train_flops_per_token(cfg.model, tc.seq_len)
-    flops_causal = train_flops_per_token(cfg.model, tc.seq_len, causal=True)
-    peak = peak_flops_per_device(cfg.peak_flops)
-    tokens_per_step = tc.batch_size * tc.seq_len
-    writer = JsonlWriter(workdir / "metrics.jsonl", enabled=is_main)
-    summary: dict = {"compile_s": compile_s, "start_step": start_step}
-
-    initial_eval = evaluate(eval_step, state.params, eval_batches) if eval_step else float("nan")
-    summary["initial_eval_loss"] = initial_eval
-    writer.write({"step": start_step, "eval_loss": initial_eval})
+    metrics_log = MetricsLog(cfg, mesh, workdir, start_step, is_main, stream)
+    summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak}
+    eval_loss = lambda: evaluate(eval_step, run.state.params, run.frozen, eval_batches) if eval_step else float("nan")
+    summary["initial_eval_loss"] = initial_eval = eval_loss()
+    metrics_log.writer.write({"step": start_step, "eval_loss": initial_eval})
     log(f"step {start_step} held-out loss {initial_eval:.4f}")
 
-    bar = ProgressBar(tc.steps, start=start_step, stream=stream) if is_main else None
-    injected: set[int] = set()
-    held: set[int] = set()
-    step_times, losses = [], []
-    last_ready = time.perf_counter()
-
-    def meta() -> dict:
-        return {"seed": tc.seed, "data_offset": data_offset, "rollbacks": rollbacks, "config": cfg.to_dict()}
-
-    def report(step_idx, metrics, packing_eff) -> dict:
-        """Fetch one step's metrics (blocks on that step only), log them, return them."""
-        nonlocal last_ready
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        step_time, last_ready = now - last_ready, now
-        tps = tokens_per_step / step_time
-        record = dict(values, step=step_idx, step_time_s=step_time, tokens_per_sec=tps,
-                      mfu=mfu(tps, flops_per_token, mesh.size, peak),
-                      mfu_causal=mfu(tps, flops_causal, mesh.size, peak), packing_efficiency=packing_eff)
-        writer.write(record)
-        step_times.append(step_time)
-        losses.append(values["loss"])
-        if bar is not None and (step_idx % tc.log_every == 0 or step_idx == tc.steps):
-            bar.update(step_idx, values["loss"], tps, record["mfu"], force=step_idx == tc.steps)
-        return record
-
-    def handle_anomaly(record) -> bool:
-        """Act on an anomalous step per `train.on_anomaly`; True when the state was rolled back."""
-        nonlocal state, data_offset, rollbacks, train_iter
-        kind = incident_kind(record)
-        incident = dict(step=record["step"], kind=kind, loss=record["loss"], grad_norm=record["grad_norm"],
-                        action=tc.on_anomaly)
-        if tc.on_anomaly == "skip":
-            incidents.write(dict(incident, skipped_steps=[record["step"]]))
-            log(f"step {record['step']}: {kind} (loss {record['loss']:.4g}), update skipped")
-            return False
-        if tc.on_anomaly == "rollback" and rollbacks < ac.max_rollbacks:
-            checkpointer.wait()
-            restored = restore_latest(checkpointer, abstract, mesh, log)
-            if restored is not None:
-                new_state, _ = restored
-                rollbacks += 1
-                bad = record["step"]
-                # Skip the data window that led here: the restored step's successor reads the data after what
-                # step `bad` consumed (the current offset already accounts for earlier rollbacks).
-                data_offset = data_offset + (bad - int(new_state.step))
-                lr_scale = float(new_state.lr_scale) * ac.lr_factor
-                state = new_state.replace(lr_scale=jax.device_put(np.float32(lr_scale), replicated))
-                incidents.write(dict(incident, restored_step=int(new_state.step),
-                                     skipped_steps=list(range(int(new_state.step) + 1, bad + 1)),
-                                     lr_scale=lr_scale, rollbacks=rollbacks))
-                log(f"step {bad}: {kind} (loss {record['loss']:.4g}); rolled back to step {int(new_state.step)}, "
-                    f"skipping data of steps {int(new_state.step) + 1}..{bad}, LR scale now {lr_scale:g}")
-                train_iter.close()
-                train_iter = data_iterator(int(new_state.step))
-                return True
-            # The compiled step already left the state as it was (see make_train_step): carry on without it.
-            incidents.write(dict(incident, action="skip (no healthy checkpoint to roll back to)",
-                                 skipped_steps=[record["step"]]))
-            log(f"step {record['step']}: {kind} (loss {record['loss']:.4g}), update skipped (no healthy checkpoint "
-                f"to roll back to)")
-            return False
-        elif tc.on_anomaly == "rollback":
-            incident["action"] = f"abort (gave up after {rollbacks} rollbacks)"
-        incidents.write(incident)
-        checkpointer.wait()
-        raise AnomalyAbort(f"step {record['step']}: {kind} (loss {record['loss']:.4g}, grad norm "
-                           f"{record['grad_norm']:.4g}); {incident['action']}")
-
-    def check(record) -> bool:
-        """True when `record`'s step was anomalous and the state got rolled back."""
-        if record["grad_spike"] and not record["anomaly"]:  # counted and reported, not acted on
-            summary["grad_spikes"] = summary.get("grad_spikes", 0) + 1
-            incidents.write(dict(step=record["step"], kind="grad_spike", loss=record["loss"],
-                                 grad_norm=record["grad_norm"], action="reported"))
-            log(f"step {record['step']}: gradient-norm spike ({record['grad_norm']:.4g}, loss {record['loss']:.4g}); "
-                f"reported only (clipping bounds the update)")
-        return bool(record["anomaly"]) and handle_anomaly(record)
-
+    recover = Recovery(cfg, checkpointer, incidents, abstract[0], mesh, log)
+    meta = lambda: {"seed": tc.seed, "data_offset": run.data_offset, "rollbacks": run.rollbacks,
+                    "config": cfg.to_dict()}
     guard = PreemptionGuard()
     pending = None  # (step, metrics on device, packing) of the step dispatched last, not yet read
+    held = False
     step = start_step
     train_start = time.perf_counter()
     try:
         while step < tc.steps:
             checkpointer.check_for_errors()  # a failed background save stops training here
             step += 1
-            inject = (INJECT_NAN if step == cfg.debug.inject_nan_at_step else
-                      INJECT_SPIKE if step == cfg.debug.inject_spike_at_step else 0)
-            if inject and step not in injected:
-                injected.add(step)
-                state = state.replace(inject=jax.device_put(np.int32(inject), replicated))
-            state, metrics = train_step(state, batch)  # dispatch this step ...
+            run.state, metrics = runner(step, run.state, batch, run.frozen)  # dispatch this step ...
             current = (step, metrics, packing)
-            rolled_back = pending is not None and check(report(*pending))  # ... then wait for the previous one
+            rolled_back = pending is not None and recover(run, metrics_log.report(*pending))  # ... read the last
             pending = None
-            stop = boundary = evaluating = False
-            if not rolled_back and step == cfg.debug.hold_at_step and step not in held:
-                # Drills: the step's metrics are out before the hold, so whoever waits for them signals mid-run.
-                held.add(step)
-                rolled_back = check(report(*current))
-                current = None
-                if not rolled_back:
-                    log(f"holding after step {step} until a signal arrives (debug.hold_at_step)")
-                    guard.wait_for_signal(HOLD_TIMEOUT_S)
             if not rolled_back:
+                holding = step == cfg.debug.hold_at_step and not held
                 stop = guard.should_stop(step)
                 boundary = step % cfg.checkpoint.every == 0 or step == tc.steps or stop
                 evaluating = step % tc.eval_every == 0 and step < tc.steps and eval_step is not None
-                if current is not None and (boundary or evaluating):  # known healthy before saved or evaluated
-                    rolled_back = check(report(*current))
+                if boundary or evaluating or holding:  # known healthy before it is saved, evaluated or held
+                    rolled_back = recover(run, metrics_log.report(*current))
                 else:
                     pending = current
             if rolled_back:
-                step = int(state.step)
+                metrics_log.restart_clock()
+                step = int(run.state.step)
             else:
+                if holding:  # drills: this step's metrics are out, so whoever waits for them signals mid-run
+                    held = True
+                    log(f"holding after step {step} until a signal arrives (debug.hold_at_step)")
+                    stop = guard.wait_for_signal(HOLD_TIMEOUT_S) or stop
+                    boundary = boundary or stop
+                    metrics_log.restart_clock()
                 if boundary:
-                    checkpointer.save(step, state, train_iter.get_state(), meta())
+                    checkpointer.save(step, run.state, run.batches.get_state(), meta())
                 if evaluating:
-                    writer.write({"step": step, "eval_loss": evaluate(eval_step, state.params, eval_batches)})
-                    last_ready = time.perf_counter()  # eval time is not the next step's time
+                    metrics_log.writer.write({"step": step, "eval_loss": eval_loss()})
+                    metrics_log.restart_clock()  # eval time is not the next step's time
                 if stop:
                     checkpointer.wait()
                     log(f"preempted: saved step {step}, exiting")
                     summary["preempted_at"] = step
                     break
             if step < tc.steps:
-                local = next(train_iter)
+                local = next(run.batches)
                 packing = packing_efficiency(local)
                 batch = to_global(local, rows_sharding, tc.batch_size)
         if pending is not None:
-            check(report(*pending))
+            recover(run, metrics_log.report(*pending))
         checkpointer.wait()
     finally:
         guard.restore()
-        train_iter.close()
-        if bar is not None:
-            bar.close()
+        run.batches.close()
+        metrics_log.close_bar()
     train_s = time.perf_counter() - train_start
 
-    final_eval = evaluate(eval_step, state.params, eval_batches) if eval_step else float("nan")
-    writer.write({"step": step, "eval_loss": final_eval})
-    steady = step_times[min(2, len(step_times) - 1):] if step_times else [float("nan")]
-    tps = tokens_per_step * len(steady) / float(np.sum(steady))
+    final_eval = eval_loss()
+    metrics_log.writer.write({"step": step, "eval_loss": final_eval})
+    tps = metrics_log.steady_tokens_per_sec()
+    losses = metrics_log.losses
     summary.update(
         final_step=step, final_eval_loss=final_eval, first_loss=losses[0] if losses else float("nan"),
         final_loss=losses[-1] if losses else float("nan"), train_s=train_s, tokens_per_sec=tps,
-        mfu=mfu(tps, flops_per_token, mesh.size, peak), mfu_causal=mfu(tps, flops_causal, mesh.size, peak),
-        checkpoint_saves=checkpointer.saves, rollbacks=rollbacks, lr_scale=float(state.lr_scale),
+        mfu=metrics_log.mfu(tps), mfu_causal=metrics_log.mfu(tps, causal=True),
+        checkpoint_saves=checkpointer.saves, rollbacks=run.rollbacks, lr_scale=float(run.state.lr_scale),
     )
+    if recover.grad_spikes:
+        summary["grad_spikes"] = recover.grad_spikes
     log(f"trained steps {start_step + 1}..{step} in {train_s:.1f}s: {tps:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}% "
         f"(causal {100 * summary['mfu_causal']:.2f}%)")
     log(f"held-out loss {final_eval:.4f} (step {start_step}: {initial_eval:.4f}, ratio {final_eval / initial_eval:.2f})")
-
-    if tc.sample_tokens > 0 and "preempted_at" not in summary:
-        with jax.set_mesh(mesh):
-            prompt = [tokenizer.bos_id] + tokenizer.encode(tc.sample_prompt)
-            out = greedy_generate(graphdef, state.params, prompt, tc.sample_tokens,
-                                  eos_id=tokenizer.eos_id, max_len=tc.seq_len)
-        summary["sample"] = tokenizer.decode(out)
-        log("greedy sample:\n" + tc.sample_prompt + summary["sample"])
+    if "preempted_at" not in summary:
+        sample(cfg, objective, run, mesh, summary, log)
     checkpointer.close()
-    writer.close()
+    metrics_log.writer.close()
     incidents.close()
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def sample(cfg: Config, objective: Objective, run: Run, mesh, summary: dict, log) -> None:
+    """A short greedy continuation of the sample prompt (`train.sample_prompt`, else the objective's own), for
+    language-model objectives with a tokenizer."""
+    tc = cfg.train
+    prompt_text = tc.sample_prompt or objective.sample_prompt
+    if tc.sample_tokens <= 0 or objective.tokenizer is None or prompt_text is None:
+        return
+    tokenizer = objective.tokenizer
+    with jax.set_mesh(mesh):
+        prompt = [tokenizer.bos_id] + tokenizer.encode(prompt_text)
+        variables = nnx.merge_state(run.state.params, run.frozen)
+        out = greedy_generate(objective.graphdef, variables, prompt, tc.sample_tokens, eos_id=tokenizer.eos_id,
+                              max_len=tc.seq_len)
+    summary["sample"] = tokenizer.decode(out)
+    log("greedy sample:\n" + prompt_text + summary["sample"])

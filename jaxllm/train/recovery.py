@@ -1,14 +1,24 @@
 """Where a run starts and how it recovers: resume from the newest readable checkpoint (falling back past a
-corrupted one), start from another run's checkpoint, or roll back after an anomaly."""
+corrupted one), start from another run's checkpoint, or act on an anomaly (the policy below).
+
+A run never holds two train states: a resume restores straight into abstract shapes (no state is initialised
+first), a start from another run's parameters builds the optimizer state around the restored parameters, and
+a rollback frees the bad state before restoring the healthy one.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxllm.checkpoint import CheckpointError, Checkpointer
 from jaxllm.config import Config
+from jaxllm.sharding import sharding_tree
+from jaxllm.train.anomaly import incident_kind
+from jaxllm.train.state import init_objective_state, state_from_params
 
 
 class AnomalyAbort(RuntimeError):
@@ -37,7 +47,6 @@ def _everywhere(ok: bool) -> bool:
     """True when `ok` holds on every process."""
     if jax.process_count() == 1:
         return ok
-    import numpy as np
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
@@ -53,36 +62,158 @@ def _locate(path: str) -> tuple[Path, int | None]:
     return p, None
 
 
-def restore_start(cfg: Config, checkpointer: Checkpointer, state, abstract, mesh, log):
-    """The state to start from, the data offset (data index = step - 1 + offset) and the rollbacks so far.
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where a run starts: its train state and frozen variables, the data offset (data index = step - 1 +
+    offset; rollbacks skip data) and the rollbacks so far."""
 
-    Resuming this run's own checkpoints wins; otherwise `checkpoint.restore_from` seeds the run (parameters
-    only, or everything with `checkpoint.restore_all`); otherwise the freshly initialised `state`.
+    state: object
+    frozen: object
+    data_offset: int
+    rollbacks: int
+
+
+def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstract, mesh, log,
+                  on_loaded=lambda: None) -> Start:
+    """Resuming this run's own checkpoints wins; otherwise `checkpoint.restore_from` seeds the run (parameters
+    only, or everything with `checkpoint.restore_all`); otherwise a fresh initialisation from `train.seed`.
+
+    `abstract` is the (state, frozen) pair of ShapeDtypeStructs; frozen variables come from the objective's
+    initialiser (pretraining has none). `on_loaded()` is called once the state exists, before anything used to
+    make it is released (the loop measures peak live bytes there).
     """
-    restored = restore_latest(checkpointer, abstract, mesh, log)
+    seed, window = cfg.train.seed, cfg.anomaly.window
+    abstract_state, _ = abstract
+    restored = restore_latest(checkpointer, abstract_state, mesh, log)
     if restored is not None:
-        new_state, meta = restored
-        step = int(new_state.step)
+        state, meta = restored
+        step = int(state.step)
         offset = int(meta["data"].get("step", step)) - step
         log(f"resuming from checkpoint step {step} in {checkpointer.directory}"
             + (f" (data offset {offset} after rollbacks)" if offset else ""))
-        return new_state, offset, int(meta.get("rollbacks", 0))
-    if cfg.checkpoint.restore_from:
-        directory, step = _locate(cfg.checkpoint.restore_from)
-        source = Checkpointer(directory, keep=1000, log=log)
-        try:
-            step = source.latest_step() if step is None else step
-            if step is None:
-                raise CheckpointError(f"no committed checkpoint in {directory}")
-            if cfg.checkpoint.restore_all:
-                other = source.restore(step, abstract, mesh, items=("state",))["state"]
-            else:  # parameters only: the source's optimizer state and windows are never read
-                params = source.restore_params(step, abstract.params, mesh)
-        finally:
-            source.close()
+        on_loaded()
+        return Start(state, _frozen(objective, tx, mesh, cfg, abstract), offset, int(meta.get("rollbacks", 0)))
+    if not cfg.checkpoint.restore_from:
+        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window)
+        on_loaded()
+        return Start(state, frozen, 0, 0)
+    directory, step = _locate(cfg.checkpoint.restore_from)
+    source = Checkpointer(directory, keep=1000, log=log)
+    try:
+        step = source.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no committed checkpoint in {directory}")
         if cfg.checkpoint.restore_all:
+            state = source.restore(step, abstract_state, mesh, items=("state",))["state"]
             log(f"starting from {directory / str(step)} (everything: parameters, optimizer state, step)")
-            return other, 0, 0
-        log(f"starting from the parameters of {directory / str(step)}")
-        return state.replace(params=params), 0, 0
-    return state, 0, 0
+        else:  # parameters only: the source's optimizer state and windows are never read
+            params = source.restore_params(step, abstract_state.params, mesh)
+            state = state_from_params(params, tx, sharding_tree(abstract_state, mesh), seed, window)
+            log(f"starting from the parameters of {directory / str(step)}")
+        on_loaded()
+    finally:
+        source.close()
+    return Start(state, _frozen(objective, tx, mesh, cfg, abstract), 0, 0)
+
+
+def _frozen(objective, tx, mesh, cfg: Config, abstract):
+    """The frozen variables of a restored run: none to make when the objective trains everything."""
+    _, abstract_frozen = abstract
+    if not jax.tree.leaves(abstract_frozen):
+        return abstract_frozen
+    _, frozen, _, _ = init_objective_state(objective, tx, mesh, cfg.train.seed, cfg.anomaly.window)
+    return frozen
+
+
+ROLLBACK, SKIP, ABORT = "rollback", "skip", "abort"
+NO_CHECKPOINT_SKIP = "skip (no healthy checkpoint to roll back to)"
+
+
+@dataclasses.dataclass(frozen=True)
+class AnomalyPolicy:
+    """What a flagged step calls for (`train.on_anomaly`, `anomaly.max_rollbacks`)."""
+
+    on_anomaly: str
+    max_rollbacks: int
+
+    def decide(self, record: dict, rollbacks: int, have_checkpoint: bool) -> str:
+        """ROLLBACK, SKIP (the compiled step already left the state unchanged), NO_CHECKPOINT_SKIP (a rollback
+        with nothing to go back to) or an ABORT reason ("abort ...")."""
+        if self.on_anomaly == "skip":
+            return SKIP
+        if self.on_anomaly == "abort":
+            return ABORT
+        if rollbacks >= self.max_rollbacks:
+            return f"abort (gave up after {rollbacks} rollbacks)"
+        return ROLLBACK if have_checkpoint else NO_CHECKPOINT_SKIP
+
+
+def free(tree) -> None:
+    """Release the device buffers of every array in `tree` now (the tree must not be used again)."""
+    jax.block_until_ready(tree)
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+
+
+class Recovery:
+    """Acts on the anomaly flags of each step's metrics: reports gradient-norm spikes, and skips, rolls back
+    (restore the newest healthy checkpoint, skip the data that led to the anomaly, lower the LR) or aborts per
+    the policy. Every incident is a line of `incidents`."""
+
+    def __init__(self, cfg: Config, checkpointer: Checkpointer, incidents, abstract_state, mesh, log):
+        self.policy = AnomalyPolicy(cfg.train.on_anomaly, cfg.anomaly.max_rollbacks)
+        self.lr_factor = cfg.anomaly.lr_factor
+        self.checkpointer, self.incidents, self.abstract, self.mesh, self.log = (
+            checkpointer, incidents, abstract_state, mesh, log)
+        self.grad_spikes = 0
+
+    def __call__(self, run, record: dict) -> bool:
+        """Handle `record` (one step's fetched metrics) for `run`; True when `run` was rolled back."""
+        step = record["step"]
+        incident = dict(step=step, loss=record["loss"], grad_norm=record["grad_norm"], kind=incident_kind(record))
+        if record["grad_spike"] and not record["anomaly"]:  # counted and reported, not acted on
+            self.grad_spikes += 1
+            self.incidents.write(dict(incident, action="reported"))
+            self.log(f"step {step}: gradient-norm spike ({record['grad_norm']:.4g}, loss {record['loss']:.4g}); "
+                     f"reported only (clipping bounds the update)")
+        if not record["anomaly"]:
+            return False
+        if self.policy.on_anomaly == "rollback":
+            self.checkpointer.wait()  # the save in flight may be the checkpoint to go back to
+        action = self.policy.decide(record, run.rollbacks, bool(self.checkpointer.steps()))
+        if action == ROLLBACK:
+            self._roll_back(run, incident)
+            return True
+        incident["action"] = action
+        what = f"step {step}: {incident['kind']} (loss {record['loss']:.4g}"
+        if action.startswith(ABORT):
+            self.incidents.write(incident)
+            self.checkpointer.wait()
+            raise AnomalyAbort(f"{what}, grad norm {record['grad_norm']:.4g}); {action}")
+        self.incidents.write(dict(incident, skipped_steps=[step]))
+        self.log(f"{what}), update skipped" + (" (no healthy checkpoint to roll back to)" if action != SKIP else ""))
+        return False
+
+    def _roll_back(self, run, incident: dict) -> None:
+        bad = incident["step"]
+        free(run.state)  # never two train states at once
+        run.state = None
+        restored = restore_latest(self.checkpointer, self.abstract, self.mesh, self.log)
+        if restored is None:
+            raise AnomalyAbort(f"step {bad}: {incident['kind']}; no readable checkpoint left to roll back to")
+        healthy, _ = restored
+        at = int(healthy.step)
+        run.rollbacks += 1
+        # The restored step's successor reads the data after what step `bad` consumed (the offset already
+        # accounts for earlier rollbacks).
+        run.data_offset += bad - at
+        lr_scale = float(healthy.lr_scale) * self.lr_factor
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        run.state = healthy.replace(lr_scale=jax.device_put(np.float32(lr_scale), replicated))
+        run.reopen_batches()
+        self.incidents.write(dict(incident, action=ROLLBACK, restored_step=at,
+                                  skipped_steps=list(range(at + 1, bad + 1)), lr_scale=lr_scale,
+                                  rollbacks=run.rollbacks))
+        self.log(f"step {bad}: {incident['kind']} (loss {incident['loss']:.4g}); rolled back to step {at}, "
+                 f"skipping data of steps {at + 1}..{bad}, LR scale now {lr_scale:g}")

@@ -1,5 +1,9 @@
 """The train state, born sharded: abstract shapes first, shardings from the rules table, then a jitted init
-whose outputs land directly in their shards (no device ever holds an unsharded copy)."""
+whose outputs land directly in their shards (no device ever holds an unsharded copy).
+
+The state holds the trainable variables only; an objective's frozen variables (a LoRA base, a reference model)
+are a separate tree, passed to the step as an input that is never donated, differentiated or optimised.
+"""
 
 from __future__ import annotations
 
@@ -10,35 +14,48 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from jaxllm.config import ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.config import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.model.transformer import Transformer
 from jaxllm.sharding import sharding_tree
+from jaxllm.train.anomaly import empty_window
 
 
 @struct.dataclass
 class TrainState:
     """Everything the train step updates and a checkpoint holds.
 
-    `lr_scale` multiplies every update (recovery policies lower it; it survives restarts). `loss_window` and
-    `grad_window` hold the last healthy steps' loss and gradient norm (NaN = empty) for spike detection inside
-    the step. `inject` is a one-shot fault-injection code for drills (0 none, 1 NaN gradients, 2 loss spike).
+    `params` are the objective's trainable variables and `opt_state` their optimizer state. `lr_scale`
+    multiplies every update (recovery lowers it; it survives restarts). `rng` is the run's key data: step N
+    draws from `fold_in(rng, N)`, so dropout resumes bitwise. `loss_window` and `grad_window` hold the last
+    healthy steps' loss and gradient norm (NaN = empty) for the anomaly checks inside the step.
     """
 
     step: jax.Array
     params: Any
     opt_state: Any
     lr_scale: jax.Array
+    rng: jax.Array
     loss_window: jax.Array
     grad_window: jax.Array
-    inject: jax.Array
+
+    def step_key(self) -> jax.Array:
+        """The key of the step this state's next update is (derived, never stored)."""
+        return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
+
+
+def new_train_state(params, tx: optax.GradientTransformation, seed, window: int) -> TrainState:
+    """A state at step 0 around `params` (traceable: jit it with out-shardings to create it in place)."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      lr_scale=jnp.ones((), jnp.float32), rng=jax.random.key_data(jax.random.key(seed)),
+                      loss_window=empty_window(window), grad_window=empty_window(window))
 
 
 def build_model(cfg: ModelConfig, precision: PrecisionConfig, key: jax.Array,
-                pipeline: PipelineConfig = PipelineConfig()) -> Transformer:
+                pipeline: PipelineConfig = PipelineConfig(), lora: LoRAConfig | None = None) -> Transformer:
     """Construct the model without flax's eager sharding: placement is decided by `jaxllm.sharding` instead."""
     with nnx.use_eager_sharding(False):
         return Transformer(cfg, precision, rngs=nnx.Rngs(params=key), pipeline_microbatches=pipeline.microbatches,
-                           pipeline_repeats=pipeline.repeats)
+                           pipeline_repeats=pipeline.repeats, lora=lora)
 
 
 def abstract_model(cfg: ModelConfig, precision: PrecisionConfig,
@@ -52,32 +69,50 @@ def abstract_model(cfg: ModelConfig, precision: PrecisionConfig,
     return nnx.merge(graphdef, state)
 
 
-def _init_fn(cfg: ModelConfig, precision: PrecisionConfig, tx: optax.GradientTransformation, window: int,
-             pipeline: PipelineConfig = PipelineConfig()):
-    def init(key):
-        params = nnx.state(build_model(cfg, precision, key, pipeline))
-        empty = jnp.full((window,), jnp.nan, jnp.float32)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                          lr_scale=jnp.ones((), jnp.float32), loss_window=empty, grad_window=empty,
-                          inject=jnp.zeros((), jnp.int32))
+def abstract_objective_state(objective, tx, window: int = 50) -> tuple[TrainState, Any]:
+    """(train state, frozen variables) of `objective` as ShapeDtypeStructs: nothing allocated."""
+    def init():
+        _, params, frozen = objective.split(objective.build_model(jax.random.key(0)))
+        return new_train_state(params, tx, 0, window), frozen
 
-    return init
+    return jax.eval_shape(init)
+
+
+def init_objective_state(objective, tx, mesh, seed: int, window: int = 50):
+    """(state, frozen, state shardings, frozen shardings): `objective`'s model initialised from `seed` directly
+    into its shards on `mesh`, with a fresh optimizer state for its trainable variables."""
+    state, frozen = abstract_objective_state(objective, tx, window)
+    shardings = sharding_tree(state, mesh), sharding_tree(frozen, mesh)
+
+    def init(key):
+        _, params, frozen = objective.split(objective.build_model(key))
+        return new_train_state(params, tx, seed, window), frozen
+
+    state, frozen = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+    return state, frozen, *shardings
+
+
+def state_from_params(params, tx, shardings: TrainState, seed: int, window: int = 50) -> TrainState:
+    """A step-0 state around already placed `params` (restored from another run): no second copy is made."""
+    return jax.jit(lambda p: new_train_state(p, tx, seed, window), out_shardings=shardings)(params)
 
 
 def abstract_train_state(cfg: ModelConfig, precision: PrecisionConfig, tx, window: int = 50) -> TrainState:
-    """Shapes and dtypes of the whole train state (parameters and optimizer state), without allocating it."""
-    return jax.eval_shape(_init_fn(cfg, precision, tx, window), jax.random.key(0))
+    """Shapes and dtypes of the language model's whole train state, without allocating it."""
+    from jaxllm.train.pretrain import lm_objective
+
+    return abstract_objective_state(lm_objective(cfg, precision), tx, window)[0]
 
 
 def create_train_state(cfg: ModelConfig, precision: PrecisionConfig, tx, mesh, seed: int, window: int = 50,
                        pipeline: PipelineConfig = PipelineConfig()):
-    """Initialise the train state directly into its shards on `mesh`.
+    """The language model's train state initialised directly into its shards on `mesh`.
 
     Returns (graphdef, state, state_shardings); `nnx.merge(graphdef, state.params)` rebuilds the model (the
     pipeline schedule lives in the graphdef; parameters are laid out the same for every schedule).
     """
-    graphdef = nnx.graphdef(abstract_model(cfg, precision, pipeline))
-    shardings = sharding_tree(abstract_train_state(cfg, precision, tx, window), mesh)
-    init = jax.jit(_init_fn(cfg, precision, tx, window, pipeline), out_shardings=shardings)
-    state = init(jax.random.key(seed))
-    return graphdef, state, shardings
+    from jaxllm.train.pretrain import lm_objective
+
+    objective = lm_objective(cfg, precision, pipeline)
+    state, _, shardings, _ = init_objective_state(objective, tx, mesh, seed, window)
+    return objective.graphdef, state, shardings

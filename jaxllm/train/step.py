@@ -1,7 +1,9 @@
-"""Pure train and eval steps. Each is jitted once, with the train state donated.
+"""The pure train and eval steps every objective shares. Each is jitted once, with the train state donated.
 
-A batch is a dict of int32 arrays [B, T]: `tokens`, `targets`, `segment_ids`, `positions`, `loss_mask`.
-The loss is the mean cross-entropy over target tokens with `loss_mask == 1`, computed in float32.
+`step(state, batch, frozen)`: the objective's `loss_fn` over `grad_accum` micro-batches, gradients of the
+trainable variables only (`state.params`), anomaly checks, one optimizer update scaled by `state.lr_scale`.
+Frozen variables are an input that is never donated, differentiated or updated. A batch is a dict of arrays
+whose leading axis is the global batch (rows split over the batch mesh axes).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from jaxllm.config import AnomalyConfig
 from jaxllm.optim import current_lr
 from jaxllm.sharding import constrain, logical_to_spec
 from jaxllm.train.anomaly import detect, push
+from jaxllm.train.pretrain import next_token_loss
 from jaxllm.train.state import TrainState
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+NO_FROZEN = nnx.State({})  # the frozen input of objectives whose every variable trains
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -46,25 +50,6 @@ def process_rows(sharding, global_rows: int) -> tuple[int, int]:
     return lo // size, global_rows // size
 
 
-def cross_entropy_sum(logits_BTV, targets_BT, mask_BT):
-    """(sum of token losses, number of counted tokens), in float32.
-
-    The target logit is picked with a one-hot product rather than a gather: with the vocabulary split over
-    `tensor`, that is an elementwise product and a sharded reduction, with no gather across devices.
-    """
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_logit_BT = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32), -1)
-    mask_BT = mask_BT.astype(jnp.float32)
-    return jnp.sum((lse_BT - target_logit_BT) * mask_BT), jnp.sum(mask_BT)
-
-
-def _loss_sum(graphdef, params, batch):
-    model = nnx.merge(graphdef, params)
-    logits_BTV = model(batch["tokens"], batch["segment_ids"], batch["positions"])
-    return cross_entropy_sum(logits_BTV, batch["targets"], batch["loss_mask"])
-
-
 def _micro_batches(batch, num_micro: int):
     """[B, ...] -> [A, B/A, ...] taking every A-th row, so each device's rows stay on that device."""
 
@@ -75,45 +60,62 @@ def _micro_batches(batch, num_micro: int):
     return jax.tree.map(split, batch)
 
 
-def grads_and_loss(graphdef, params, batch, grad_accum: int = 1):
-    """(gradients, mean loss, target-token count) of one batch.
+def _constrain_rows(batch):
+    """Every field's leading axis split over the batch mesh axes (a second axis is the sequence)."""
+    return {k: constrain(v, (("batch", "seq") + (None,) * v.ndim)[:v.ndim]) for k, v in batch.items()}
+
+
+def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next_token_loss, frozen=NO_FROZEN,
+                   rng=None):
+    """(gradients, mean loss, target-token count, metrics) of one batch, for the trainable `params` only.
 
     Gradients of the summed token loss are accumulated over `grad_accum` micro-batches and divided once by
     the batch's total target-token count, so accumulation equals one big batch exactly (no per-micro mean).
+    Micro-batch i draws from `fold_in(rng, i)`; `metrics` (from `loss_fn`) are averaged over micro-batches.
     """
     micro = _micro_batches(batch, grad_accum)
 
-    def accumulate(carry, mb):
-        mb = {k: constrain(v, ("batch", "seq")) for k, v in mb.items()}
-        (loss_sum, count), grads = jax.value_and_grad(lambda p: _loss_sum(graphdef, p, mb), has_aux=True)(params)
-        acc_grads, acc_loss, acc_count = carry
-        return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss_sum, acc_count + count), None
+    def loss_of(p, mb, key):
+        return loss_fn(nnx.merge(graphdef, p, frozen), mb, key)
 
+    def accumulate(carry, xs):
+        mb, index = xs
+        key = None if rng is None else jax.random.fold_in(rng, index)
+
+        def loss_and_aux(p):
+            loss_sum, count, metrics = loss_of(p, _constrain_rows(mb), key)
+            return loss_sum, (count, metrics)
+
+        (loss_sum, (count, metrics)), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params)
+        acc_grads, acc_loss, acc_count, acc_metrics = carry
+        return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss_sum, acc_count + count,
+                jax.tree.map(jnp.add, acc_metrics, metrics)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    metric_shapes = jax.eval_shape(lambda: loss_of(params, first, rng)[2])
     zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, micro)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+            jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes))
+    (grads, loss_sum, count, metrics), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(grad_accum)))
     denom = jnp.maximum(count, 1.0)
-    return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count
+    metrics = jax.tree.map(lambda m: m / grad_accum, metrics)
+    return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count, metrics
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int = 1,
+def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int = 1,
                     anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False) -> Callable:
-    """`step(state, batch) -> (state, metrics)`: `grads_and_loss`, then one optimizer update scaled by
-    `state.lr_scale`. Metrics are device scalars (the loop reads them one step late).
+    """`step(state, batch, frozen=NO_FROZEN) -> (state, metrics)` for `objective` (see the module docstring).
+    Metrics are device scalars (the loop reads them one step late).
 
     Every step checks for anomalies (`jaxllm.train.anomaly.detect` against the state's history windows); with
     `skip_anomalies` an anomalous step leaves parameters and optimizer state unchanged, decided inside the
     compiled step (no host round trip), so the step dispatched after it starts from a healthy state.
     """
+    graphdef, loss_fn = objective.graphdef, objective.loss_fn
 
-    def step(state: TrainState, batch):
-        grads, loss, count = grads_and_loss(graphdef, state.params, batch, grad_accum)
-        # One-shot fault injection for drills: NaN gradients, or a loss spike (x1000, gradients too).
-        grads = jax.tree.map(lambda g: jnp.where(state.inject == 1, jnp.nan, g), grads)
-        spike_factor = jnp.where(state.inject == 2, 1000.0, 1.0)
-        loss = loss * spike_factor
-        grads = jax.tree.map(lambda g: g * spike_factor, grads)
-
+    def step(state: TrainState, batch, frozen=NO_FROZEN):
+        grads, loss, count, extra = grads_and_loss(graphdef, state.params, batch, grad_accum, loss_fn=loss_fn,
+                                                   frozen=frozen, rng=state.step_key())
         grad_norm = optax.tree.norm(grads)
         flags = detect(loss, grad_norm, state.loss_window, state.grad_window, anomaly)
         is_anomaly = flags["anomaly"]
@@ -126,6 +128,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
             params = keep_old(params, state.params)
             opt_state = keep_old(opt_state, state.opt_state)
         metrics = {
+            **extra,
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": current_lr(opt_state) * state.lr_scale,  # the rate this update used
@@ -133,38 +136,35 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
             **flags,
         }
         healthy = ~is_anomaly
-        new_state = TrainState(
-            step=state.step + 1, params=params, opt_state=opt_state, lr_scale=state.lr_scale,
+        new_state = state.replace(
+            step=state.step + 1, params=params, opt_state=opt_state,
             loss_window=push(state.loss_window, loss, healthy),
             grad_window=push(state.grad_window, grad_norm, healthy),
-            inject=jnp.zeros_like(state.inject),
         )
         return new_state, metrics
 
     return step
 
 
-def make_eval_step(graphdef) -> Callable:
-    """`eval_step(params, batch) -> (loss_sum, token_count)` for token-weighted held-out loss."""
+def make_eval_step(graphdef, loss_fn=next_token_loss) -> Callable:
+    """`eval_step(params, batch, frozen=NO_FROZEN) -> (loss_sum, token_count)` for token-weighted held-out loss
+    (`loss_fn` with no randomness: dropout off)."""
 
-    def eval_step(params, batch):
-        batch = {k: constrain(v, ("batch", "seq")) for k, v in batch.items()}
-        return _loss_sum(graphdef, params, batch)
+    def eval_step(params, batch, frozen=NO_FROZEN):
+        return loss_fn(nnx.merge(graphdef, params, frozen), _constrain_rows(batch), None)[:2]
 
     return eval_step
 
 
-def jit_train_step(step_fn, state_shardings, mesh):
-    """Compile-once wrapper: state donated, shardings pinned so every step reuses one executable."""
+def jit_train_step(step_fn, state_shardings, mesh, frozen_shardings=None):
+    """Compile-once wrapper: state donated (frozen variables never), shardings pinned so every step reuses one
+    executable. Without `frozen_shardings` the step takes (state, batch) only."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(
-        step_fn,
-        in_shardings=(state_shardings, batch_sharding(mesh)),
-        out_shardings=(state_shardings, replicated),
-        donate_argnums=(0,),
-    )
+    ins = (state_shardings, batch_sharding(mesh)) + (() if frozen_shardings is None else (frozen_shardings,))
+    return jax.jit(step_fn, in_shardings=ins, out_shardings=(state_shardings, replicated), donate_argnums=(0,))
 
 
-def jit_eval_step(eval_fn, param_shardings, mesh):
+def jit_eval_step(eval_fn, param_shardings, mesh, frozen_shardings=None):
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(eval_fn, in_shardings=(param_shardings, batch_sharding(mesh)), out_shardings=replicated)
+    ins = (param_shardings, batch_sharding(mesh)) + (() if frozen_shardings is None else (frozen_shardings,))
+    return jax.jit(eval_fn, in_shardings=ins, out_shardings=replicated)

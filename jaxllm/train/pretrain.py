@@ -1,0 +1,90 @@
+"""Pretraining as an objective: the Llama LM, every parameter trainable, next-token cross-entropy on packed rows
+of a token store.
+
+A batch is a dict of int32 arrays [B, T]: `tokens`, `targets`, `segment_ids`, `positions`, `loss_mask`; the loss
+counts target tokens with `loss_mask == 1` (SFT reuses it with the mask on response tokens only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import Config, ConfigError, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.data.pipeline import make_eval_batches, make_train_iterator
+from jaxllm.data.token_store import TokenStore
+from jaxllm.data.tokenizer import Tokenizer
+from jaxllm.lora import trainable as lora_trainable
+from jaxllm.train.objective import BatchRequest, Objective
+from jaxllm.train.state import build_model
+
+
+def cross_entropy_sum(logits_BTV, targets_BT, mask_BT):
+    """(sum of token losses, number of counted tokens), in float32.
+
+    The target logit is picked with a one-hot product rather than a gather: with the vocabulary split over
+    `tensor`, that is an elementwise product and a sharded reduction, with no gather across devices.
+    """
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_logit_BT = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32), -1)
+    mask_BT = mask_BT.astype(jnp.float32)
+    return jnp.sum((lse_BT - target_logit_BT) * mask_BT), jnp.sum(mask_BT)
+
+
+def next_token_loss(model, batch, rng=None):
+    """`loss_fn` of language modelling: summed cross-entropy over the masked targets of packed rows."""
+    logits_BTV = model(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
+    loss_sum, count = cross_entropy_sum(logits_BTV, batch["targets"], batch["loss_mask"])
+    return loss_sum, count, {}
+
+
+def lm_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: PipelineConfig = PipelineConfig(),
+                 lora: LoRAConfig | None = None) -> Objective:
+    """The model-and-loss half of language modelling (no data): what the train step needs. With `lora` (rank >
+    0) the model carries adapters and only they train."""
+    return Objective(name="pretrain", build_model=functools.partial(build_model, model, precision,
+                                                                     pipeline=pipeline, lora=lora),
+                     loss_fn=next_token_loss, trainable=lora_trainable(lora))
+
+
+def open_data(cfg: Config) -> tuple[TokenStore, Tokenizer]:
+    """The token store and its tokenizer, checked against the model's vocabulary."""
+    store_path = Path(cfg.data.path)
+    if not (store_path / "manifest.json").exists():
+        raise ConfigError("data.path", f"no token store at {store_path} (run `make data` or scripts/prepare_data.py)")
+    store = TokenStore.open(str(store_path))
+    tokenizer = Tokenizer.load(str(store_path / store.manifest.get("tokenizer", "tokenizer.model")))
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            f"{cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} tokens in {store_path}",
+        )
+    return store, tokenizer
+
+
+def pretrain_objective(cfg: Config) -> Objective:
+    """Pretraining on `cfg.data.path`: batches are a pure function of (seed, data index), whatever the process
+    count; held-out batches come from the store's eval split."""
+    _, tokenizer = open_data(cfg)
+    tc = cfg.train
+
+    def open_batches(request: BatchRequest):
+        index, count = request.rows
+        return make_train_iterator(cfg.data.path, split="train", global_batch_size=tc.batch_size,
+                                   seq_len=tc.seq_len, seed=tc.seed, process_index=index, process_count=count,
+                                   start_step=request.first, num_steps=request.end,
+                                   num_workers=cfg.data.num_workers)
+
+    def eval_batches(rows):
+        index, count = rows
+        return list(make_eval_batches(cfg.data.path, split="eval", batch_size=tc.batch_size, seq_len=tc.seq_len,
+                                      max_batches=tc.eval_batches or None, process_index=index,
+                                      process_count=count))
+
+    return dataclasses.replace(lm_objective(cfg.model, cfg.precision, cfg.pipeline), open_batches=open_batches,
+                               eval_batches=eval_batches, tokenizer=tokenizer)
