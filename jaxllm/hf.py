@@ -193,18 +193,18 @@ def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtyp
 class _Weights:
     """Tensor name -> file lookup over a single or index-sharded safetensors checkpoint; files opened lazily."""
 
-    def __init__(self, path: Path):
-        if (path / INDEX_FILE).is_file():
+    def __init__(self, path: Path, weights_file: str = WEIGHTS_FILE):
+        if (path / INDEX_FILE).is_file() and weights_file == WEIGHTS_FILE:
             weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
             self.files = {name: path / file for name, file in weight_map.items()}
             for file in set(self.files.values()):
                 if not file.is_file():
                     raise FileNotFoundError(f"{file}: listed in {path / INDEX_FILE} but missing")
-        elif (path / WEIGHTS_FILE).is_file():
-            with safe_open(path / WEIGHTS_FILE, framework="np") as f:
-                self.files = {name: path / WEIGHTS_FILE for name in f.keys()}
+        elif (path / weights_file).is_file():
+            with safe_open(path / weights_file, framework="np") as f:
+                self.files = {name: path / weights_file for name in f.keys()}
         else:
-            raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE} or {INDEX_FILE} (only safetensors are supported)")
+            raise FileNotFoundError(f"{path}: no {weights_file} or {INDEX_FILE} (only safetensors are supported)")
         self._open: dict[Path, object] = {}
 
     def _handle(self, name: str):
@@ -260,12 +260,16 @@ def _unwrap(x):
     return x.get_value() if isinstance(x, nnx.Variable) else x
 
 
-def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "float32") -> Transformer:
+def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "float32",
+                    adapter=None) -> Transformer:
     """Load a Hugging Face LlamaForCausalLM directory (config.json + safetensors) as a jaxllm Transformer.
 
     Parameters are stored and computed in `dtype` (logits in float32). With `mesh`, parameters are sharded
     per `jaxllm.sharding.RULES` and loaded shard by shard; without, they are plain single-device arrays.
+    `adapter`: a PEFT LoRA adapter directory applied to this base (the model then carries the adapters).
     """
+    from jaxllm import hf_peft
+
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path / CONFIG_FILE}: not found (expected a Hugging Face model directory)")
@@ -273,11 +277,14 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "f
     cfg = config_from_hf(hf_cfg)
     scaling = rope_scaling_from_hf(hf_cfg)
     precision = PrecisionConfig(params=dtype, compute=dtype, output="float32")
-    weights = _Weights(path)
+    lora = hf_peft.read_config(Path(adapter)) if adapter is not None else None
+    sources = [(_Weights(path), TABLE)]
+    if lora is not None:
+        sources.append((_Weights(Path(adapter), hf_peft.WEIGHTS_FILE), hf_peft.adapter_rows(lora.target_list)))
 
     def build():
         with nnx.use_eager_sharding(False):
-            return nnx.split(Transformer(cfg, precision, rngs=nnx.Rngs(params=0), rope_scaling=scaling))
+            return nnx.split(Transformer(cfg, precision, rngs=nnx.Rngs(params=0), rope_scaling=scaling, lora=lora))
 
     graphdef, abstract = jax.eval_shape(build)
     if mesh is not None:
@@ -285,23 +292,24 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "f
     else:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: single, abstract)
-    for row in TABLE:
-        if row.path == ("lm_head",) and cfg.tie_embeddings:
-            continue  # tied: the embedding is the head; a stray lm_head.weight in the file is ignored
-        var, sharding = _get(abstract, row.path), _unwrap(_get(shardings, row.path))
-        value = var.get_value()
-        loaded = _load_param(weights, row, tuple(value.shape), value.dtype, sharding)
-        var.set_value(loaded)
+    for weights, rows in sources:
+        for row in rows:
+            if row.path == ("lm_head",) and cfg.tie_embeddings:
+                continue  # tied: the embedding is the head; a stray lm_head.weight in the file is ignored
+            var, sharding = _get(abstract, row.path), _unwrap(_get(shardings, row.path))
+            value = var.get_value()
+            loaded = _load_param(weights, row, tuple(value.shape), value.dtype, sharding)
+            var.set_value(loaded)
     return nnx.merge(graphdef, abstract)
 
 
 # ----------------------------------------------------------------------------------------------- writing
 
 
-def _hf_tensors(model: Transformer):
+def _hf_tensors(model: Transformer, rows=TABLE):
     """(HF name, numpy array) for every tensor, one layer at a time (a sharded array is gathered per layer)."""
     state = nnx.state(model)
-    for row in TABLE:
+    for row in rows:
         if row.path == ("lm_head",) and model.cfg.tie_embeddings:
             continue
         value = _get(state, row.path).get_value()
@@ -312,13 +320,29 @@ def _hf_tensors(model: Transformer):
             yield row.hf, np.ascontiguousarray(row.transform.to_hf(np.asarray(value)))
 
 
-def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = None) -> None:
+def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = None, adapter_only: bool = False,
+                    base_model: str = "") -> None:
     """Write `model` as a Hugging Face LlamaForCausalLM directory loadable by `AutoModelForCausalLM`.
 
     Tensors keep the model's parameter dtype. Above `max_shard_bytes` the weights are split over
-    `model-0000k-of-0000n.safetensors` files with a `model.safetensors.index.json`.
+    `model-0000k-of-0000n.safetensors` files with a `model.safetensors.index.json`. A model with LoRA adapters
+    is written merged (W + scale * A @ B); with `adapter_only` only its adapters are written, in PEFT's format
+    (loadable by `peft.PeftModel.from_pretrained` on the base; `base_model` goes into its config).
     """
+    from jaxllm import hf_peft
+    from jaxllm.lora import merge
+
     path = Path(path)
+    if adapter_only:
+        if model.lora is None:
+            raise ValueError("adapter_only=True: the model has no LoRA adapters")
+        path.mkdir(parents=True, exist_ok=True)
+        config = hf_peft.config_json(model.lora, base_model)
+        (path / hf_peft.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        tensors = dict(_hf_tensors(model, hf_peft.adapter_rows(model.lora.target_list)))
+        save_file(tensors, path / hf_peft.WEIGHTS_FILE, metadata={"format": "pt"})
+        return
+    model = merge(model)
     path.mkdir(parents=True, exist_ok=True)
     tensors = dict(_hf_tensors(model))
     dtype = str(np.dtype(next(iter(tensors.values())).dtype))

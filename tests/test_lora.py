@@ -2,6 +2,7 @@
 sharding follows the RULES table, and decoding with adapters equals decoding the merged model."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config import LORA_TARGETS, LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.config import (LORA_TARGETS, LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PipelineConfig,
+                           PrecisionConfig)
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.lora import adapters_of, merge
 from jaxllm.mesh import make_mesh
@@ -122,3 +124,34 @@ def test_lora_steps_train_adapters_only_and_keep_the_base_bitwise():
         assert np.array_equal(a, b)
     b_after = jax.device_get(state.params["layers"]["self_attn"]["q_proj_lora"]["b"][...])
     assert not np.any(b_before) and np.any(b_after)  # B moved off zero
+
+
+@functools.cache
+def _lora_losses(layout, dropout: float, steps: int = 3):
+    """Losses of `steps` LoRA steps (all targets) on one repeated batch, on mesh `layout`."""
+    mesh = make_mesh(MeshConfig(*layout))
+    pipeline = PipelineConfig(microbatches=2) if layout[3] > 1 else PipelineConfig()
+    objective = lm_objective(MODEL, F32, pipeline, lora=dataclasses.replace(ALL, dropout=dropout))
+    tx = make_optimizer(OptimConfig(lr=3e-2, warmup_steps=0), 10)
+    with jax.set_mesh(mesh):
+        state, frozen, shardings, frozen_shardings = init_objective_state(objective, tx, mesh, seed=0)
+        step = jit_train_step(make_train_step(objective, tx, grad_accum=2), shardings, mesh, frozen_shardings)
+        batch = to_global(synthetic_batch(5, 8, 16, MODEL.vocab_size), batch_sharding(mesh), 8)
+        losses = []
+        for _ in range(steps):
+            state, metrics = step(state, batch, frozen)
+            losses.append(float(metrics["loss"]))
+    return tuple(losses)
+
+
+def test_lora_losses_agree_across_layouts_and_stages():
+    reference = _lora_losses((8, 1, 1, 1), 0.0)
+    assert reference[2] < reference[0]  # the adapters learn (B leaves zero after the first step)
+    for layout in ((1, 8, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2)):
+        np.testing.assert_allclose(_lora_losses(layout, 0.0), reference, rtol=1e-5, err_msg=str(layout))
+
+
+def test_lora_dropout_is_layout_invariant_and_random():
+    with_dropout = _lora_losses((8, 1, 1, 1), 0.1)
+    np.testing.assert_allclose(_lora_losses((2, 2, 2, 1), 0.1), with_dropout, rtol=1e-5)
+    assert with_dropout[1:] != _lora_losses((8, 1, 1, 1), 0.0)[1:]  # dropout does change the run
