@@ -12,9 +12,10 @@ multiplicative, so "how many times the recent level" is the meaningful size of a
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
-
 
 from jaxllm.config import AnomalyConfig
 
@@ -61,7 +62,13 @@ def replay(losses, grad_norms, cfg: AnomalyConfig) -> list[tuple[int, str, bool]
     """(index, kind, acted on) of every step that `detect` flags over recorded traces, with the windows updated
     as the train step updates them: acted-on steps leave the windows untouched. `kind` names the incident (see
     `incident_kind`)."""
+    flags = jax.device_get(_replay_flags(cfg, jnp.asarray(losses, jnp.float32), jnp.asarray(grad_norms, jnp.float32)))
+    return [(i, incident_kind({k: v[i] for k, v in flags.items()}), bool(flags["anomaly"][i]))
+            for i in range(len(losses)) if flags["anomaly"][i] or flags["grad_spike"][i]]
 
+
+@functools.partial(jax.jit, static_argnums=0)
+def _replay_flags(cfg: AnomalyConfig, losses, grad_norms):
     def step(carry, xs):
         loss_window, grad_window = carry
         loss, grad_norm = xs
@@ -70,11 +77,7 @@ def replay(losses, grad_norms, cfg: AnomalyConfig) -> list[tuple[int, str, bool]
         return (push(loss_window, loss, healthy), push(grad_window, grad_norm, healthy)), flags
 
     carry = (empty_window(cfg.window), empty_window(cfg.window))
-    xs = (jnp.asarray(losses, jnp.float32), jnp.asarray(grad_norms, jnp.float32))
-    _, flags = jax.lax.scan(step, carry, xs)
-    flags = jax.device_get(flags)
-    return [(i, incident_kind({k: v[i] for k, v in flags.items()}), bool(flags["anomaly"][i]))
-            for i in range(len(losses)) if flags["anomaly"][i] or flags["grad_spike"][i]]
+    return jax.lax.scan(step, carry, (losses, grad_norms))[1]
 
 
 def incident_kind(flags: dict) -> str:
