@@ -20,7 +20,7 @@ from jaxllm.mesh import make_mesh
 from jaxllm.optim import make_optimizer
 from jaxllm.train.loop import StepRunner, to_global, train
 from jaxllm.train.pretrain import cross_entropy_sum, lm_objective, pretrain_objective
-from jaxllm.train.state import abstract_objective_state, init_objective_state
+from jaxllm.train.state import abstract_objective_state, init_frozen, init_objective_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 
 MODEL = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -70,6 +70,9 @@ def test_frozen_variables_are_inputs_never_donated_updated_or_optimised():
         assert aliased and max(aliased) < len(jax.tree.leaves(state)), aliased
         compiled = lowered.compile()
         frozen_before = jax.device_get(frozen)
+        # What a resume re-creates, without materialising the trainable variables again:
+        for a, b in zip(jax.tree.leaves(frozen_before), jax.tree.leaves(jax.device_get(init_frozen(objective, mesh, 0)))):
+            assert np.array_equal(a, b)
         head_before = jax.device_get(state.params)
         old_state = state
         for seed in range(3):

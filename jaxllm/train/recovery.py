@@ -18,7 +18,7 @@ from jaxllm.checkpoint import CheckpointError, Checkpointer
 from jaxllm.config import Config
 from jaxllm.sharding import sharding_tree
 from jaxllm.train.anomaly import incident_kind
-from jaxllm.train.state import init_objective_state, state_from_params
+from jaxllm.train.state import init_frozen, init_objective_state, state_from_params
 
 
 class AnomalyAbort(RuntimeError):
@@ -92,7 +92,7 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         log(f"resuming from checkpoint step {step} in {checkpointer.directory}"
             + (f" (data offset {offset} after rollbacks)" if offset else ""))
         on_loaded()
-        return Start(state, _frozen(objective, tx, mesh, cfg, abstract), offset, int(meta.get("rollbacks", 0)))
+        return Start(state, _frozen(objective, mesh, cfg, abstract), offset, int(meta.get("rollbacks", 0)))
     if not cfg.checkpoint.restore_from:
         state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window)
         on_loaded()
@@ -113,16 +113,15 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         on_loaded()
     finally:
         source.close()
-    return Start(state, _frozen(objective, tx, mesh, cfg, abstract), 0, 0)
+    return Start(state, _frozen(objective, mesh, cfg, abstract), 0, 0)
 
 
-def _frozen(objective, tx, mesh, cfg: Config, abstract):
+def _frozen(objective, mesh, cfg: Config, abstract):
     """The frozen variables of a restored run: none to make when the objective trains everything."""
     _, abstract_frozen = abstract
     if not jax.tree.leaves(abstract_frozen):
         return abstract_frozen
-    _, frozen, _, _ = init_objective_state(objective, tx, mesh, cfg.train.seed, cfg.anomaly.window)
-    return frozen
+    return init_frozen(objective, mesh, cfg.train.seed)  # never a second copy of what trains
 
 
 ROLLBACK, SKIP, ABORT = "rollback", "skip", "abort"

@@ -92,6 +92,14 @@ def init_objective_state(objective, tx, mesh, seed: int, window: int = 50):
     return state, frozen, *shardings
 
 
+def init_frozen(objective, mesh, seed: int):
+    """`objective`'s frozen variables alone, initialised from `seed` into their shards exactly as
+    `init_objective_state` makes them; the trainable variables are never materialised."""
+    frozen_of = lambda key: objective.split(objective.build_model(key))[2]
+    shardings = sharding_tree(jax.eval_shape(frozen_of, jax.random.key(0)), mesh)
+    return jax.jit(frozen_of, out_shardings=shardings)(jax.random.key(seed))
+
+
 def state_from_params(params, tx, shardings: TrainState, seed: int, window: int = 50) -> TrainState:
     """A step-0 state around already placed `params` (restored from another run): no second copy is made."""
     return jax.jit(lambda p: new_train_state(p, tx, seed, window), out_shardings=shardings)(params)
