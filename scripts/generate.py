@@ -2,10 +2,10 @@
 
 --hf DIR is a Hugging Face LlamaForCausalLM directory (config.json + safetensors); --checkpoint DIR is a jaxllm
 checkpoint (a run's workdir, its checkpoints directory or one step directory; --step N picks a step), whose model
-config is read from its metadata (parameters only are restored). The tokenizer is --tokenizer FILE, else the
-`tokenizer.model` in the HF directory, else (checkpoints) the one of the training data store recorded in the
-checkpoint. With a tokenizer, --prompt is text and the output is printed as text; without one, pass raw ids with
---tokens "1,2,3" and the new ids are printed.
+config is read from its metadata (parameters only are restored). The tokenizer is --tokenizer FILE (a sentencepiece
+.model or a Hugging Face tokenizer.json), else the `tokenizer.json` or `tokenizer.model` in the HF directory, else
+(checkpoints) the one of the training data store recorded in the checkpoint. With a tokenizer, --prompt is text
+and the output is printed as text; without one, pass raw ids with --tokens "1,2,3" and the new ids are printed.
 """
 
 import contextlib
@@ -22,7 +22,8 @@ def _prompt_ids(args, tokenizer) -> list[int]:
         except ValueError:
             fail(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
     if tokenizer is None:
-        fail(f"--prompt needs a tokenizer (--tokenizer FILE, or a tokenizer.model in {args.hf or args.checkpoint}); "
+        fail(f"--prompt needs a tokenizer (--tokenizer FILE, or a tokenizer.json or tokenizer.model in "
+             f"{args.hf or args.checkpoint}); "
              "pass raw ids with --tokens instead")
     return [tokenizer.bos_id] + tokenizer.encode(args.prompt)
 
@@ -32,7 +33,7 @@ def main(argv):
     p.add_argument("--hf", help="Hugging Face model directory")
     p.add_argument("--checkpoint", help="jaxllm checkpoint (workdir, checkpoints directory or step directory)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument("--tokenizer", default=None, help="sentencepiece tokenizer.model")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.model (sentencepiece) or tokenizer.json")
     p.add_argument("--prompt", default=None)
     p.add_argument("--tokens", default=None, help="comma-separated prompt token ids (no tokenizer needed)")
     p.add_argument("--max_new_tokens", type=int, default=64)
@@ -50,7 +51,7 @@ def main(argv):
 
     from jaxllm import hf, sample
     from jaxllm.checkpoint import CheckpointError
-    from jaxllm.data.tokenizer import Tokenizer
+    from jaxllm.data.tokenizer import find_tokenizer_file, load_tokenizer
     from jaxllm.evaluate import load_checkpoint, single_device_mesh
 
     loaded, mesh = None, None
@@ -67,8 +68,11 @@ def main(argv):
     elif loaded is not None:
         tokenizer_file = loaded.tokenizer_path()
     else:
-        tokenizer_file = Path(args.hf) / "tokenizer.model"
-    tokenizer = Tokenizer.load(tokenizer_file) if tokenizer_file is not None and tokenizer_file.is_file() else None
+        tokenizer_file = find_tokenizer_file(args.hf)
+    try:
+        tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file is not None else None
+    except ValueError as exc:
+        fail(str(exc))
     prompt = _prompt_ids(args, tokenizer)
     try:
         model = hf.from_pretrained(args.hf) if loaded is None else loaded.model

@@ -22,7 +22,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output", required=True, metavar="DIR", help="dataset directory to create")
     tok = ap.add_mutually_exclusive_group(required=True)
     tok.add_argument("--vocab_size", type=int, help="train a tokenizer with this vocabulary size")
-    tok.add_argument("--tokenizer", metavar="FILE", help="use this sentencepiece model instead of training")
+    tok.add_argument("--tokenizer", metavar="FILE",
+                     help="use this tokenizer instead of training one: a sentencepiece .model file or a Hugging Face "
+                          "tokenizer.json (special ids from the tokenizer_config.json beside it)")
     ap.add_argument("--eval_fraction", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data_config", metavar="FILE", help="JSON file of stage thresholds, e.g. {\"clean\": {...}}")

@@ -3,7 +3,8 @@
     DIR/stages/clean/    normalised documents that passed the quality filters (part-*.jsonl.gz + stage.json)
     DIR/stages/dedup/    those left after exact and near-duplicate removal, plus clusters.jsonl.gz
     DIR/stages/run.json  what this directory is being built from (lets an interrupted run be resumed)
-    DIR/{train,eval}/, DIR/tokenizer.model, DIR/manifest.json   the token store (see token_store.py)
+    DIR/{train,eval}/, DIR/tokenizer.model, DIR/manifest.json   the token store (see token_store.py; a Hugging
+                                                                Face tokenizer is stored as DIR/tokenizer.json)
 
 DIR/manifest.json is written last, so it exists only for a finished dataset; its extra.prepare section holds
 the inputs (with content hashes), the config, and one section per stage (counts in/out, dropped by reason,
@@ -29,9 +30,11 @@ from jaxllm.data import corpus
 from jaxllm.data.clean import clean_documents
 from jaxllm.data.dedup import find_duplicates
 from jaxllm.data.prep_config import PrepConfig
+from jaxllm.data.hf_tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_JSON
 from jaxllm.data.stages import fingerprint, read_shards, run_stage, write_json_atomic, write_shards
 from jaxllm.data.token_store import MANIFEST, TOKENIZER_FILE, TokenStore, write_token_store
-from jaxllm.data.tokenizer import Tokenizer, iter_encoded_documents
+from jaxllm.data.tokenizer import (AnyTokenizer, Tokenizer, find_tokenizer_file, iter_encoded_documents,
+                                   load_tokenizer)
 
 PREPARE_VERSION = 2
 RUN_FILE = "run.json"
@@ -162,33 +165,32 @@ def _dedup_stage(clean_dir: Path, cfg: PrepConfig) -> Callable[[Path], dict]:
     return build
 
 
-def _tokenize_stage(output: Path, dedup_dir: Path, vocab_size: int | None, tok_path: Path | None,
-                    eval_fraction: float, seed: int, log) -> Callable[[Path], dict]:
+def _tokenize_stage(output: Path, dedup_dir: Path, vocab_size: int | None,
+                    given: tuple[Path, AnyTokenizer] | None, eval_fraction: float, seed: int, log) -> Callable[[Path], dict]:
     def build(tmp: Path) -> dict:
         texts = [t for _, t in read_shards(dedup_dir)]
         train, held = split_train_eval(texts, eval_fraction, seed)
-        model = tmp / "tokenizer.model"
         t0 = time.perf_counter()
-        if tok_path is None:
+        if given is None:
+            model = tmp / TOKENIZER_FILE
             try:
                 tok = Tokenizer.train(train, model, vocab_size)
             except ValueError as e:
                 raise PrepareError(str(e)) from None
             log(f"trained tokenizer: vocab {tok.vocab_size} ({time.perf_counter() - t0:.1f}s)")
         else:
-            try:
-                tok = Tokenizer.load(tok_path)
-            except (FileNotFoundError, ValueError) as e:
-                raise PrepareError(str(e)) from None
-            shutil.copyfile(tok_path, model)
+            model, tok = given  # write_token_store copies it (and a tokenizer.json's config files)
         train_seconds = time.perf_counter() - t0
         store = tmp / "store"
         manifest = write_token_store(
             store, {"train": iter_encoded_documents(tok, train), "eval": iter_encoded_documents(tok, held)},
             tokenizer_path=model, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
             pad_id=tok.pad_id)
-        # Publish the splits into DIR (no manifest.json there yet, so no reader can see them half-moved).
-        for name in ("train", "eval", TOKENIZER_FILE):
+        # Publish the splits and tokenizer files into DIR (no manifest.json there yet, so no reader can see them
+        # half-moved), first removing the tokenizer files an interrupted run with another tokenizer may have left.
+        for stale in (TOKENIZER_FILE, TOKENIZER_JSON, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):
+            (output / stale).unlink(missing_ok=True)
+        for name in sorted(p.name for p in store.iterdir() if p.name != MANIFEST):
             dst = output / name
             if dst.is_dir():
                 shutil.rmtree(dst)
@@ -196,8 +198,9 @@ def _tokenize_stage(output: Path, dedup_dir: Path, vocab_size: int | None, tok_p
                 dst.unlink()
             os.rename(store / name, dst)
         write_json_atomic(tmp / "store_manifest.json", manifest)
-        shutil.rmtree(store)  # now only its manifest copy and tokenizer copy are left
-        model.unlink()
+        shutil.rmtree(store)  # now only its manifest copy is left
+        if given is None:
+            model.unlink()
         s = manifest["splits"]
         return {"docs_in": len(texts), "docs_out": s["train"]["num_docs"] + s["eval"]["num_docs"],
                 "train": s["train"], "eval": s["eval"], "vocab_size": tok.vocab_size,
@@ -220,6 +223,9 @@ def prepare(
 ) -> PrepareResult:
     """Build (or resume, or confirm) the dataset in `output` from raw inputs (see module docstring).
 
+    `tokenizer` (instead of training one with `vocab_size`) is a sentencepiece `.model` file, a Hugging Face
+    `tokenizer.json` (with the tokenizer_config.json beside it, if any) or a directory holding one of them.
+
     Raises PrepareError for user-facing problems; bad input files are skipped and reported, not raised.
     """
     t0 = time.perf_counter()
@@ -232,9 +238,14 @@ def prepare(
                            "(256 bytes + 4 special ids) plus the corpus's characters")
     if not 0.0 < eval_fraction < 1.0:
         raise PrepareError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
-    tok_path = Path(tokenizer) if tokenizer is not None else None
-    if tok_path is not None and not tok_path.is_file():
-        raise PrepareError(f"tokenizer {tok_path} does not exist (expected a sentencepiece .model file)")
+    tok_path, given = Path(tokenizer) if tokenizer is not None else None, None
+    if tok_path is not None:  # loaded before any stage runs, so a bad tokenizer fails at once
+        if tok_path.is_dir() and find_tokenizer_file(tok_path) is not None:
+            tok_path = find_tokenizer_file(tok_path)
+        try:
+            given = (tok_path, load_tokenizer(tok_path))
+        except (FileNotFoundError, ValueError) as e:
+            raise PrepareError(str(e)) from None
     try:
         files = corpus.list_input_files(inputs)
     except (FileNotFoundError, ValueError) as e:
@@ -242,7 +253,7 @@ def prepare(
     described = corpus.describe_inputs(files)
     inputs_fp = fingerprint([(Path(d["path"]).name, d["sha256"]) for d in described])
     settings = {"version": PREPARE_VERSION, "config": cfg.to_dict(), "vocab_size": vocab_size,
-                "tokenizer_sha256": hashlib.sha256(tok_path.read_bytes()).hexdigest() if tok_path else None,
+                "tokenizer_sha256": hashlib.sha256(given[1].model_proto).hexdigest() if given else None,
                 "eval_fraction": eval_fraction, "seed": seed}
     fp = fingerprint({"inputs": inputs_fp, **settings})
     state = _check_output(output, fp, inputs_fp)
@@ -280,7 +291,7 @@ def prepare(
     tok_fp = fingerprint({"dedup": dedup_fp, **{k: v for k, v in settings.items() if k != "config"}})
     sections["tokenize"], skipped = run_stage(
         stages_root, "tokenize", tok_fp,
-        _tokenize_stage(output, stages_root / "dedup", vocab_size, tok_path, eval_fraction, seed, log))
+        _tokenize_stage(output, stages_root / "dedup", vocab_size, given, eval_fraction, seed, log))
     report("tokenize", sections["tokenize"], skipped)
 
     manifest = json.loads((stages_root / "tokenize" / "store_manifest.json").read_text())

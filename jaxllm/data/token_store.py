@@ -3,7 +3,9 @@
 Layout of a store directory:
 
     manifest.json            format/version, vocab + special ids, tokenizer file, per-split stats, extra
-    tokenizer.model          copy of the sentencepiece model the ids come from
+    tokenizer.model          copy of the sentencepiece model the ids come from, or for a Hugging Face tokenizer
+                             tokenizer.json (+ tokenizer_config.json, chat_template.jinja when the source had
+                             them); the manifest's "tokenizer" names the file
     <split>/tokens/          1-D zarr3 array of token ids (uint16 if vocab <= 65535 else int32), zstd chunks
     <split>/doc_offsets/     1-D int64 zarr3 array, num_docs + 1 entries; doc i = tokens[off[i]:off[i+1]]
 
@@ -24,10 +26,12 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from jaxllm.data.tokenizer import SENTENCEPIECE_FILE, tokenizer_files
+
 FORMAT = "jaxllm.token_store"
 VERSION = 1
 MANIFEST = "manifest.json"
-TOKENIZER_FILE = "tokenizer.model"
+TOKENIZER_FILE = SENTENCEPIECE_FILE  # the name of a sentencepiece tokenizer in a store
 TOKEN_CHUNK = 1 << 16
 _OFFSET_CHUNK = 1 << 16
 # Arrays are created with a huge shape and trimmed (metadata only) at the end, so documents can be
@@ -135,7 +139,12 @@ def write_token_store(
             num_tokens = tok_w.close()
             off_w.close()
             splits[name] = {"num_docs": num_docs, "num_tokens": num_tokens, "sha256": digest.hexdigest()}
-        shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+        # The copy keeps the source's kind (tokenizer.model or tokenizer.json + its config files).
+        files = tokenizer_files(tokenizer_path)
+        for name, src in files.items():
+            shutil.copyfile(src, tmp / name)
+        # sha256 of the files joined by NUL: the file's own hash for sentencepiece, of model_proto for both kinds.
+        tokenizer_sha256 = hashlib.sha256(b"\0".join(src.read_bytes() for src in files.values())).hexdigest()
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -144,8 +153,8 @@ def write_token_store(
             "eos_id": int(eos_id),
             "pad_id": int(pad_id),
             "dtype": dtype,
-            "tokenizer": TOKENIZER_FILE,
-            "tokenizer_sha256": hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest(),
+            "tokenizer": next(iter(files)),
+            "tokenizer_sha256": tokenizer_sha256,
             "splits": splits,
             "extra": dict(extra_manifest or {}),
         }

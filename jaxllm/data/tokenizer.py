@@ -5,6 +5,10 @@ identity normalisation (no NFKC), no whitespace collapsing, no dummy-prefix spac
 character outside the vocabulary, and whitespace-only pieces so runs of spaces and newlines get tokens of
 their own ('\n' is then an ordinary learned piece). The one input that cannot round-trip is U+2581 '▁'
 itself, which sentencepiece uses as its internal space marker (decoded as ' ').
+
+`load_tokenizer` is the one way to open an existing tokenizer: a sentencepiece `.model` file gives a
+`Tokenizer`, a Hugging Face `tokenizer.json` an `HFTokenizer` (jaxllm/data/hf_tokenizer.py) with the same
+interface.
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from jaxllm.data.hf_tokenizer import TOKENIZER_JSON, HFTokenizer, companion_files
+
+SENTENCEPIECE_FILE = "tokenizer.model"
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 # Trainer settings shared by every tokenizer jaxllm builds (see the module docstring for why).
@@ -164,7 +171,43 @@ class Tokenizer:
         self.__init__(spm.SentencePieceProcessor(model_proto=state["proto"]), state["proto"])
 
 
-def iter_encoded_documents(tok: Tokenizer, texts: Iterable[str], batch_docs: int = 256) -> Iterator[list[int]]:
+AnyTokenizer = Tokenizer | HFTokenizer
+
+
+def find_tokenizer_file(directory: str | os.PathLike) -> Path | None:
+    """`directory`'s tokenizer.json if it has one, else its tokenizer.model, else None."""
+    directory = Path(directory)
+    return next((directory / n for n in (TOKENIZER_JSON, SENTENCEPIECE_FILE) if (directory / n).is_file()), None)
+
+
+def tokenizer_files(path: str | os.PathLike) -> dict[str, Path]:
+    """The files a copy of the tokenizer at `path` needs, keyed by the name each copy should have: a `.json`
+    file is a Hugging Face tokenizer.json (plus the tokenizer_config.json / chat_template.jinja beside it),
+    any other file a sentencepiece model (copied as tokenizer.model)."""
+    path = Path(path)
+    return companion_files(path) if path.suffix == ".json" else {SENTENCEPIECE_FILE: path}
+
+
+def load_tokenizer(path: str | os.PathLike) -> AnyTokenizer:
+    """The tokenizer at `path`: a `.json` file -> HFTokenizer, any other file -> sentencepiece Tokenizer, a
+    directory -> its tokenizer.json, else its tokenizer.model.
+
+    Raises FileNotFoundError when there is none there, ValueError when the file is not a valid tokenizer.
+    """
+    path = Path(path)
+    if path.is_dir():
+        found = find_tokenizer_file(path)
+        if found is None:
+            raise FileNotFoundError(f"no tokenizer in directory {path} (expected {TOKENIZER_JSON} or "
+                                    f"{SENTENCEPIECE_FILE} in it)")
+        path = found
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer not found: {path} (expected a sentencepiece .model file, a Hugging "
+                                f"Face tokenizer.json, or a directory holding one)")
+    return HFTokenizer.load(path) if path.suffix == ".json" else Tokenizer.load(path)
+
+
+def iter_encoded_documents(tok: AnyTokenizer, texts: Iterable[str], batch_docs: int = 256) -> Iterator[list[int]]:
     """Yield [bos] + encode(text) + [eos] for each text, encoding in batches for throughput."""
     batch: list[str] = []
 
