@@ -1,12 +1,14 @@
 # `make train`: install, prepare the shipped corpus, train the default model on 8 fake CPU devices.
+# `make sft`:   after `make train`, LoRA-fine-tune its model on the shipped SFT task (configs/sft_lora.py).
 # `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DATA := build/data/shakespeare
+SFT_TASK := build/data/sft_task
 CPU_DEVICES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=180" JAX_PLATFORMS=cpu
 
-.PHONY: install data train test test-smoke bench clean
+.PHONY: install data train sft test test-smoke bench clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +25,13 @@ $(DATA)/manifest.json: $(VENV)/.installed data/shakespeare.jsonl.gz
 
 train: data
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/pretrain.py $(ARGS)
+
+$(SFT_TASK)/train.jsonl: $(VENV)/.installed data/shakespeare.jsonl.gz scripts/make_sft_task.py
+	$(BIN)/python scripts/make_sft_task.py --out $(SFT_TASK)
+
+sft: $(SFT_TASK)/train.jsonl
+	@test -d runs/pretrain/checkpoints || { echo "error: make sft fine-tunes the model of make train: run make train first" >&2; exit 2; }
+	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/sft_lora.py --config.checkpoint.restore_from=runs/pretrain $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)

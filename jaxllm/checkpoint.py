@@ -199,6 +199,14 @@ class Checkpointer:
             ) from None
         return {k: restored[k] for k in items}
 
+    def read_meta(self, step: int) -> dict:
+        """The run metadata (seed, config, base, ...) saved with `step`; no array is read."""
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as exc:
+            raise CheckpointError(f"metadata of checkpoint {self.directory / str(step)} is unreadable: "
+                                  f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+
     def restore_params(self, step: int, abstract_params: Any, mesh) -> Any:
         """Restore only the parameters (`state.params`) of `step`, placed per the sharding rules on `mesh`.
 

@@ -21,6 +21,9 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
+OBJECTIVES = ("pretrain", "sft")
+SFT_TEMPLATES = ("alpaca", "chatml", "model")
+OVERLONG_RULES = ("truncate", "drop")
 
 
 class ConfigError(ValueError):
@@ -119,9 +122,11 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Length and shape of the run. The end-of-run greedy sample continues `sample_prompt` (empty: the
-    objective's own prompt) by `sample_tokens` tokens."""
+    """Length and shape of the run, and what it trains: `objective` "pretrain" (next-token prediction on a token
+    store) or "sft" (supervised fine-tuning, see SFTConfig). The end-of-run greedy sample continues
+    `sample_prompt` (empty: the objective's own prompt) by `sample_tokens` tokens."""
 
+    objective: str = "pretrain"
     steps: int = 300
     batch_size: int = 16
     seq_len: int = 128
@@ -216,6 +221,30 @@ ANOMALY_POLICIES = ("rollback", "skip", "abort")
 
 
 @dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning data (train.objective="sft"), prepared into `data.path` at the start of the run
+    (skipped when it is up to date).
+
+    `train_file` / `eval_file`: JSON lines of {"prompt", "response"} or {"messages": [{"role", "content"}...]}
+    (an optional "task" names the group an example's metrics are reported in); no `eval_file`: a seeded
+    `eval_fraction` of the train file is held out. `template` renders examples as tokens (jaxllm/data/sft.py):
+    "alpaca", "chatml" or "model" (the base tokenizer's own chat_template, rendered by transformers). An
+    example longer than train.seq_len + 1 tokens is cut (`overlong`="truncate") or left out ("drop"); either
+    is counted. `tokenizer`: the base model's tokenizer file ("" = found from checkpoint.restore_from).
+    `eval_examples` held-out examples are generated (greedy, up to `max_new_tokens`) for exact-match accuracy and
+    BLEU, before and after training."""
+
+    train_file: str = ""
+    eval_file: str = ""
+    eval_fraction: float = 0.05
+    template: str = "alpaca"
+    overlong: str = "truncate"
+    tokenizer: str = ""
+    eval_examples: int = 200
+    max_new_tokens: int = 32
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline schedule over the `stage` mesh axis: p = mesh.stage stages, m micro-batches, r repeats.
 
@@ -241,6 +270,7 @@ class Config:
     anomaly: AnomalyConfig = AnomalyConfig()
     debug: DebugConfig = DebugConfig()
     lora: LoRAConfig = LoRAConfig()
+    sft: SFTConfig = SFTConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
 
@@ -388,6 +418,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     anomaly = _build(AnomalyConfig, cd.get("anomaly", {}), "anomaly.")
     debug = _build(DebugConfig, cd.get("debug", {}), "debug.")
     lora = _build(LoRAConfig, cd.get("lora", {}), "lora.")
+    sft = _build(SFTConfig, cd.get("sft", {}), "sft.")
 
     for key in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
         _positive(f"model.{key}", getattr(model, key))
@@ -483,6 +514,9 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     if anomaly.max_rollbacks < 0:
         raise ConfigError("anomaly.max_rollbacks", f"must be >= 0, got {anomaly.max_rollbacks}")
     _check_lora(lora)
+    _choice("train.objective", train.objective, OBJECTIVES)
+    if train.objective == "sft":
+        _check_sft(sft)
     if data.num_workers < 0:
         raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
     if not str(cd.get("workdir", "")):
@@ -500,6 +534,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         anomaly=anomaly,
         debug=debug,
         lora=lora,
+        sft=sft,
         workdir=str(cd.get("workdir", Config.workdir)),
         peak_flops=float(cd.get("peak_flops", 0.0)),
     )
@@ -518,11 +553,23 @@ def _check_lora(cfg: LoRAConfig) -> None:
                                           f"{cfg.targets!r}")
 
 
+def _check_sft(cfg: SFTConfig) -> None:
+    if not cfg.train_file:  # the files themselves are opened when the run starts (a dry run needs none)
+        raise ConfigError("sft.train_file", "must name a JSON-lines file")
+    if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
+        raise ConfigError("sft.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
+    _choice("sft.template", cfg.template, SFT_TEMPLATES)
+    _choice("sft.overlong", cfg.overlong, OVERLONG_RULES)
+    if cfg.eval_examples < 0:
+        raise ConfigError("sft.eval_examples", f"must be >= 0, got {cfg.eval_examples}")
+    _positive("sft.max_new_tokens", cfg.max_new_tokens)
+
+
 def default_config_dict() -> ml_collections.ConfigDict:
     """A ConfigDict holding every field with its dataclass default; config files start from it."""
     sections = dict(mesh=MeshConfig, model=ModelConfig, precision=PrecisionConfig, optim=OptimConfig,
                     train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
-                    anomaly=AnomalyConfig, debug=DebugConfig, lora=LoRAConfig)
+                    anomaly=AnomalyConfig, debug=DebugConfig, lora=LoRAConfig, sft=SFTConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.checkpoint import CheckpointError, Checkpointer
-from jaxllm.config import MeshConfig, ModelConfig, PrecisionConfig
+from jaxllm.config import LoRAConfig, MeshConfig, ModelConfig, PrecisionConfig
 from jaxllm.mesh import make_mesh
 
 
@@ -48,19 +48,50 @@ class LoadedCheckpoint:
         return nnx.merge(self.graphdef, self.params)
 
     def tokenizer_path(self) -> Path | None:
-        """The tokenizer recorded with the checkpoint: meta `tokenizer`, else `<data.path>/tokenizer.model`."""
+        """The tokenizer recorded with the checkpoint: meta `tokenizer`, else the tokenizer.json or tokenizer.model
+        of the training data store (`data.path`)."""
+        from jaxllm.data.tokenizer import find_tokenizer_file
+
         candidates = []
         if self.meta.get("tokenizer"):
             candidates.append(Path(self.meta["tokenizer"]))
         data_path = (self.config.get("data") or {}).get("path")
         if data_path:
-            candidates.append(Path(data_path) / "tokenizer.model")
-        return next((c for c in candidates if c.is_file()), None)
+            candidates.append(find_tokenizer_file(data_path))
+        return next((c for c in candidates if c is not None and c.is_file()), None)
+
+
+def _adapters_of_run(config: dict) -> LoRAConfig | None:
+    """The LoRA settings of a fine-tuning run whose checkpoints hold adapters (not a whole model)."""
+    lora = config.get("lora") or {}
+    if (config.get("train") or {}).get("objective") == "sft" and lora.get("rank"):
+        return LoRAConfig(**_fields(LoRAConfig, lora))
+    return None
+
+
+def _load_adapted(source: Checkpointer, step: int, meta: dict, model_cfg, precision, lora, mesh):
+    """(graphdef, params) of a LoRA run's checkpoint: its adapters on the base model its metadata records (loaded
+    again, and checked against the recorded fingerprint)."""
+    from jaxllm.train import base_model
+    from jaxllm.train.pretrain import lm_objective
+
+    record = meta.get("base") or {}
+    if record.get("kind") not in ("jaxllm", "hf"):
+        raise CheckpointError(f"{source.directory / str(step)}: adapters of a run with no base model recorded")
+    base = base_model.locate(record["path"])
+    objective = lm_objective(model_cfg, precision, lora=lora, rope_scaling=base.rope_scaling)
+    _, abstract_adapters, abstract_base = jax.eval_shape(lambda: objective.split(objective.build_model(jax.random.key(0))))
+    adapters = source.restore_params(step, abstract_adapters, mesh)
+    frozen = base.load(abstract_base, mesh)
+    base_model.check_same_base(record, base.record(base_model.fingerprint(frozen)))
+    return objective.graphdef, nnx.merge_state(adapters, frozen)
 
 
 def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str | None = None) -> LoadedCheckpoint:
     """A checkpoint (run workdir, checkpoints directory or one step directory) as graphdef + params.
 
+    A LoRA fine-tuning run's checkpoint holds adapters only: they are loaded onto the base model it records (the
+    model then carries the adapters; `jaxllm.lora.merge` or `hf.save_pretrained` give the merged one).
     Computation runs in the parameter dtype unless `compute` is given; logits are float32.
     """
     from jaxllm.train.recovery import _locate
@@ -78,16 +109,20 @@ def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str 
             raise CheckpointError(f"no committed checkpoint in {directory}")
         if step not in source.steps():
             raise CheckpointError(f"no committed checkpoint step {step} in {directory} (have {source.steps()})")
-        meta = source.restore(step, None, mesh, items=("meta",))["meta"]
+        meta = source.read_meta(step)
         config = meta.get("config") or {}
         if "model" not in config:
             raise CheckpointError(f"{directory / str(step)}: its metadata records no model config")
         model_cfg = ModelConfig(**_fields(ModelConfig, config["model"]))
         stored = PrecisionConfig(**_fields(PrecisionConfig, config.get("precision", {})))
         precision = PrecisionConfig(params=stored.params, compute=compute or stored.params, output="float32")
+        lora = _adapters_of_run(config)
         with jax.set_mesh(mesh):
-            graphdef, abstract_params = nnx.split(abstract_model(model_cfg, precision))
-            params = source.restore_params(step, abstract_params, mesh)
+            if lora is None:
+                graphdef, abstract_params = nnx.split(abstract_model(model_cfg, precision))
+                params = source.restore_params(step, abstract_params, mesh)
+            else:
+                graphdef, params = _load_adapted(source, step, meta, model_cfg, precision, lora, mesh)
     finally:
         source.close()
     return LoadedCheckpoint(graphdef, params, model_cfg, precision, config, meta, Path(directory) / str(step))

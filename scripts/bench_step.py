@@ -5,6 +5,10 @@ memory_analysis), for the same train step run two ways in one process:
   bare  the compiled step called back to back on one device-resident batch, nothing around it;
   loop  jaxllm.train.loop.train: real data pipeline, host->device transfer, metrics one step late, JSONL, progress.
 The loop/bare tokens/s ratio is the loop's overhead (target >= 0.95). Ends with one JSON line of the figures.
+
+With a LoRA fine-tuning config (train.objective="sft", lora.rank > 0, e.g. configs/sft_lora.py) it times instead
+the bare step of the adapters (base frozen) against full fine-tuning of the same model, interleaved (lora, full,
+lora), and prints their ratio; the base's architecture is taken from checkpoint.restore_from when it is set.
 """
 
 import json
@@ -16,7 +20,7 @@ from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
 from jaxllm.config import ConfigError, validate
 
 
-def bare_step_throughput(cfg, steps: int) -> dict:
+def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
     import jax
 
     from jaxllm.data.synthetic import synthetic_batch
@@ -32,7 +36,7 @@ def bare_step_throughput(cfg, steps: int) -> dict:
     tc = cfg.train
     mesh = make_mesh(cfg.mesh)
     tx = make_optimizer(cfg.optim, tc.steps)
-    objective = lm_objective(cfg.model, cfg.precision, cfg.pipeline)
+    objective = lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora)
     with jax.set_mesh(mesh):
         state, frozen, shardings, frozen_shardings = init_objective_state(objective, tx, mesh, tc.seed,
                                                                           cfg.anomaly.window)
@@ -103,6 +107,29 @@ def pipeline_report(cfg) -> dict:
                     cfg.mesh, data=1, fsdp=1, tensor=1, stage=1))))
 
 
+def lora_vs_full(cfg, steps: int) -> int:
+    """Print the bare step of LoRA (adapters train, base frozen) vs full fine-tuning, interleaved."""
+    import jax
+
+    lora_a = bare_step_throughput(cfg, steps, cfg.lora)
+    full = bare_step_throughput(cfg, steps)
+    lora_b = bare_step_throughput(cfg, steps, cfg.lora)
+    lora = dict(lora_a, step_s=(lora_a["step_s"] + lora_b["step_s"]) / 2,
+                tokens_per_sec=(lora_a["tokens_per_sec"] + lora_b["tokens_per_sec"]) / 2)
+    m, mesh = cfg.model, "x".join(str(s) for s in cfg.mesh.shape)
+    print(f"model L{m.num_layers} D{m.dim} N{m.num_heads}/K{m.num_kv_heads} F{m.mlp_dim} V{m.vocab_size} | "
+          f"batch {cfg.train.batch_size}x{cfg.train.seq_len} | mesh (data,fsdp,tensor,stage)={mesh} | "
+          f"LoRA r{cfg.lora.rank} on {cfg.lora.targets} | compute {cfg.precision.compute} | {jax.devices()[0].platform}")
+    print(f"{'step':<6} {'compile s':>10} {'step s':>9} {'tokens/s':>11} {'args MB/dev':>12} {'temp MB/dev':>12}")
+    for name, r in (("lora", lora), ("full", full)):
+        print(f"{name:<6} {r['compile_s']:>10.2f} {r['step_s']:>9.4f} {r['tokens_per_sec']:>11,.0f} "
+              f"{r['argument_mb']:>12.2f} {r['temp_mb']:>12.2f}")
+    ratio = lora["step_s"] / full["step_s"]
+    print(f"LoRA / full step time = {ratio:.3f}; LoRA runs: {lora_a['step_s']:.4f} and {lora_b['step_s']:.4f} s")
+    print(json.dumps({"bench": "lora_vs_full", "mesh": mesh, "lora": lora, "full": full, "lora_over_full": ratio}))
+    return 0
+
+
 def main(argv):
     args_list, overrides = split_overrides(argv)
     p = parser(__doc__.splitlines()[0])
@@ -113,6 +140,13 @@ def main(argv):
         import jax
 
         cfg = validate(build_config(args.config, overrides), jax.device_count())
+        if cfg.train.objective == "sft" and cfg.lora.rank:
+            from jaxllm.train import base_model
+
+            if cfg.checkpoint.restore_from:
+                cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from),
+                                                    jax.device_count())
+            return lora_vs_full(cfg, args.steps)
         from jaxllm.train.pretrain import open_data
 
         open_data(cfg)  # the loop run needs the token store: check it before minutes of bare-step timing

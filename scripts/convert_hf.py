@@ -3,10 +3,11 @@
   python scripts/convert_hf.py import --hf DIR --out CKPT_DIR [--dtype float32]
       Writes step 0 of a jaxllm checkpoint (parameters from DIR, a fresh AdamW state) that a run can start
       from with `--config.checkpoint.restore_from=CKPT_DIR` (use a matching --config.model.*).
-  python scripts/convert_hf.py export --checkpoint CKPT [--step N] --out DIR
+  python scripts/convert_hf.py export --checkpoint CKPT [--step N] --out DIR [--adapter_only]
       CKPT is a run's workdir, its checkpoints directory or one step directory; the model config is read from
       the checkpoint's metadata and only the parameters are read. DIR loads with
-      `transformers.AutoModelForCausalLM.from_pretrained`.
+      `transformers.AutoModelForCausalLM.from_pretrained`. A LoRA fine-tuning run is exported merged into its
+      base, or with --adapter_only as the adapter alone in PEFT's format (`peft.PeftModel.from_pretrained`).
 """
 
 import dataclasses
@@ -24,6 +25,7 @@ def do_import(args) -> int:
     from jaxllm import hf
     from jaxllm.checkpoint import Checkpointer, CheckpointError
     from jaxllm.config import OptimConfig, PrecisionConfig
+    from jaxllm.data.tokenizer import find_tokenizer_file
     from jaxllm.evaluate import single_device_mesh
     from jaxllm.optim import make_optimizer
     from jaxllm.train.state import create_train_state
@@ -49,8 +51,8 @@ def do_import(args) -> int:
     meta = {"config": {"model": dataclasses.asdict(cfg), "precision": dataclasses.asdict(precision),
                        "optim": dataclasses.asdict(optim)},
             "source": str(Path(args.hf).absolute())}
-    tokenizer = Path(args.hf) / "tokenizer.model"
-    if tokenizer.is_file():
+    tokenizer = find_tokenizer_file(args.hf)
+    if tokenizer is not None:
         meta["tokenizer"] = str(tokenizer.absolute())
     try:
         checkpointer = Checkpointer(out, keep=1, log=lambda *_: None)
@@ -66,16 +68,20 @@ def do_import(args) -> int:
 def do_export(args) -> int:
     from jaxllm import hf
     from jaxllm.checkpoint import CheckpointError
+    from jaxllm.data.tokenizer import tokenizer_files
     from jaxllm.evaluate import load_checkpoint
 
     try:
         loaded = load_checkpoint(args.checkpoint, args.step)
-    except (FileNotFoundError, CheckpointError) as exc:
+    except (FileNotFoundError, ValueError, CheckpointError) as exc:
         fail(str(exc))
-    hf.save_pretrained(loaded.model, args.out, max_shard_bytes=args.max_shard_bytes)
+    if args.adapter_only and loaded.model.lora is None:
+        fail(f"--adapter_only: {loaded.path} holds a whole model, not LoRA adapters")
+    hf.save_pretrained(loaded.model, args.out, max_shard_bytes=args.max_shard_bytes, adapter_only=args.adapter_only)
     tokenizer = loaded.tokenizer_path()
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, Path(args.out) / "tokenizer.model")
+    if tokenizer is not None:  # tokenizer.model, or tokenizer.json with its tokenizer_config.json
+        for name, src in tokenizer_files(tokenizer).items():
+            shutil.copyfile(src, Path(args.out) / name)
     print(f"wrote {Path(args.out).absolute()} from {loaded.path}")
     return 0
 
@@ -92,6 +98,7 @@ def main(argv):
     exp.add_argument("--step", type=int, default=None)
     exp.add_argument("--out", required=True)
     exp.add_argument("--max_shard_bytes", type=int, default=None)
+    exp.add_argument("--adapter_only", action="store_true", help="a LoRA run's adapter alone, in PEFT's format")
     for sp in (imp, exp):  # subcommand usage errors follow the one-line convention too
         sp.error = lambda message: fail(message)
     args = p.parse_args(argv)

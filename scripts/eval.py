@@ -1,10 +1,16 @@
-"""Evaluate a model: `python scripts/eval.py (--checkpoint DIR | --hf DIR) [--data STORE] [--choices FILE.jsonl]`.
+"""Evaluate a model: `python scripts/eval.py (--checkpoint DIR | --hf DIR) [--data STORE] [--choices FILE.jsonl]
+[--task FILE.jsonl]`.
 
 --data STORE     held-out perplexity on a token store's split (token-weighted over loss_mask, packing-aware);
                  (with --checkpoint and no --choices it defaults to the training data store the checkpoint records)
 --choices FILE   multiple-choice accuracy; JSON lines {"question", "choices": [...], "answer": index}, each
                  choice scored by the summed log-likelihood of its tokens after the question (also normalised
                  per character: mc_accuracy_norm, and per token: mc_accuracy_per_token)
+--task FILE      generation task, as SFT reports it: JSON lines {"prompt", "response"} or {"messages": [...]} (an
+                 optional "task" groups them), rendered with --template (default: the checkpoint's sft.template,
+                 else alpaca); greedy responses of up to --max_new_tokens are scored by exact match and sacrebleu's
+                 corpus BLEU, per task and over all ("task" in the output)
+A LoRA fine-tuning checkpoint is evaluated with its adapters on the base model it records.
 Prints one JSON object.
 """
 
@@ -22,61 +28,91 @@ def main(argv):
     p.add_argument("--hf", default=None, help="Hugging Face model directory")
     p.add_argument("--data", default=None, help="token store for perplexity")
     p.add_argument("--split", default="eval")
-    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--seq_len", type=int, default=None,
+                   help="rows for --data and the model's length for --task (default: the checkpoint's, else 128)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--max_batches", type=int, default=None)
     p.add_argument("--choices", default=None, help="multiple-choice JSON-lines file")
-    p.add_argument("--tokenizer", default=None, help="sentencepiece tokenizer.model (for --choices)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.model or tokenizer.json (for --choices, --task)")
+    p.add_argument("--task", default=None, help="generation-task JSON-lines file (exact match, BLEU)")
+    p.add_argument("--template", default=None, choices=("alpaca", "chatml", "model"))
+    p.add_argument("--max_new_tokens", type=int, default=None)
     args = p.parse_args(argv)
     if (args.checkpoint is None) == (args.hf is None):
         fail("pass exactly one of --checkpoint and --hf")
-    for name in ("seq_len", "batch_size"):
-        if getattr(args, name) <= 0:
+    for name in ("seq_len", "batch_size", "max_new_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             fail(f"--{name} must be positive")
 
     from flax import nnx
 
     from jaxllm import evaluate, hf
     from jaxllm.checkpoint import CheckpointError
-    from jaxllm.data.tokenizer import Tokenizer
+    from jaxllm.data.tokenizer import find_tokenizer_file, load_tokenizer
 
     mesh = evaluate.single_device_mesh()
-    recorded_data, tokenizer_file = None, None
+    recorded_data, tokenizer_file, recorded = None, None, {}
     try:
         if args.checkpoint is not None:
             loaded = evaluate.load_checkpoint(args.checkpoint, args.step, mesh)
-            graphdef, params = loaded.graphdef, loaded.params
-            recorded_data = (loaded.config.get("data") or {}).get("path")
+            graphdef, params, recorded = loaded.graphdef, loaded.params, loaded.config
+            if (recorded.get("train") or {}).get("objective", "pretrain") == "pretrain":
+                recorded_data = (recorded.get("data") or {}).get("path")
             tokenizer_file = loaded.tokenizer_path()
         else:
             graphdef, params = nnx.split(hf.from_pretrained(args.hf, mesh=mesh))
-            if (Path(args.hf) / "tokenizer.model").is_file():
-                tokenizer_file = Path(args.hf) / "tokenizer.model"
+            tokenizer_file = find_tokenizer_file(args.hf)
     except (FileNotFoundError, ValueError, CheckpointError, NotImplementedError) as exc:
         fail(str(exc))
-    data = args.data or (recorded_data if args.choices is None else None)
-    if data is None and args.choices is None:
-        fail("nothing to evaluate: pass --data STORE and/or --choices FILE")
-    if data is not None and args.tokenizer is None and (Path(data) / "tokenizer.model").is_file():
-        tokenizer_file = Path(data) / "tokenizer.model"
+    data = args.data or (recorded_data if args.choices is None and args.task is None else None)
+    if data is None and args.choices is None and args.task is None:
+        fail("nothing to evaluate: pass --data STORE, --choices FILE and/or --task FILE")
+    seq_len = args.seq_len or (recorded.get("train") or {}).get("seq_len", 128)
+    if data is not None and args.tokenizer is None and find_tokenizer_file(data) is not None:
+        tokenizer_file = find_tokenizer_file(data)
     if args.tokenizer is not None:
         tokenizer_file = Path(args.tokenizer)
 
     result = {}
     try:
         if data is not None:
-            ppl = evaluate.perplexity(graphdef, params, mesh, data, split=args.split, seq_len=args.seq_len,
+            ppl = evaluate.perplexity(graphdef, params, mesh, data, split=args.split, seq_len=seq_len,
                                       batch_size=args.batch_size, max_batches=args.max_batches)
             result.update(ppl)
         if args.choices is not None:
             if tokenizer_file is None or not Path(tokenizer_file).is_file():
                 fail("--choices needs a tokenizer: pass --tokenizer FILE")
             items = evaluate.read_choices(args.choices)
-            result.update(evaluate.multiple_choice(graphdef, params, mesh, Tokenizer.load(tokenizer_file), items))
+            result.update(evaluate.multiple_choice(graphdef, params, mesh, load_tokenizer(tokenizer_file), items))
+        if args.task is not None:
+            result["task"] = _task(args, graphdef, params, mesh, tokenizer_file, recorded.get("sft") or {}, seq_len)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         fail(str(exc))
     print(json.dumps(result))
     return 0
+
+
+def _task(args, graphdef, params, mesh, tokenizer_file, recorded_sft: dict, seq_len: int) -> dict:
+    from jaxllm.data.sft import task_examples
+    from jaxllm.data.sft_template import TemplateError
+    from jaxllm.data.tokenizer import load_tokenizer
+    from jaxllm.task_eval import evaluate_task
+
+    if tokenizer_file is None or not Path(tokenizer_file).is_file():
+        fail("--task needs a tokenizer: pass --tokenizer FILE")
+    if not Path(args.task).is_file():
+        fail(f"--task: no such file {args.task}")
+    tokenizer = load_tokenizer(tokenizer_file)
+    try:
+        examples, skipped = task_examples(args.task, tokenizer, args.template or recorded_sft.get("template", "alpaca"))
+    except TemplateError as exc:
+        fail(str(exc))
+    for line in skipped:
+        print(f"skipped {line['file']} line {line['line']}: {line['reason']}", file=sys.stderr)
+    if not examples:
+        fail(f"--task: no usable examples in {args.task}")
+    max_new = args.max_new_tokens or recorded_sft.get("max_new_tokens", 32)
+    return evaluate_task(graphdef, params, mesh, tokenizer, examples, max_new_tokens=max_new, max_len=seq_len)
 
 
 if __name__ == "__main__":

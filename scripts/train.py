@@ -67,7 +67,13 @@ def main(argv):
 
     if args.dry_run:
         from jaxllm.plan import format_plan, memory_plan
+        from jaxllm.train import base_model
 
+        try:  # a fine-tuning run takes its base's architecture
+            if cfg.train.objective == "sft" and cfg.checkpoint.restore_from:
+                cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from), num_devices)
+        except ConfigError as exc:
+            fail(str(exc))
         print(format_plan(memory_plan(cfg)))
         return 0
     if args.print_sharding:

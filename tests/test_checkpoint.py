@@ -4,14 +4,13 @@ import json
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from train_runs import losses, metrics, train_command, train_env
+from train_runs import losses, metrics, preempt_at, train_command, train_env, wait_for_step
 
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
@@ -31,18 +30,6 @@ def _cmd(store, workdir, *overrides):
 def _run(store, workdir, *overrides, timeout=600):
     return subprocess.run(_cmd(store, workdir, *overrides), capture_output=True, text=True, env=train_env(),
                           timeout=timeout)
-
-
-def _wait_for_step(workdir, step, proc, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early: {proc.stderr.read()[-2000:]}")
-        path = Path(workdir) / "metrics.jsonl"
-        if path.exists() and any(s >= step for s in losses(workdir)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
 
 
 def _final_params(workdir, step):
@@ -65,15 +52,7 @@ def uninterrupted(shakespeare_store, tmp_path_factory):
 def test_resume_after_sigterm_is_bitwise_identical(shakespeare_store, uninterrupted, tmp_path):
     # The run holds after step 3 until a signal comes, so the real SIGTERM below always lands mid-run (a tiny
     # run on a fast machine used to finish all 8 steps before the signal was handled).
-    proc = subprocess.Popen(_cmd(shakespeare_store, tmp_path, "--config.train.steps=8",
-                                 "--config.debug.hold_at_step=3"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env())
-    _wait_for_step(tmp_path, 3, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert "preempted: saved step" in out
-    stopped = int(out.split("preempted: saved step ")[1].split(",")[0])
+    stopped = preempt_at(_cmd(shakespeare_store, tmp_path, "--config.train.steps=8"), tmp_path, 3)
     assert stopped == 3
 
     again = _run(shakespeare_store, tmp_path, "--config.train.steps=8")
@@ -93,7 +72,7 @@ def test_kill_9_during_saves_resumes_from_last_committed(shakespeare_store, tmp_
         proc = subprocess.Popen(_cmd(shakespeare_store, tmp_path, "--config.train.steps=8",
                                      "--config.checkpoint.every=1", f"--config.debug.hold_at_step={kill_after_step}"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env())
-        _wait_for_step(tmp_path, kill_after_step, proc)
+        wait_for_step(tmp_path, kill_after_step, proc)
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL  # killed, not finished before the signal
         assert max(losses(tmp_path)) == kill_after_step

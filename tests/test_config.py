@@ -68,3 +68,20 @@ def test_dry_run_plans_a_70b_model_without_devices():
     assert proc.returncode == 0, proc.stderr
     assert "70,553,706,496 parameters" in proc.stdout
     assert "256 devices" in proc.stdout
+
+
+@pytest.mark.smoke
+def test_dry_run_plans_lora_fine_tuning_of_llama_8b():
+    plans = {}
+    for rank in (16, 0):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--config",
+                               str(ROOT / "configs" / "sft_lora.py"), "--config.model.preset=llama_8b",
+                               "--config.mesh.data=1", "--config.mesh.tensor=1", "--config.mesh.fsdp=8",
+                               f"--config.lora.rank={rank}", "--dry_run"], capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        plans[rank] = proc.stdout
+    # PEFT's count for Llama 3 8B with r16 on q_proj and v_proj: 6,815,744 of 8,037,076,992 (0.0848%).
+    assert "8,037,076,992 parameters (8.04 B), 6,815,744 trainable (0.0848%)" in plans[16]
+    assert ("frozen parameters 3.740 GiB + trainable parameters 12.000 MiB + optimizer state 24.000 MiB"
+            in plans[16])
+    assert "8,030,261,248 trainable (100%)" in plans[0] and "optimizer state 7.480 GiB" in plans[0]

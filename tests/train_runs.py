@@ -7,9 +7,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +51,31 @@ def metrics(workdir) -> list[dict]:
 def losses(workdir) -> dict[int, float]:
     """Training loss by step from a run's metrics.jsonl."""
     return {r["step"]: r["loss"] for r in metrics(workdir) if "loss" in r}
+
+
+def wait_for_step(workdir, step, proc, timeout=300):
+    """Wait until the run in `workdir` (process `proc`) has logged the loss of `step`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early: {proc.stderr.read()[-2000:]}")
+        path = Path(workdir) / "metrics.jsonl"
+        if path.exists() and any(s >= step for s in losses(workdir)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def preempt_at(command: list[str], workdir, step: int) -> int:
+    """Run `command` held after `step` (debug.hold_at_step), SIGTERM it there, and return the step it saved."""
+    proc = subprocess.Popen([*command, f"--config.debug.hold_at_step={step}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=train_env())
+    wait_for_step(workdir, step, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "preempted: saved step" in out, out[-2000:]
+    return int(out.split("preempted: saved step ")[1].split(",")[0])
 
 
 def free_port_pair() -> int:

@@ -34,6 +34,7 @@ from jaxllm.preemption import PreemptionGuard
 from jaxllm.progress import ProgressBar
 from jaxllm.sample import greedy_generate
 from jaxllm.sharding import sharding_tree
+from jaxllm.task_eval import format_table
 from jaxllm.train.faults import planned_faults, with_scaled_loss
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.recovery import Recovery, restore_start
@@ -83,6 +84,10 @@ class Run:
     data_offset: int = 0
     rollbacks: int = 0
     batches: object = None
+
+    def variables(self):
+        """Trainable and frozen variables together: the whole model's state."""
+        return nnx.merge_state(self.state.params, self.frozen)
 
     def reopen_batches(self) -> None:
         """(Re)open the batch source for the steps after `state.step`."""
@@ -177,23 +182,29 @@ def evaluate(eval_step, params, frozen, batches) -> float:
     return float(total / max(count, 1.0))
 
 
-def objective_for(cfg: Config) -> Objective:
-    """The objective a config trains (pretraining; post-training objectives join here)."""
+def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
+    """The objective `train.objective` names, and the config as it shapes it (fine-tuning adopts the base
+    model's architecture)."""
+    if cfg.train.objective == "sft":
+        from jaxllm.train.sft import sft_objective
+
+        return sft_objective(cfg, jax.device_count(), log)
     from jaxllm.train.pretrain import pretrain_objective
 
-    return pretrain_objective(cfg)
+    return cfg, pretrain_objective(cfg)
 
 
 def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) -> dict:
     """Train `cfg` end to end (resuming from `<workdir>/checkpoints` if there are any); returns a summary."""
-    objective = objective or objective_for(cfg)
-    mesh = make_mesh(cfg.mesh)
     is_main = jax.process_index() == 0
+    log = (lambda msg: print(msg, file=stream, flush=True)) if is_main else (lambda msg: None)
+    if objective is None:
+        cfg, objective = objective_for(cfg, log)
+    mesh = make_mesh(cfg.mesh)
     workdir = Path(cfg.workdir)
     if is_main:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    log = (lambda msg: print(msg, file=stream, flush=True)) if is_main else (lambda msg: None)
     tc = cfg.train
 
     tx = make_optimizer(cfg.optim, tc.steps)
@@ -237,14 +248,19 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
 
     metrics_log = MetricsLog(cfg, mesh, workdir, start_step, is_main, stream)
     summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak}
+    if start.base is not None:
+        summary["base"] = start.base
     eval_loss = lambda: evaluate(eval_step, run.state.params, run.frozen, eval_batches) if eval_step else float("nan")
     summary["initial_eval_loss"] = initial_eval = eval_loss()
     metrics_log.writer.write({"step": start_step, "eval_loss": initial_eval})
     log(f"step {start_step} held-out loss {initial_eval:.4f}")
 
+    base_report = start.base_report
+    if objective.report is not None and base_report is None and start_step == 0:
+        base_report = objective.report(objective.graphdef, run.variables(), mesh)
     recover = Recovery(cfg, checkpointer, incidents, abstract[0], mesh, log)
     meta = lambda: {"seed": tc.seed, "data_offset": run.data_offset, "rollbacks": run.rollbacks,
-                    "config": cfg.to_dict()}
+                    "config": cfg.to_dict(), "base": start.base, "base_report": base_report}
     guard = PreemptionGuard()
     pending = None  # (step, metrics on device, packing) of the step dispatched last, not yet read
     held = False
@@ -316,6 +332,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
         f"(causal {100 * summary['mfu_causal']:.2f}%)")
     log(f"held-out loss {final_eval:.4f} (step {start_step}: {initial_eval:.4f}, ratio {final_eval / initial_eval:.2f})")
     if "preempted_at" not in summary:
+        report_task(objective, run, mesh, base_report, summary, log)
         sample(cfg, objective, run, mesh, summary, log)
     checkpointer.close()
     metrics_log.writer.close()
@@ -323,6 +340,20 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def report_task(objective: Objective, run: Run, mesh, base_report: dict | None, summary: dict, log) -> None:
+    """The objective's task metrics of the trained model, next to the base model's (taken at step 0)."""
+    if objective.report is None:
+        return
+    tuned = objective.report(objective.graphdef, run.variables(), mesh)
+    base = (base_report or {}).get("scores", {})
+    summary["task"] = {"base": base, "tuned": tuned["scores"], "samples": tuned["samples"]}
+    log("task metrics, base model vs fine-tuned (held-out examples, greedy):\n"
+        + format_table(base or {k: {**v, "exact_match": float("nan"), "bleu": float("nan")}
+                               for k, v in tuned["scores"].items()}, tuned["scores"]))
+    for s in tuned["samples"]:
+        log(f"  [{s['task']}] reference {s['reference']!r}, response {s['response']!r}")
 
 
 def sample(cfg: Config, objective: Objective, run: Run, mesh, summary: dict, log) -> None:
@@ -335,8 +366,7 @@ def sample(cfg: Config, objective: Objective, run: Run, mesh, summary: dict, log
     tokenizer = objective.tokenizer
     with jax.set_mesh(mesh):
         prompt = [tokenizer.bos_id] + tokenizer.encode(prompt_text)
-        variables = nnx.merge_state(run.state.params, run.frozen)
-        out = greedy_generate(objective.graphdef, variables, prompt, tc.sample_tokens, eos_id=tokenizer.eos_id,
+        out = greedy_generate(objective.graphdef, run.variables(), prompt, tc.sample_tokens, eos_id=tokenizer.eos_id,
                               max_len=tc.seq_len)
     summary["sample"] = tokenizer.decode(out)
     log("greedy sample:\n" + prompt_text + summary["sample"])

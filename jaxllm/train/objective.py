@@ -61,7 +61,10 @@ class Objective:
     filter of the variables that learn, the rest are frozen; `loss_fn` is above; `open_batches(BatchRequest)`
     gives the train batches and `eval_batches(rows)` a list of held-out ones (None: no evaluation). `tokenizer`
     and `sample_prompt` drive the end-of-run sample of language models ("" prompts with BOS alone, None: no
-    sample).
+    sample). `base` (jaxllm.train.base_model.Base) is the pretrained model a fresh run loads instead of
+    initialising: into the frozen variables when there are any (adapters), else into the trainable ones (full
+    fine-tuning). `report(graphdef, variables, mesh)` gives task metrics of a model, taken before and after
+    training.
     """
 
     name: str
@@ -72,6 +75,8 @@ class Objective:
     eval_batches: Callable[[tuple[int, int]], list[dict]] | None = None
     tokenizer: Any = None
     sample_prompt: str | None = ""
+    base: Any = None
+    report: Callable[[nnx.GraphDef, Any, Any], dict] | None = None
 
     @functools.cached_property
     def graphdef(self) -> nnx.GraphDef:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxllm.config import Config, ConfigError, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.data.pipeline import make_eval_batches, make_train_iterator
 from jaxllm.data.token_store import TokenStore
-from jaxllm.data.tokenizer import Tokenizer
+from jaxllm.data.tokenizer import Tokenizer, load_tokenizer
 from jaxllm.lora import trainable as lora_trainable
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.state import build_model
@@ -44,11 +44,12 @@ def next_token_loss(model, batch, rng=None):
 
 
 def lm_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: PipelineConfig = PipelineConfig(),
-                 lora: LoRAConfig | None = None) -> Objective:
+                 lora: LoRAConfig | None = None, rope_scaling=None) -> Objective:
     """The model-and-loss half of language modelling (no data): what the train step needs. With `lora` (rank >
     0) the model carries adapters and only they train."""
     return Objective(name="pretrain", build_model=functools.partial(build_model, model, precision,
-                                                                     pipeline=pipeline, lora=lora),
+                                                                     pipeline=pipeline, lora=lora,
+                                                                     rope_scaling=rope_scaling),
                      loss_fn=next_token_loss, trainable=lora_trainable(lora))
 
 
@@ -58,7 +59,7 @@ def open_data(cfg: Config) -> tuple[TokenStore, Tokenizer]:
     if not (store_path / "manifest.json").exists():
         raise ConfigError("data.path", f"no token store at {store_path} (run `make data` or scripts/prepare_data.py)")
     store = TokenStore.open(str(store_path))
-    tokenizer = Tokenizer.load(str(store_path / store.manifest.get("tokenizer", "tokenizer.model")))
+    tokenizer = load_tokenizer(str(store_path / store.manifest.get("tokenizer", "tokenizer.model")))
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             "model.vocab_size",

@@ -15,10 +15,11 @@ import jax
 import numpy as np
 
 from jaxllm.checkpoint import CheckpointError, Checkpointer
-from jaxllm.config import Config
+from jaxllm.config import Config, ConfigError
 from jaxllm.sharding import sharding_tree
 from jaxllm.train.anomaly import incident_kind
-from jaxllm.train.state import init_frozen, init_objective_state, state_from_params
+from jaxllm.train.base_model import check_same_base, fingerprint
+from jaxllm.train.state import init_frozen, init_objective_state, init_trainable_state, state_from_params
 
 
 class AnomalyAbort(RuntimeError):
@@ -65,12 +66,15 @@ def _locate(path: str) -> tuple[Path, int | None]:
 @dataclasses.dataclass(frozen=True)
 class Start:
     """Where a run starts: its train state and frozen variables, the data offset (data index = step - 1 +
-    offset; rollbacks skip data) and the rollbacks so far."""
+    offset; rollbacks skip data), the rollbacks so far, the record of the base model it fine-tunes (None:
+    none) and the base model's task report taken at step 0 (None: not yet taken)."""
 
     state: object
     frozen: object
     data_offset: int
     rollbacks: int
+    base: dict | None = None
+    base_report: dict | None = None
 
 
 def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstract, mesh, log,
@@ -78,9 +82,12 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
     """Resuming this run's own checkpoints wins; otherwise `checkpoint.restore_from` seeds the run (parameters
     only, or everything with `checkpoint.restore_all`); otherwise a fresh initialisation from `train.seed`.
 
-    `abstract` is the (state, frozen) pair of ShapeDtypeStructs; frozen variables come from the objective's
-    initialiser (pretraining has none). `on_loaded()` is called once the state exists, before anything used to
-    make it is released (the loop measures peak live bytes there).
+    An objective with a `base` (fine-tuning) starts from it instead; its checkpoints record the base, and a
+    resume loads the same base again (a different one is a ConfigError).
+
+    `abstract` is the (state, frozen) pair of ShapeDtypeStructs; frozen variables come from the base, else from
+    the objective's initialiser (pretraining has none). `on_loaded()` is called once the state exists, before
+    anything used to make it is released (the loop measures peak live bytes there).
     """
     seed, window = cfg.train.seed, cfg.anomaly.window
     abstract_state, _ = abstract
@@ -92,7 +99,10 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         log(f"resuming from checkpoint step {step} in {checkpointer.directory}"
             + (f" (data offset {offset} after rollbacks)" if offset else ""))
         on_loaded()
-        return Start(state, _frozen(objective, mesh, cfg, abstract), offset, int(meta.get("rollbacks", 0)))
+        frozen, base = _frozen(objective, mesh, cfg, abstract, meta.get("base"))
+        return Start(state, frozen, offset, int(meta.get("rollbacks", 0)), base, meta.get("base_report"))
+    if objective.base is not None:
+        return _start_from_base(objective, tx, abstract, mesh, seed, window, log, on_loaded)
     if not cfg.checkpoint.restore_from:
         state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window)
         on_loaded()
@@ -113,15 +123,43 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         on_loaded()
     finally:
         source.close()
-    return Start(state, _frozen(objective, mesh, cfg, abstract), 0, 0)
+    return Start(state, _frozen(objective, mesh, cfg, abstract, None)[0], 0, 0)
 
 
-def _frozen(objective, mesh, cfg: Config, abstract):
-    """The frozen variables of a restored run: none to make when the objective trains everything."""
+def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log, on_loaded) -> Start:
+    """A fresh fine-tuning run: the base loads into the frozen variables (new adapters train) or, when nothing
+    is frozen (full fine-tuning), into the trainable ones."""
+    abstract_state, abstract_frozen = abstract
+    base = objective.base
+    if jax.tree.leaves(abstract_frozen):
+        frozen = base.load(abstract_frozen, mesh)
+        record = base.record(fingerprint(frozen))
+        state = init_trainable_state(objective, tx, mesh, seed, window)
+    else:
+        params = base.load(abstract_state.params, mesh)
+        record = base.record(fingerprint(params))
+        state = state_from_params(params, tx, sharding_tree(abstract_state, mesh), seed, window)
+        frozen = abstract_frozen
+    log(f"starting from the base model {base.path} (fingerprint {record['fingerprint']})")
+    on_loaded()
+    return Start(state, frozen, 0, 0, record)
+
+
+def _frozen(objective, mesh, cfg: Config, abstract, recorded: dict | None):
+    """(frozen variables, base record) of a restored run: nothing to make when the objective trains everything;
+    else the base again (checked against the one the checkpoint `recorded`), or the seeded initialisation."""
     _, abstract_frozen = abstract
     if not jax.tree.leaves(abstract_frozen):
-        return abstract_frozen
-    return init_frozen(objective, mesh, cfg.train.seed)  # never a second copy of what trains
+        return abstract_frozen, recorded
+    if objective.base is None:
+        if recorded:
+            raise ConfigError("checkpoint.restore_from", f"this run's checkpoints were trained on the base "
+                                                         f"{recorded['path']}: name it again to resume")
+        return init_frozen(objective, mesh, cfg.train.seed), recorded  # never a second copy of what trains
+    frozen = objective.base.load(abstract_frozen, mesh)
+    record = objective.base.record(fingerprint(frozen))
+    check_same_base(recorded, record)
+    return frozen, record
 
 
 ROLLBACK, SKIP, ABORT = "rollback", "skip", "abort"

@@ -1,0 +1,102 @@
+"""Chat templates: a conversation as pieces of text, each a prompt piece (not trained on) or a response piece.
+
+Built-in templates (`sft.template`), per turn:
+
+    alpaca   system "{content}\\n\\n"   user "### Instruction:\\n{content}\\n\\n"
+             assistant "### Response:\\n" (prompt), "{content}" + EOS (response), "\\n\\n" before a later turn
+    chatml   system/user "<|im_start|>{role}\\n{content}<|im_end|>\\n"
+             assistant "<|im_start|>assistant\\n" (prompt), "{content}" + EOS (response), "<|im_end|>\\n" before a
+             later turn
+    model    the base tokenizer's own `chat_template` (tokenizer_config.json), rendered by transformers'
+             `apply_chat_template` (no Jinja is re-implemented here)
+
+Built-in templates start with BOS; a model template renders its own special tokens. Pieces are encoded one by one,
+so the prompt of an example tokenizes exactly as the prefix of its training row: generation at evaluation time
+starts from the same tokens the model was trained to continue.
+
+Most model templates have no generation markers, so an assistant turn's response is found by difference: the text
+of the conversation up to and including that turn, minus the text of the conversation before it rendered with
+`add_generation_prompt=True` (which must be a prefix of the former).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+ROLES = ("system", "user", "assistant")
+
+
+class Piece(NamedTuple):
+    """Text (or, with `token`, one special token id) and whether it is response (trained on)."""
+
+    text: str
+    response: bool
+    token: int | None = None
+
+
+# Built-in templates: (system turn, user turn, opening of an assistant turn, text after it when a turn follows).
+_FORMATS = {
+    "alpaca": ("{content}\n\n", "### Instruction:\n{content}\n\n", "### Response:\n", "\n\n"),
+    "chatml": ("<|im_start|>system\n{content}<|im_end|>\n", "<|im_start|>user\n{content}<|im_end|>\n",
+               "<|im_start|>assistant\n", "<|im_end|>\n"),
+}
+
+
+class TemplateError(ValueError):
+    """A conversation or tokenizer the template cannot render (one line)."""
+
+
+def render(template: str, messages: list[dict], tokenizer) -> list[Piece]:
+    """The pieces of `messages` (a validated conversation ending with an assistant turn) under `template`."""
+    if template == "model":
+        return _render_model(messages, tokenizer)
+    system, user, opening, closing = _FORMATS[template]
+    pieces = [Piece("", False, tokenizer.bos_id)]
+    for i, message in enumerate(messages):
+        role, content = message["role"], message["content"]
+        if role == "assistant":
+            pieces += [Piece(opening, False), Piece(content, True), Piece("", True, tokenizer.eos_id)]
+            if i + 1 < len(messages):
+                pieces.append(Piece(closing, False))
+        else:
+            pieces.append(Piece((system if role == "system" else user).format(content=content), False))
+    return pieces
+
+
+def _render_model(messages: list[dict], tokenizer) -> list[Piece]:
+    as_transformers = getattr(tokenizer, "as_transformers", None)
+    if as_transformers is None or not getattr(tokenizer, "chat_template", None):
+        raise TemplateError("'model' needs a tokenizer.json whose tokenizer_config.json has a "
+                            "chat_template")
+    hf = as_transformers()
+    text = lambda msgs, gen: hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    pieces, done = [], ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = text(messages[:i], True), text(messages[: i + 1], False)
+        if not (before.startswith(done) and through.startswith(before)):
+            raise TemplateError("the model's chat_template does not render a conversation as a "
+                                "prefix of its continuation, so response tokens cannot be found by difference")
+        pieces += [Piece(before[len(done):], False), Piece(through[len(before):], True)]
+        done = through
+    return [p for p in pieces if p.text]
+
+
+def encode(pieces: list[Piece], tokenizer) -> tuple[list[int], list[int]]:
+    """(token ids, response mask: 1 where the token is part of a response)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for piece in pieces:
+        tokens = [piece.token] if piece.token is not None else tokenizer.encode(piece.text)
+        ids += tokens
+        mask += [int(piece.response)] * len(tokens)
+    return ids, mask
+
+
+def prompt_pieces(pieces: list[Piece]) -> list[Piece]:
+    """The pieces before the last response: what generation continues at evaluation time."""
+    end = len(pieces)
+    while end > 0 and pieces[end - 1].response:
+        end -= 1
+    return pieces[:end]

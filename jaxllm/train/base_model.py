@@ -1,0 +1,150 @@
+"""The pretrained base a fine-tuning run starts from: where it is, its architecture and tokenizer, how its
+parameters load, and the fingerprint that ties the run's checkpoints to it.
+
+`checkpoint.restore_from` names the base: a jaxllm run (its workdir, checkpoints directory or one step directory)
+or a Hugging Face model directory (config.json + safetensors). The run adopts the base's architecture. A LoRA
+run's checkpoints hold the adapters and their optimizer state only, plus a `base` record (kind, path, step,
+fingerprint) in their metadata; a resume loads the base again and refuses one whose fingerprint differs.
+
+The fingerprint is a checksum of the bits of every base array: per leaf, a wrapping uint32 sum of each element's
+bit pattern times a hash of its position, combined with the leaf paths, shapes and dtypes by sha256. Integer sums
+are exact in any order, so the fingerprint is the same on every mesh and device count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from jaxllm.checkpoint import CheckpointError, Checkpointer
+from jaxllm.config import Config, ConfigError, ModelConfig, validate
+
+# ModelConfig fields that describe the network itself (adopted from the base); the others (remat, attention,
+# init_std, preset) are choices of this run.
+ARCHITECTURE = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
+                "norm_eps", "tie_embeddings")
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+_KEY = "checkpoint.restore_from"
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """A located base: `kind` "jaxllm" (`path` is a step directory) or "hf" (a model directory)."""
+
+    kind: str
+    path: Path
+    step: int | None
+    architecture: dict
+    tokenizer: Path | None
+    rope_scaling: object = None
+
+    def record(self, fingerprint: str) -> dict:
+        """What a run's checkpoints say of their base."""
+        return {"kind": self.kind, "path": str(self.path), "step": self.step, "fingerprint": fingerprint}
+
+    def load(self, abstract, mesh):
+        """The base parameters as the tree `abstract` (ShapeDtypeStructs of nnx.Param variables, the plain
+        model's structure), placed per the sharding rules on `mesh`."""
+        if self.kind == "jaxllm":
+            source = Checkpointer(self.path.parent, keep=1000, log=lambda *_: None)
+            try:
+                return source.restore_params(self.step, abstract, mesh)
+            finally:
+                source.close()
+        from jaxllm import hf
+
+        dtype = jax.tree.leaves(abstract)[0].dtype
+        model = hf.from_pretrained(self.path, mesh=mesh, dtype=jnp.dtype(dtype).name)
+        return nnx.state(model, nnx.Param)
+
+
+def is_hf_directory(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def locate(restore_from: str) -> Base:
+    """The base named by `checkpoint.restore_from`; ConfigError when it is neither kind."""
+    from jaxllm.train.recovery import _locate
+
+    path = Path(restore_from).absolute()
+    if is_hf_directory(path):
+        from jaxllm import hf
+
+        hf_cfg = json.loads((path / "config.json").read_text())
+        try:
+            architecture = dataclasses.asdict(hf.config_from_hf(hf_cfg))
+            scaling = hf.rope_scaling_from_hf(hf_cfg)
+        except (ValueError, NotImplementedError) as exc:
+            raise ConfigError(_KEY, f"{path}: {exc}") from None
+        tokenizer = next((path / n for n in ("tokenizer.json", "tokenizer.model") if (path / n).is_file()), None)
+        return Base("hf", path, None, {k: architecture[k] for k in ARCHITECTURE}, tokenizer, scaling)
+    directory, step = _locate(str(path))
+    source = Checkpointer(directory, keep=1000, log=lambda *_: None)
+    try:
+        step = source.latest_step() if step is None else step
+        if step is None:
+            raise ConfigError(_KEY, f"{path} is neither a Hugging Face model directory nor a jaxllm run with a "
+                                    "committed checkpoint")
+        meta = source.read_meta(step)
+    except CheckpointError as exc:
+        raise ConfigError(_KEY, str(exc)) from None
+    finally:
+        source.close()
+    config = meta.get("config") or {}
+    if "model" not in config:
+        raise ConfigError(_KEY, f"{directory / str(step)}: its metadata records no model config")
+    if (config.get("lora") or {}).get("rank") and (config.get("train") or {}).get("objective") == "sft":
+        raise ConfigError(_KEY, f"{directory / str(step)} holds LoRA adapters, not a base model (export the merged "
+                                "model with scripts/convert_hf.py and start from that)")
+    return Base("jaxllm", Path(directory) / str(step), step, {k: config["model"][k] for k in ARCHITECTURE},
+                _store_tokenizer((config.get("data") or {}).get("path")))
+
+
+def _store_tokenizer(store: str | None) -> Path | None:
+    """The tokenizer file of a token store (its manifest names it)."""
+    if not store or not (Path(store) / "manifest.json").is_file():
+        return None
+    name = json.loads((Path(store) / "manifest.json").read_text()).get("tokenizer", "tokenizer.model")
+    return Path(store) / name
+
+
+def adopt_architecture(cfg: Config, base: Base, num_devices: int) -> Config:
+    """`cfg` with the base's architecture, validated again against the mesh (the dims may differ from the
+    config file's)."""
+    model = dataclasses.replace(cfg.model, **base.architecture)
+    if model == cfg.model:
+        return cfg
+    try:
+        return validate(ml_collections.ConfigDict(dataclasses.replace(cfg, model=model).to_dict()), num_devices)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, f"{exc} (with the architecture of the base {base.path})") from None
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32).ravel()
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+def fingerprint(tree) -> str:
+    """A hex digest of every array in `tree` (the same on any mesh; see the module docstring)."""
+    sums = jax.device_get(jax.jit(lambda t: jax.tree.map(_leaf_checksum, t))(tree))
+    digest = hashlib.sha256()
+    for (path, leaf), checksum in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(sums)):
+        digest.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype}:{int(checksum)};".encode())
+    return digest.hexdigest()[:32]
+
+
+def check_same_base(recorded: dict | None, current: dict) -> None:
+    """Raise ConfigError when a run's checkpoints were trained on another base than `current`."""
+    if recorded and recorded.get("fingerprint") != current["fingerprint"]:
+        raise ConfigError(_KEY, f"{current['path']} (fingerprint {current['fingerprint']}) is not the base this "
+                                f"run's checkpoints were trained on ({recorded.get('path')}, fingerprint "
+                                f"{recorded.get('fingerprint')})")

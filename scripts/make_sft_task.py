@@ -1,0 +1,144 @@
+"""Build the shipped SFT task from the shipped corpus: `python scripts/make_sft_task.py --out build/data/sft_task`.
+
+Three kinds of examples, from the 37 plays of data/shakespeare.jsonl.gz (the sonnets and poems are left out):
+
+    last_speaker  "Who speaks last in this passage?\\n<consecutive speeches>"   ->  "LAFEU" (the name as written)
+    title         "Which play is this passage from?\\n<consecutive speeches>"   ->  "Hamlet"
+    next_line     "Give the next line.\\n<a speaker's name and two lines of a speech>"  ->  its next line
+
+A passage is two to four consecutive speeches cut at a line boundary to at most 150 characters (with at least two
+speakers' names left in it).
+
+Held-out examples come from held-out scenes (documents chosen by a seeded hash, `--eval_fraction`), so no passage
+of the eval file is in the train file; the eval file is shuffled (seeded) and then alternates the tasks, so its
+first examples already mix plays and tasks. Writes train.jsonl and eval.jsonl
+as {"prompt", "response", "task"} lines. Deterministic: the same corpus gives the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+TITLES = {
+    "alls_well_that_ends_well": "All's Well That Ends Well", "antony_and_cleopatra": "Antony and Cleopatra",
+    "as_you_like_it": "As You Like It", "comedy_of_errors": "The Comedy of Errors", "coriolanus": "Coriolanus",
+    "cymbeline": "Cymbeline", "hamlet": "Hamlet", "henry_iv_part_1": "Henry IV, Part 1",
+    "henry_iv_part_2": "Henry IV, Part 2", "henry_v": "Henry V", "henry_vi_part_1": "Henry VI, Part 1",
+    "henry_vi_part_2": "Henry VI, Part 2", "henry_vi_part_3": "Henry VI, Part 3", "henry_viii": "Henry VIII",
+    "john": "King John", "julius_caesar": "Julius Caesar", "lear": "King Lear",
+    "loves_labours_lost": "Love's Labour's Lost", "macbeth": "Macbeth", "measure_for_measure": "Measure for Measure",
+    "merchant_of_venice": "The Merchant of Venice", "merry_wives_of_windsor": "The Merry Wives of Windsor",
+    "midsummer_nights_dream": "A Midsummer Night's Dream", "much_ado_about_nothing": "Much Ado About Nothing",
+    "othello": "Othello", "pericles": "Pericles", "richard_ii": "Richard II", "richard_iii": "Richard III",
+    "romeo_and_juliet": "Romeo and Juliet", "taming_of_the_shrew": "The Taming of the Shrew",
+    "tempest": "The Tempest", "timon_of_athens": "Timon of Athens",
+    "tragedy_of_titus_andronicus": "Titus Andronicus", "troilus_and_cressida": "Troilus and Cressida",
+    "twelfth_night": "Twelfth Night", "two_gentlemen_of_verona": "The Two Gentlemen of Verona",
+    "winters_tale": "The Winter's Tale",
+}
+TITLE_PROMPT = "Which play is this passage from?\n"
+LAST_SPEAKER_PROMPT = "Who speaks last in this passage?\n"
+NEXT_LINE_PROMPT = "Give the next line.\n"
+MAX_PASSAGE_CHARS = 150  # with the make-train tokenizer (~1.7 characters a token) an example fits 128 tokens
+PER_DOCUMENT = {"last_speaker": 4, "title": 2, "next_line": 2}
+# A speech opens with the speaker's name alone on its line ("HAMLET." or "Laer."), then what they say.
+_SPEAKER = re.compile(r"^[A-Z][A-Za-z' ]{0,30}\.$")
+
+
+def speeches(text: str) -> list[list[str]]:
+    """The document's speeches, each as its lines (name first)."""
+    out = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        lines = [line.rstrip() for line in paragraph.strip().splitlines() if line.strip()]
+        if len(lines) >= 2 and _SPEAKER.match(lines[0]) and not lines[1].startswith("["):
+            out.append(lines)
+    return out
+
+
+def _cut(lines: list[str]) -> list[str]:
+    """The first lines that fit MAX_PASSAGE_CHARS."""
+    kept, size = [], 0
+    for line in lines:
+        size += len(line) + 1
+        if size > MAX_PASSAGE_CHARS:
+            break
+        kept.append(line)
+    return kept
+
+
+def _spread(candidates: list, count: int) -> list:
+    """`count` candidates spread evenly over the list (deterministic)."""
+    if len(candidates) <= count:
+        return candidates
+    return [candidates[i * len(candidates) // count] for i in range(count)]
+
+
+def examples_of(play: str, text: str) -> dict[str, list[dict]]:
+    parts = speeches(text)
+    passages = [_cut(parts[i] + parts[i + 1] + parts[i + 2]) for i in range(0, len(parts) - 2, 2)]
+    passages = [p for p in passages if sum(bool(_SPEAKER.match(line)) for line in p) >= 2]
+    names = [[line for line in p if _SPEAKER.match(line)] for p in passages]
+    last = [{"prompt": LAST_SPEAKER_PROMPT + "\n".join(p), "response": n[-1].removesuffix("."), "task": "last_speaker"}
+            for p, n in zip(passages, names)]
+    titles = [{"prompt": TITLE_PROMPT + "\n".join(p), "response": TITLES[play], "task": "title"} for p in passages]
+    lines = [{"prompt": NEXT_LINE_PROMPT + "\n".join(s[:3]), "response": s[3], "task": "next_line"}
+             for s in parts if len(s) >= 4 and not s[3].startswith("[")]
+    found = {"last_speaker": last, "title": titles[1::2], "next_line": lines}  # titles: other passages than last's
+    return {task: _spread(found[task], count) for task, count in PER_DOCUMENT.items()}
+
+
+def held_out(doc_id: str, fraction: float, seed: int) -> bool:
+    digest = hashlib.blake2b(f"{seed}\0{doc_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0 ** 64 < fraction
+
+
+def interleave(groups: list[list[dict]]) -> list[dict]:
+    out = []
+    for i in range(max(map(len, groups))):
+        out += [g[i] for g in groups if i < len(g)]
+    return out
+
+
+def main(argv) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--corpus", default="data/shakespeare.jsonl.gz")
+    p.add_argument("--out", required=True, help="directory for train.jsonl and eval.jsonl")
+    p.add_argument("--eval_fraction", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not Path(args.corpus).is_file():
+        print(f"error: --corpus: no such file {args.corpus}", file=sys.stderr)
+        return 2
+    split = {name: {task: [] for task in PER_DOCUMENT} for name in ("train", "eval")}
+    with gzip.open(args.corpus, "rt", encoding="utf-8") as f:
+        for line in f:
+            doc = json.loads(line)
+            play = doc["id"].rsplit("-", 1)[0].removesuffix("_gut")
+            if play not in TITLES:
+                continue  # the sonnets and poems
+            name = "eval" if held_out(doc["id"], args.eval_fraction, args.seed) else "train"
+            for task, found in examples_of(play, doc["text"]).items():
+                split[name][task] += found
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, tasks in split.items():
+        if name == "eval":
+            for i, examples in enumerate(tasks.values()):
+                random.Random(args.seed + i).shuffle(examples)
+        rows = interleave(list(tasks.values()))
+        tmp = out / f"{name}.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(out / f"{name}.jsonl")
+        print(f"{out / (name + '.jsonl')}: " + ", ".join(f"{len(v)} {k}" for k, v in tasks.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

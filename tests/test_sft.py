@@ -1,0 +1,195 @@
+"""SFT data and loss: templates and response masks, the loss mask, packed-example isolation, preparation's counting
+of bad lines and over-long examples, re-runs, and the base-model fingerprint."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxllm.config import MeshConfig, ModelConfig, PrecisionConfig
+from jaxllm.data.sft import SFTDataError, SFTRows, encode_examples, pack, prepare_sft
+from jaxllm.data.sft_template import TemplateError, encode, prompt_pieces, render
+from jaxllm.data.tokenizer import load_tokenizer
+from jaxllm.mesh import make_mesh
+from jaxllm.sharding import sharding_tree
+from jaxllm.train.base_model import fingerprint
+from jaxllm.train.pretrain import next_token_loss
+from jaxllm.train.state import build_model
+
+MODEL = ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
+F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Romeo?"},
+        {"role": "assistant", "content": "A Montague."}, {"role": "user", "content": "And Juliet?"},
+        {"role": "assistant", "content": "A Capulet."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(shakespeare_store):
+    return load_tokenizer(shakespeare_store / "tokenizer.model")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(MODEL, F32, jax.random.key(0))
+
+
+def _write(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("template", ["alpaca", "chatml"])
+def test_template_masks_only_responses(tokenizer, template):
+    pieces = render(template, CHAT, tokenizer)
+    ids, mask = encode(pieces, tokenizer)
+    assert ids[0] == tokenizer.bos_id and len(ids) == len(mask)
+    trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assert trained == "A Montague.A Capulet."  # both assistant turns (and their EOS, which decodes to '')
+    assert sum(i == tokenizer.eos_id for i, m in zip(ids, mask) if m) == 2
+    untrained = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+    assert "Who is Romeo?" in untrained and "And Juliet?" in untrained and "Montague" not in untrained
+    prompt = encode(prompt_pieces(pieces), tokenizer)[0]
+    assert ids[: len(prompt)] == prompt and mask[len(prompt)] == 1 and not mask[len(prompt) - 1]
+
+
+def test_model_template_needs_a_chat_template(tokenizer):
+    with pytest.raises(TemplateError, match="chat_template"):
+        render("model", CHAT, tokenizer)
+
+
+def _rows(tokenizer, seq_len=128):
+    examples = [[{"role": "user", "content": f"Line {i} of the play?"},
+                 {"role": "assistant", "content": "Enter ROMEO." * (1 + i % 3)}] for i in range(12)]
+    encoded = encode_examples([(m, "t") for m in examples], tokenizer, "alpaca", seq_len, "truncate")
+    return encoded, pack(encoded.examples, seq_len, seed=0)
+
+
+def test_packing_is_exact(tokenizer):
+    encoded, rows = _rows(tokenizer)
+    assert rows["tokens"].shape[0] < len(encoded.examples)  # several examples share rows
+    seen = []
+    for r in range(rows["tokens"].shape[0]):
+        seg = rows["segment_ids"][r]
+        for s in range(1, seg.max() + 1):
+            at = np.flatnonzero(seg == s)
+            assert np.array_equal(at, np.arange(at[0], at[-1] + 1))  # contiguous
+            assert np.array_equal(rows["positions"][r, at], np.arange(len(at)))  # positions restart
+            seen.append((list(rows["tokens"][r, at]) + [int(rows["targets"][r, at[-1]])],
+                         list(rows["loss_mask"][r, at])))
+        assert not rows["loss_mask"][r][seg == 0].any()
+    expected = sorted((ids, mask[1:]) for ids, mask in encoded.examples)
+    assert sorted(seen) == expected
+
+
+def test_loss_counts_response_tokens_only(tokenizer, model):
+    _, rows = _rows(tokenizer)
+    batch = {k: jnp.asarray(v[:4]) for k, v in rows.items()}
+    loss, count, _ = next_token_loss(model, batch)
+    assert count == batch["loss_mask"].sum()
+    assert ((batch["loss_mask"] == 0) & (batch["segment_ids"] > 0)).sum() > count  # prompts outweigh responses
+    prompt_targets = np.asarray(batch["targets"]).copy()
+    prompt_targets[np.asarray(batch["loss_mask"]) == 0] = 7  # any other token where the mask is 0
+    changed, _, _ = next_token_loss(model, dict(batch, targets=jnp.asarray(prompt_targets)))
+    assert changed == loss  # bitwise: prompt-token targets do not enter the loss
+    response_target = np.asarray(batch["targets"]).copy()
+    r, t = np.argwhere(np.asarray(batch["loss_mask"]) == 1)[0]
+    response_target[r, t] = (response_target[r, t] + 1) % MODEL.vocab_size
+    moved, _, _ = next_token_loss(model, dict(batch, targets=jnp.asarray(response_target)))
+    assert moved != loss
+
+
+def test_packed_examples_do_not_see_each_other(tokenizer, model):
+    _, rows = _rows(tokenizer)
+    r = int(np.argmax(rows["segment_ids"].max(axis=1)))  # a row holding several examples
+    seg = rows["segment_ids"][r]
+    packed = model(jnp.asarray(rows["tokens"][r:r + 1]), jnp.asarray(seg[None]), jnp.asarray(rows["positions"][r:r + 1]))
+    for s in range(1, seg.max() + 1):
+        at = np.flatnonzero(seg == s)
+        alone = model(jnp.asarray(rows["tokens"][r:r + 1, at]), jnp.ones((1, len(at)), jnp.int32),
+                      jnp.asarray(rows["positions"][r:r + 1, at]))
+        np.testing.assert_allclose(np.asarray(packed[0, at]), np.asarray(alone[0]), atol=1e-5)
+
+
+def _prepare(tmp_path, train, tokenizer_path, log=None, **kw):
+    settings = dict(eval_file="", template="alpaca", seq_len=64, overlong="truncate", eval_fraction=0.2, seed=0)
+    settings.update(kw)
+    return prepare_sft(tmp_path / "prepared", train_file=train, tokenizer_path=tokenizer_path,
+                       log=log or (lambda *_: None), **settings)
+
+
+def test_bad_lines_are_counted_with_line_numbers(tmp_path, shakespeare_store):
+    good = [{"prompt": f"Who speaks line {i}?", "response": "ROMEO."} for i in range(10)]
+    train = _write(tmp_path / "train.jsonl", good[:4] + [
+        "{not json", {"prompt": "no response"}, {"prompt": "x", "response": 3},
+        {"messages": [{"role": "user", "content": "last turn is not the assistant's"}]},
+        {"messages": [{"role": "narrator", "content": "?"}, {"role": "assistant", "content": "!"}]},
+        "", "[1, 2]"] + good[4:] + [{"prompt": "Speak! " * 40, "response": "Anon."}])
+    logged = []
+    manifest = _prepare(tmp_path, train, shakespeare_store / "tokenizer.model", log=logged.append)
+    assert manifest["skipped_lines"] == 6
+    reasons = {s["line"]: s["reason"] for s in manifest["skipped"]}
+    assert reasons == {5: "not valid JSON", 6: "missing field 'response'", 7: "field 'response' must be a string",
+                       8: "the last message must be the assistant's",
+                       9: "each message needs a role in ['system', 'user', 'assistant'] and a string content",
+                       11: "expected a JSON object"}
+    assert any("line 5: not valid JSON" in line for line in logged)
+    splits = manifest["splits"]
+    assert splits["train"]["examples"] + splits["eval"]["examples"] + sum(
+        sum(s["dropped"].values()) for s in splits.values()) == 11
+    assert sum(s["dropped"].get("prompt_too_long", 0) for s in splits.values()) == 1  # no response left after the cut
+    dropped = _prepare(tmp_path / "drop", train, shakespeare_store / "tokenizer.model", overlong="drop")
+    assert sum(s["dropped"].get("too_long", 0) for s in dropped["splits"].values()) >= 1
+
+
+def test_preparation_skips_itself_and_never_overwrites(tmp_path, shakespeare_store):
+    train = _write(tmp_path / "train.jsonl", [{"prompt": f"Q{i}", "response": f"A{i}"} for i in range(20)])
+    tok = shakespeare_store / "tokenizer.model"
+    first = _prepare(tmp_path, train, tok)
+    before = (tmp_path / "prepared" / "train" / "tokens.npy").stat().st_mtime_ns
+    logged = []
+    assert _prepare(tmp_path, train, tok, log=logged.append) == first
+    assert logged == [f"SFT data in {tmp_path / 'prepared'} is up to date (skipped)"]
+    assert (tmp_path / "prepared" / "train" / "tokens.npy").stat().st_mtime_ns == before
+    with pytest.raises(SFTDataError, match="different inputs or settings"):
+        _prepare(tmp_path, train, tok, seq_len=96)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(SFTDataError, match="holds no prepared SFT data"):
+        prepare_sft(tmp_path / "other", train_file=train, eval_file="", tokenizer_path=tok, template="alpaca",
+                    seq_len=64, overlong="truncate", eval_fraction=0.2, seed=0, log=lambda *_: None)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+    rows = SFTRows(tmp_path / "prepared", "train", seed=0)
+    epoch0 = rows.get_rows(np.arange(len(rows)))["tokens"]
+    epoch1 = rows.get_rows(np.arange(len(rows), 2 * len(rows)))["tokens"]
+    assert sorted(map(tuple, epoch0)) == sorted(map(tuple, epoch1))  # each epoch visits every row once
+
+
+def test_base_fingerprint_is_mesh_independent_and_sensitive():
+    params = nnx.state(build_model(MODEL, F32, jax.random.key(1)), nnx.Param)
+    prints = set()
+    for shape in ((8, 1, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2)):
+        mesh = make_mesh(MeshConfig(*shape))
+        prints.add(fingerprint(jax.device_put(params, sharding_tree(params, mesh))))
+    assert len(prints) == 1
+    leaf = params["layers"]["mlp"]["down_proj"]
+    leaf.set_value(leaf.get_value().at[1, 2, 3].add(1e-7))  # one element, at the float32 rounding level
+    assert fingerprint(params) not in prints
+
+
+def test_model_chat_template_is_rendered_by_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    from test_hf_tokenizer import _train_bpe
+
+    tok = load_tokenizer(_train_bpe(tmp_path / "hf" / "tokenizer.json"))
+    reference = tok.as_transformers()
+    pieces = render("model", CHAT, tok)
+    assert "".join(p.text for p in pieces) == reference.apply_chat_template(CHAT, tokenize=False)
+    assert [p.text for p in pieces if p.response] == ["A Montague.</s>", "A Capulet.</s>"]
+    assert "".join(p.text for p in prompt_pieces(pieces)) == reference.apply_chat_template(
+        CHAT[:-1], tokenize=False, add_generation_prompt=True)
+    ids, mask = encode(pieces, tok)
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "A Montague.A Capulet."
+    assert ids[0] == tok.bos_id and not mask[0]  # the template's own BOS, not trained on
