@@ -25,7 +25,7 @@ def get_config():
     # without leaving the positions the base was trained on.
     config.train.update(objective="sft", steps=200, batch_size=16, seq_len=256, eval_every=100, eval_batches=4)
     config.sft.update(train_file="build/data/sft_task/train.jsonl", eval_file="build/data/sft_task/eval.jsonl",
-                      template="alpaca", overlong="truncate", eval_examples=200, max_new_tokens=24)
+                      template="alpaca", overlong="truncate", eval_examples=400, max_new_tokens=24)
     config.data.update(path="build/data/sft_task/prepared", num_workers=0)
     config.checkpoint.update(every=100, keep=2)
     config.lock()

@@ -2,12 +2,14 @@
 
 Three kinds of examples, from the 37 plays of data/shakespeare.jsonl.gz (the sonnets and poems are left out):
 
-    last_speaker  "Who speaks last in this passage?\\n<consecutive speeches>"   ->  "LAFEU" (the name as written)
-    title         "Which play is this passage from?\\n<consecutive speeches>"   ->  "Hamlet"
-    next_line     "Give the next line.\\n<a speaker's name and two lines of a speech>"  ->  its next line
+    form       "Is this passage verse or prose?\\n<three or four lines of one speech>"  ->  "verse" / "prose"
+    title      "Which play is this passage from?\\n<consecutive speeches>"             ->  "Hamlet"
+    next_line  "Give the next line.\\n<a speaker's name and two lines of a speech>"    ->  its next line
 
-A passage is two to four consecutive speeches cut at a line boundary to at most 150 characters (with at least two
-speakers' names left in it).
+`form` is labelled by the printed lines: verse when every line opens with a capital letter (Shakespeare's verse
+lines always do), prose when a line after the first opens in lower case (a sentence running on past the margin);
+other passages are not used, and each document gives as many verse as prose examples, so always answering one
+label scores 50%. A title passage is consecutive speeches cut at a line boundary to at most 150 characters.
 
 Held-out examples come from held-out scenes (documents chosen by a seeded hash, `--eval_fraction`), so no passage
 of the eval file is in the train file; the eval file is shuffled (seeded) and then alternates the tasks, so its
@@ -44,10 +46,10 @@ TITLES = {
     "winters_tale": "The Winter's Tale",
 }
 TITLE_PROMPT = "Which play is this passage from?\n"
-LAST_SPEAKER_PROMPT = "Who speaks last in this passage?\n"
+FORM_PROMPT = "Is this passage verse or prose?\n"
 NEXT_LINE_PROMPT = "Give the next line.\n"
 MAX_PASSAGE_CHARS = 150  # with the make-train tokenizer (~1.7 characters a token) an example fits 128 tokens
-PER_DOCUMENT = {"last_speaker": 4, "title": 2, "next_line": 2}
+PER_DOCUMENT = {"form": 8, "title": 1, "next_line": 1}
 # A speech opens with the speaker's name alone on its line ("HAMLET." or "Laer."), then what they say.
 _SPEAKER = re.compile(r"^[A-Z][A-Za-z' ]{0,30}\.$")
 
@@ -80,18 +82,31 @@ def _spread(candidates: list, count: int) -> list:
     return [candidates[i * len(candidates) // count] for i in range(count)]
 
 
+def form_of(lines: list[str]) -> str | None:
+    """'verse', 'prose', or None (neither clearly: see the module docstring)."""
+    starts = [line.lstrip()[:1] for line in lines]
+    if all(c.isupper() for c in starts):
+        return "verse"
+    return "prose" if any(c.islower() for c in starts[1:]) else None
+
+
 def examples_of(play: str, text: str) -> dict[str, list[dict]]:
     parts = speeches(text)
-    passages = [_cut(parts[i] + parts[i + 1] + parts[i + 2]) for i in range(0, len(parts) - 2, 2)]
-    passages = [p for p in passages if sum(bool(_SPEAKER.match(line)) for line in p) >= 2]
-    names = [[line for line in p if _SPEAKER.match(line)] for p in passages]
-    last = [{"prompt": LAST_SPEAKER_PROMPT + "\n".join(p), "response": n[-1].removesuffix("."), "task": "last_speaker"}
-            for p, n in zip(passages, names)]
-    titles = [{"prompt": TITLE_PROMPT + "\n".join(p), "response": TITLES[play], "task": "title"} for p in passages]
+    passages = [_cut(parts[i] + parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
+    titles = [{"prompt": TITLE_PROMPT + "\n".join(p), "response": TITLES[play], "task": "title"}
+              for p in passages if len(p) >= 3]
+    forms: dict[str, list[dict]] = {"verse": [], "prose": []}
+    for s in parts:
+        body = [line for line in s[1:5] if not line.startswith("[")]
+        label = form_of(body) if len(body) >= 3 else None
+        if label:
+            forms[label].append({"prompt": FORM_PROMPT + "\n".join(body), "response": label, "task": "form"})
+    pairs = min(len(forms["verse"]), len(forms["prose"]), PER_DOCUMENT["form"] // 2)
+    balanced = interleave([_spread(forms["verse"], pairs), _spread(forms["prose"], pairs)])
     lines = [{"prompt": NEXT_LINE_PROMPT + "\n".join(s[:3]), "response": s[3], "task": "next_line"}
              for s in parts if len(s) >= 4 and not s[3].startswith("[")]
-    found = {"last_speaker": last, "title": titles[1::2], "next_line": lines}  # titles: other passages than last's
-    return {task: _spread(found[task], count) for task, count in PER_DOCUMENT.items()}
+    return {"form": balanced, "title": _spread(titles, PER_DOCUMENT["title"]),
+            "next_line": _spread(lines, PER_DOCUMENT["next_line"])}
 
 
 def held_out(doc_id: str, fraction: float, seed: int) -> bool:

@@ -102,7 +102,7 @@ def test_lora_checkpoints_hold_adapters_and_a_reference_to_the_base(bases, lora_
     summary = json.loads((lora_run / "summary.json").read_text())
     assert summary["base"] == meta["base"]
     for which in ("base", "tuned"):
-        assert set(summary["task"][which]) == {"all", "title", "next_line"}
+        assert set(summary["task"][which]) == {"all", "form", "title", "next_line"}
         assert {"examples", "exact_match", "bleu"} <= set(summary["task"][which]["all"])
         assert summary["task"][which]["all"]["examples"] == 4
 
@@ -136,7 +136,7 @@ def test_eval_task_on_the_lora_checkpoint(lora_run, task):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)["task"]
     assert result["scores"]["all"]["examples"] == 8
-    assert {"title", "next_line"} <= set(result["scores"])
+    assert {"form", "title", "next_line"} <= set(result["scores"])
     summary = json.loads((lora_run / "summary.json").read_text())["task"]
     # The run's own evaluation (8 devices) and this one (1 device) generate the same responses.
     assert [s["response"] for s in result["samples"]] == [s["response"] for s in summary["samples"]]
