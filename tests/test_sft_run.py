@@ -168,3 +168,18 @@ def test_export_merged_and_adapter_only(bases, lora_run, tmp_path):
     adapted = hf.from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")
     np.testing.assert_allclose(np.asarray(adapted(tokens)), tuned, atol=1e-5)
     np.testing.assert_allclose(np.asarray(merge(adapted)(tokens)), tuned, atol=1e-4)
+
+
+def test_sft_from_a_hugging_face_base(bases, task, lora_run, tmp_path):
+    export = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "export", "--checkpoint",
+                             str(bases[0]), "--out", str(tmp_path / "hf")], capture_output=True, text=True,
+                            env=train_env(), timeout=300)
+    assert export.returncode == 0, export.stderr[-2000:]
+    proc = _sft(tmp_path / "hf", task, tmp_path / "run", "--config.train.steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"starting from the base model {tmp_path / 'hf'}" in proc.stdout
+    from_hf = json.loads((tmp_path / "run" / "summary.json").read_text())
+    from_run = json.loads((lora_run / "summary.json").read_text())
+    # The same weights, imported: the same fingerprint, the same held-out loss before training.
+    assert from_hf["base"]["kind"] == "hf" and from_hf["base"]["fingerprint"] == from_run["base"]["fingerprint"]
+    assert from_hf["initial_eval_loss"] == from_run["initial_eval_loss"]
