@@ -193,3 +193,25 @@ def test_model_chat_template_is_rendered_by_transformers(tmp_path):
     ids, mask = encode(pieces, tok)
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "A Montague.A Capulet."
     assert ids[0] == tok.bos_id and not mask[0]  # the template's own BOS, not trained on
+
+
+def test_sft_data_with_a_tokenizer_json_and_its_chat_template(tmp_path):
+    pytest.importorskip("transformers")
+    from test_hf_tokenizer import _train_bpe
+
+    tok_path = _train_bpe(tmp_path / "hf" / "tokenizer.json")
+    train = _write(tmp_path / "train.jsonl", [{"messages": CHAT}] + [
+        {"prompt": f"Who speaks line {i}?", "response": f"ROMEO {i}."} for i in range(9)])
+    manifest = _prepare(tmp_path, train, tok_path, template="model", eval_fraction=0.3, seq_len=128)
+    assert manifest["tokenizer"] == "tokenizer.json"
+    assert (tmp_path / "prepared" / "tokenizer_config.json").is_file()
+    tok = load_tokenizer(tmp_path / "prepared" / "tokenizer.json")
+    responses = []
+    for split in ("train", "eval"):
+        rows = SFTRows(tmp_path / "prepared", split, shuffle=False).get_rows(np.arange(manifest["splits"][split]["rows"]))
+        for r in range(len(rows["tokens"])):
+            for s in range(1, rows["segment_ids"][r].max() + 1):
+                at = (rows["segment_ids"][r] == s) & (rows["loss_mask"][r] == 1)
+                responses.append(tok.decode(rows["targets"][r][at]))
+    expected = ["A Montague.A Capulet."] + [f"ROMEO {i}." for i in range(9)]
+    assert sorted(responses) == sorted(expected)
