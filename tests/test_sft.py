@@ -215,3 +215,23 @@ def test_sft_data_with_a_tokenizer_json_and_its_chat_template(tmp_path):
                 responses.append(tok.decode(rows["targets"][r][at]))
     expected = ["A Montague.A Capulet."] + [f"ROMEO {i}." for i in range(9)]
     assert sorted(responses) == sorted(expected)
+
+
+def test_a_concurrent_preparation_of_the_same_data_is_accepted(tmp_path, shakespeare_store, monkeypatch):
+    import jaxllm.data.sft as sft
+
+    train = _write(tmp_path / "train.jsonl", [{"prompt": f"Q{i}", "response": f"A{i}"} for i in range(20)])
+    tok = shakespeare_store / "tokenizer.model"
+    first = _prepare(tmp_path, train, tok)
+    real, calls = sft._existing, []
+
+    def checked_before_the_other_process_committed(output):
+        calls.append(output)
+        return None if len(calls) == 1 else real(output)
+
+    monkeypatch.setattr(sft, "_existing", checked_before_the_other_process_committed)
+    assert _prepare(tmp_path, train, tok) == first  # its rename fails; the committed data is the same
+    calls.clear()
+    with pytest.raises(SFTDataError, match="another process with different SFT data"):
+        _prepare(tmp_path, train, tok, seq_len=96)
+    assert real(tmp_path / "prepared") == first  # untouched

@@ -266,10 +266,16 @@ def _write(output: Path, encoded: dict[str, Encoded], tokenizer_path: Path, seq_
             shutil.copyfile(path, tmp / name)
         manifest = dict(manifest, splits=splits)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if output.exists():
-            output.rmdir()  # empty (checked by _existing)
         output.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, output)
+        try:
+            if output.exists():
+                output.rmdir()  # empty when _existing looked
+            os.rename(tmp, output)
+        except OSError:  # another process of the job (same filesystem) committed first: fine if it is this data
+            existing = _existing(output)
+            if existing is None or existing.get("fingerprint") != manifest["fingerprint"]:
+                raise SFTDataError(f"{output} was written by another process with different SFT data") from None
+            return existing
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
