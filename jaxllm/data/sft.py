@@ -314,14 +314,6 @@ class SFTRows:
         self.seed, self.shuffle = state["seed"], state["shuffle"]
 
 
-def open_prepared(directory) -> dict:
-    """The manifest of prepared SFT data, or SFTDataError naming what is missing."""
-    manifest = _existing(Path(directory))
-    if manifest is None:
-        raise SFTDataError(f"no prepared SFT data in {directory}")
-    return manifest
-
-
 def eval_prompts(directory) -> list[dict]:
     """The held-out prompts: {"task", "prompt_ids", "reference"} per example."""
     with open(Path(directory) / EVAL_EXAMPLES) as f:
