@@ -1,14 +1,17 @@
 # `make train`: install, prepare the shipped corpus, train the default model on 8 fake CPU devices.
 # `make sft`:   after `make train`, LoRA-fine-tune its model on the shipped SFT task (configs/sft_lora.py).
+# `make reward`: after `make train`, train a reward model from its model on the shipped preference pairs.
+# `make dpo`:   after `make sft`, DPO on the same pairs with new adapters on the merged SFT model.
 # `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DATA := build/data/shakespeare
 SFT_TASK := build/data/sft_task
+PAIRS := build/data/preference
 CPU_DEVICES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=180" JAX_PLATFORMS=cpu
 
-.PHONY: install data train sft test test-smoke bench clean
+.PHONY: install data train sft reward dpo test test-smoke bench clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +35,17 @@ $(SFT_TASK)/train.jsonl: $(VENV)/.installed data/shakespeare.jsonl.gz scripts/ma
 sft: $(SFT_TASK)/train.jsonl
 	@test -d runs/pretrain/checkpoints || { echo "error: make sft fine-tunes the model of make train: run make train first" >&2; exit 2; }
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/sft_lora.py --config.checkpoint.restore_from=runs/pretrain $(ARGS)
+
+$(PAIRS)/train.jsonl: $(VENV)/.installed data/shakespeare.jsonl.gz scripts/make_preference_set.py scripts/make_sft_task.py
+	$(BIN)/python scripts/make_preference_set.py --out $(PAIRS)
+
+reward: $(PAIRS)/train.jsonl
+	@test -d runs/pretrain/checkpoints || { echo "error: make reward starts from the model of make train: run make train first" >&2; exit 2; }
+	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/reward.py --config.checkpoint.restore_from=runs/pretrain $(ARGS)
+
+dpo: $(PAIRS)/train.jsonl
+	@test -d runs/sft_lora/checkpoints || { echo "error: make dpo starts from the model of make sft: run make sft first" >&2; exit 2; }
+	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/dpo.py --config.checkpoint.restore_from=runs/sft_lora $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -21,7 +21,9 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
-OBJECTIVES = ("pretrain", "sft")
+OBJECTIVES = ("pretrain", "sft", "reward", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo", "robust")
+DPO_REFERENCES = ("shared",)
 SFT_TEMPLATES = ("alpaca", "chatml", "model")
 OVERLONG_RULES = ("truncate", "drop")
 
@@ -123,8 +125,9 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Length and shape of the run, and what it trains: `objective` "pretrain" (next-token prediction on a token
-    store) or "sft" (supervised fine-tuning, see SFTConfig). The end-of-run greedy sample continues
-    `sample_prompt` (empty: the objective's own prompt) by `sample_tokens` tokens."""
+    store), "sft" (supervised fine-tuning, see SFTConfig), "reward" (a reward model on preference pairs, see
+    PreferenceConfig and RewardConfig) or "dpo" (direct preference optimisation, see DPOConfig). The end-of-run
+    greedy sample continues `sample_prompt` (empty: the objective's own prompt) by `sample_tokens` tokens."""
 
     objective: str = "pretrain"
     steps: int = 300
@@ -167,7 +170,9 @@ class AnomalyConfig:
     a loss spike: on the log scale, more than `z` standard deviations above the mean of the last `window` healthy
     steps (once `min_history` are known) and at least `loss_ratio` times their geometric mean. Gradient-norm
     spikes (`grad_z`, `grad_ratio`, the same way) are counted and reported, and acted on only with
-    `act_on_grad_spike` (clipping already bounds them). An anomaly is handled per `train.on_anomaly`."""
+    `act_on_grad_spike` (clipping already bounds them). Without `act_on_loss_spike` loss spikes are only
+    reported too (preference losses near zero jump many times over from batch to batch in healthy runs). An
+    anomaly is handled per `train.on_anomaly`."""
 
     window: int = 50
     min_history: int = 20
@@ -176,6 +181,7 @@ class AnomalyConfig:
     grad_z: float = 6.0
     grad_ratio: float = 4.0
     act_on_grad_spike: bool = False
+    act_on_loss_spike: bool = True
     lr_factor: float = 0.5
     max_rollbacks: int = 3
 
@@ -245,6 +251,49 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference pairs (train.objective "reward" or "dpo"), prepared into `data.path` at the start of the run
+    (jaxllm/data/preference.py; skipped when up to date).
+
+    `train_file` / `eval_file`: JSON lines of {"prompt", "chosen", "rejected"} (strings), or the chat form with a
+    `prompt` list of messages and `chosen` / `rejected` as assistant messages; an optional "kind" (str) names the
+    group a pair's accuracy is reported in. No `eval_file`: a seeded `eval_fraction` is held out. `template`,
+    `tokenizer` as in SFTConfig. A pair's two sequences share one row of train.seq_len positions (up to
+    `pairs_per_row` pairs a row); a sequence longer than half a row is cut (`overlong`="truncate") or its pair
+    left out ("drop"). `eval_pairs` held-out pairs (0: all) are scored per kind before and after training."""
+
+    train_file: str = ""
+    eval_file: str = ""
+    eval_fraction: float = 0.05
+    template: str = "alpaca"
+    overlong: str = "truncate"
+    tokenizer: str = ""
+    pairs_per_row: int = 4
+    eval_pairs: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """The reward model's Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin) + center_coef *
+    (r_chosen + r_rejected)^2 per pair (TRL's RewardTrainer; `margin` is a constant here)."""
+
+    margin: float = 0.0
+    center_coef: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    """Direct preference optimisation (jaxllm.post.losses.dpo_loss): `loss` "sigmoid", "ipo" or "robust",
+    `beta`, `label_smoothing` (robust and sigmoid). `reference` "shared": the reference is the base with the
+    adapters off (the same arrays, no copy; needs lora.rank > 0)."""
+
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    reference: str = "shared"
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline schedule over the `stage` mesh axis: p = mesh.stage stages, m micro-batches, r repeats.
 
@@ -271,6 +320,9 @@ class Config:
     debug: DebugConfig = DebugConfig()
     lora: LoRAConfig = LoRAConfig()
     sft: SFTConfig = SFTConfig()
+    preference: PreferenceConfig = PreferenceConfig()
+    reward: RewardConfig = RewardConfig()
+    dpo: DPOConfig = DPOConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
 
@@ -419,6 +471,9 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     debug = _build(DebugConfig, cd.get("debug", {}), "debug.")
     lora = _build(LoRAConfig, cd.get("lora", {}), "lora.")
     sft = _build(SFTConfig, cd.get("sft", {}), "sft.")
+    preference = _build(PreferenceConfig, cd.get("preference", {}), "preference.")
+    reward = _build(RewardConfig, cd.get("reward", {}), "reward.")
+    dpo = _build(DPOConfig, cd.get("dpo", {}), "dpo.")
 
     for key in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
         _positive(f"model.{key}", getattr(model, key))
@@ -517,6 +572,10 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     _choice("train.objective", train.objective, OBJECTIVES)
     if train.objective == "sft":
         _check_sft(sft)
+    if train.objective in ("reward", "dpo"):
+        _check_preference(preference)
+    if train.objective == "dpo":
+        _check_dpo(dpo, lora)
     if data.num_workers < 0:
         raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
     if not str(cd.get("workdir", "")):
@@ -535,6 +594,9 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         debug=debug,
         lora=lora,
         sft=sft,
+        preference=preference,
+        reward=reward,
+        dpo=dpo,
         workdir=str(cd.get("workdir", Config.workdir)),
         peak_flops=float(cd.get("peak_flops", 0.0)),
     )
@@ -565,11 +627,35 @@ def _check_sft(cfg: SFTConfig) -> None:
     _positive("sft.max_new_tokens", cfg.max_new_tokens)
 
 
+def _check_preference(cfg: PreferenceConfig) -> None:
+    if not cfg.train_file:  # opened when the run starts
+        raise ConfigError("preference.train_file", "must name a JSON-lines file of preference pairs")
+    if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
+        raise ConfigError("preference.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
+    _choice("preference.template", cfg.template, SFT_TEMPLATES)
+    _choice("preference.overlong", cfg.overlong, OVERLONG_RULES)
+    _positive("preference.pairs_per_row", cfg.pairs_per_row)
+    if cfg.eval_pairs < 0:
+        raise ConfigError("preference.eval_pairs", f"must be >= 0 (0: all), got {cfg.eval_pairs}")
+
+
+def _check_dpo(cfg: DPOConfig, lora: LoRAConfig) -> None:
+    _positive("dpo.beta", cfg.beta)
+    _choice("dpo.loss", cfg.loss, DPO_LOSSES)
+    if not 0.0 <= cfg.label_smoothing < 0.5:
+        raise ConfigError("dpo.label_smoothing", f"must be in [0, 0.5), got {cfg.label_smoothing}")
+    _choice("dpo.reference", cfg.reference, DPO_REFERENCES)
+    if cfg.reference == "shared" and not lora.rank:
+        raise ConfigError("dpo.reference", "'shared' (the base with adapters off) needs LoRA adapters "
+                                           "(lora.rank > 0)")
+
+
 def default_config_dict() -> ml_collections.ConfigDict:
     """A ConfigDict holding every field with its dataclass default; config files start from it."""
     sections = dict(mesh=MeshConfig, model=ModelConfig, precision=PrecisionConfig, optim=OptimConfig,
                     train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
-                    anomaly=AnomalyConfig, debug=DebugConfig, lora=LoRAConfig, sft=SFTConfig)
+                    anomaly=AnomalyConfig, debug=DebugConfig, lora=LoRAConfig, sft=SFTConfig,
+                    preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

@@ -61,25 +61,28 @@ class LoadedCheckpoint:
         return next((c for c in candidates if c is not None and c.is_file()), None)
 
 
-def _adapters_of_run(config: dict) -> LoRAConfig | None:
-    """The LoRA settings of a fine-tuning run whose checkpoints hold adapters (not a whole model)."""
-    lora = config.get("lora") or {}
-    if (config.get("train") or {}).get("objective") == "sft" and lora.get("rank"):
-        return LoRAConfig(**_fields(LoRAConfig, lora))
-    return None
-
-
-def _load_adapted(source: Checkpointer, step: int, meta: dict, model_cfg, precision, lora, mesh):
-    """(graphdef, params) of a LoRA run's checkpoint: its adapters on the base model its metadata records (loaded
-    again, and checked against the recorded fingerprint)."""
-    from jaxllm.train import base_model
+def _model_objective(config: dict, model_cfg, precision, rope_scaling=None):
+    """The model half (build, trainable filter) of the objective a run with this recorded config trained: the
+    LM or the reward model, with the run's adapters when its checkpoints hold them."""
+    from jaxllm.train.base_model import holds_adapters
     from jaxllm.train.pretrain import lm_objective
+    from jaxllm.train.reward import reward_model_objective
+
+    lora = LoRAConfig(**_fields(LoRAConfig, config.get("lora"))) if holds_adapters(config) else None
+    make = reward_model_objective if (config.get("train") or {}).get("objective") == "reward" else lm_objective
+    return make(model_cfg, precision, lora=lora, rope_scaling=rope_scaling)
+
+
+def _load_adapted(source: Checkpointer, step: int, meta: dict, model_cfg, precision, mesh):
+    """(graphdef, params) of a LoRA run's checkpoint: its adapters (and other trainable variables) on the base
+    model its metadata records (loaded again, and checked against the recorded fingerprint)."""
+    from jaxllm.train import base_model
 
     record = meta.get("base") or {}
-    if record.get("kind") not in ("jaxllm", "hf"):
+    if not record.get("path"):
         raise CheckpointError(f"{source.directory / str(step)}: adapters of a run with no base model recorded")
     base = base_model.locate(record["path"])
-    objective = lm_objective(model_cfg, precision, lora=lora, rope_scaling=base.rope_scaling)
+    objective = _model_objective(meta["config"], model_cfg, precision, base.rope_scaling)
     _, abstract_adapters, abstract_base = jax.eval_shape(lambda: objective.split(objective.build_model(jax.random.key(0))))
     adapters = source.restore_params(step, abstract_adapters, mesh)
     frozen = base.load(abstract_base, mesh)
@@ -91,11 +94,12 @@ def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str 
     """A checkpoint (run workdir, checkpoints directory or one step directory) as graphdef + params.
 
     A LoRA fine-tuning run's checkpoint holds adapters only: they are loaded onto the base model it records (the
-    model then carries the adapters; `jaxllm.lora.merge` or `hf.save_pretrained` give the merged one).
+    model then carries the adapters; `jaxllm.lora.merge` or `hf.save_pretrained` give the merged one). A reward
+    model run gives a jaxllm.model.reward.RewardModel.
     Computation runs in the parameter dtype unless `compute` is given; logits are float32.
     """
+    from jaxllm.train.base_model import holds_adapters
     from jaxllm.train.recovery import _locate
-    from jaxllm.train.state import abstract_model
 
     mesh = single_device_mesh() if mesh is None else mesh
     directory, located = _locate(path)
@@ -116,13 +120,13 @@ def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str 
         model_cfg = ModelConfig(**_fields(ModelConfig, config["model"]))
         stored = PrecisionConfig(**_fields(PrecisionConfig, config.get("precision", {})))
         precision = PrecisionConfig(params=stored.params, compute=compute or stored.params, output="float32")
-        lora = _adapters_of_run(config)
         with jax.set_mesh(mesh):
-            if lora is None:
-                graphdef, abstract_params = nnx.split(abstract_model(model_cfg, precision))
-                params = source.restore_params(step, abstract_params, mesh)
+            if holds_adapters(config):
+                graphdef, params = _load_adapted(source, step, meta, model_cfg, precision, mesh)
             else:
-                graphdef, params = _load_adapted(source, step, meta, model_cfg, precision, lora, mesh)
+                objective = _model_objective(config, model_cfg, precision)
+                graphdef, abstract_params = jax.eval_shape(lambda: nnx.split(objective.build_model(jax.random.key(0))))
+                params = source.restore_params(step, abstract_params, mesh)
     finally:
         source.close()
     return LoadedCheckpoint(graphdef, params, model_cfg, precision, config, meta, Path(directory) / str(step))

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints <-> jaxllm `Transformer`, through one declarative table.
+"""Hugging Face Llama checkpoints <-> jaxllm `Transformer`, through one declarative table; reward models <->
+`LlamaForSequenceClassification` (num_labels=1) through the same table with its `score` head for the lm_head.
 
 `TABLE` has one row per tensor kind: the Hugging Face name (with `{i}` for the layer), the jaxllm parameter
 path, and the layout transform between them. Import reads it forwards, export backwards. Weights are read with
@@ -24,6 +25,7 @@ from safetensors.numpy import save_file
 
 from jaxllm.config import ModelConfig, PrecisionConfig
 from jaxllm.model.layers import RopeScaling
+from jaxllm.model.reward import RewardModel
 from jaxllm.model.transformer import Transformer
 from jaxllm.sharding import sharding_tree
 
@@ -100,6 +102,18 @@ TABLE: tuple[Row, ...] = (
     Row("model.norm.weight", ("norm", "scale"), IDENTITY),
     Row("lm_head.weight", ("lm_head",), TRANSPOSE),  # absent from the model (and file) when tied
 )
+# A reward model (jaxllm.model.reward.RewardModel): the same body, `score` [D, 1] <-> HF score.weight [1, D].
+REWARD_TABLE: tuple[Row, ...] = TABLE[:-1] + (Row("score.weight", ("score",), TRANSPOSE),)
+REWARD_ARCHITECTURE = "LlamaForSequenceClassification"
+
+
+def _table(model) -> tuple[Row, ...]:
+    return REWARD_TABLE if isinstance(model, RewardModel) else TABLE
+
+
+def is_reward_config(hf: dict) -> bool:
+    """Whether a config.json describes a sequence-classification (reward) model."""
+    return REWARD_ARCHITECTURE in (hf.get("architectures") or [])
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -117,11 +131,13 @@ def _rope_parameters(hf: dict) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """A jaxllm ModelConfig from a Hugging Face LlamaForCausalLM `config.json` dict."""
+    """A jaxllm ModelConfig from a Hugging Face LlamaForCausalLM (or LlamaForSequenceClassification)
+    `config.json` dict."""
     archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type", "llama") != "llama" or archs[0] != "LlamaForCausalLM":
+    if hf.get("model_type", "llama") != "llama" or archs[0] not in ("LlamaForCausalLM", REWARD_ARCHITECTURE):
         raise ValueError(f"{CONFIG_FILE}: unsupported architecture {archs[0]!r} (model_type "
-                         f"{hf.get('model_type')!r}); only LlamaForCausalLM is supported")
+                         f"{hf.get('model_type')!r}); only LlamaForCausalLM and {REWARD_ARCHITECTURE} are "
+                         "supported")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ValueError(f"{CONFIG_FILE}: {key}=true is not supported (jaxllm projections have no bias)")
@@ -156,11 +172,17 @@ def rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
     return RopeScaling(rope_type=kind, **{k: params[k] for k in fields if k in params})
 
 
-def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtype: str = "float32") -> dict:
-    """A LlamaForCausalLM `config.json` dict for `cfg` (readable by transformers 4.x and 5.x)."""
+def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtype: str = "float32",
+                 reward_pad_id: int | None = None) -> dict:
+    """A LlamaForCausalLM `config.json` dict for `cfg` (readable by transformers 4.x and 5.x); with
+    `reward_pad_id`, a LlamaForSequenceClassification one (one label) whose pad token is that id (it finds each
+    sequence's last non-padding token by it)."""
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if rope_scaling is not None:
         rope.update(dataclasses.asdict(rope_scaling))
+    reward = {} if reward_pad_id is None else {"architectures": [REWARD_ARCHITECTURE], "num_labels": 1,
+                                                 "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+                                                 "pad_token_id": reward_pad_id}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -184,6 +206,7 @@ def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtyp
         "use_cache": True,
         "torch_dtype": dtype,
         "dtype": dtype,
+        **reward,
     }
 
 
@@ -262,7 +285,8 @@ def _unwrap(x):
 
 def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "float32",
                     adapter=None) -> Transformer:
-    """Load a Hugging Face LlamaForCausalLM directory (config.json + safetensors) as a jaxllm Transformer.
+    """Load a Hugging Face LlamaForCausalLM directory (config.json + safetensors) as a jaxllm Transformer (a
+    LlamaForSequenceClassification one with one label as a jaxllm.model.reward.RewardModel).
 
     Parameters are stored and computed in `dtype` (logits in float32). With `mesh`, parameters are sharded
     per `jaxllm.sharding.RULES` and loaded shard by shard; without, they are plain single-device arrays.
@@ -278,13 +302,18 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "f
     scaling = rope_scaling_from_hf(hf_cfg)
     precision = PrecisionConfig(params=dtype, compute=dtype, output="float32")
     lora = hf_peft.read_config(Path(adapter)) if adapter is not None else None
-    sources = [(_Weights(path), TABLE)]
+    reward = is_reward_config(hf_cfg)
+    if reward and hf_cfg.get("num_labels", len(hf_cfg.get("id2label") or {0: 0})) != 1:
+        raise ValueError(f"{path / CONFIG_FILE}: a sequence-classification model with more than one label is not a "
+                         "reward model")
+    model_class = RewardModel if reward else Transformer
+    sources = [(_Weights(path), REWARD_TABLE if reward else TABLE)]
     if lora is not None:
         sources.append((_Weights(Path(adapter), hf_peft.WEIGHTS_FILE), hf_peft.adapter_rows(lora.target_list)))
 
     def build():
         with nnx.use_eager_sharding(False):
-            return nnx.split(Transformer(cfg, precision, rngs=nnx.Rngs(params=0), rope_scaling=scaling, lora=lora))
+            return nnx.split(model_class(cfg, precision, rngs=nnx.Rngs(params=0), rope_scaling=scaling, lora=lora))
 
     graphdef, abstract = jax.eval_shape(build)
     if mesh is not None:
@@ -306,7 +335,7 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "f
 # ----------------------------------------------------------------------------------------------- writing
 
 
-def _hf_tensors(model: Transformer, rows=TABLE):
+def _hf_tensors(model: Transformer, rows):
     """(HF name, numpy array) for every tensor, one layer at a time (a sharded array is gathered per layer)."""
     state = nnx.state(model)
     for row in rows:
@@ -321,8 +350,10 @@ def _hf_tensors(model: Transformer, rows=TABLE):
 
 
 def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = None, adapter_only: bool = False,
-                    base_model: str = "") -> None:
-    """Write `model` as a Hugging Face LlamaForCausalLM directory loadable by `AutoModelForCausalLM`.
+                    base_model: str = "", pad_token_id: int = 0) -> None:
+    """Write `model` as a Hugging Face LlamaForCausalLM directory loadable by `AutoModelForCausalLM` (a reward
+    model as LlamaForSequenceClassification with `pad_token_id`, loadable by
+    `AutoModelForSequenceClassification`).
 
     Tensors keep the model's parameter dtype. Above `max_shard_bytes` the weights are split over
     `model-0000k-of-0000n.safetensors` files with a `model.safetensors.index.json`. A model with LoRA adapters
@@ -344,9 +375,10 @@ def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = N
         return
     model = merge(model)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = dict(_hf_tensors(model))
+    tensors = dict(_hf_tensors(model, _table(model)))
     dtype = str(np.dtype(next(iter(tensors.values())).dtype))
-    config = config_to_hf(model.cfg, getattr(model, "rope_scaling", None), dtype)
+    config = config_to_hf(model.cfg, getattr(model, "rope_scaling", None), dtype,
+                          pad_token_id if isinstance(model, RewardModel) else None)
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     metadata = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
     total = sum(t.nbytes for t in tensors.values())

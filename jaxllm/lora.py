@@ -53,11 +53,23 @@ class LoRA(nnx.Module):
         return self.scale * jnp.einsum(f"BTr,r{outs}->BT{outs}", h, self.b[...].astype(x.dtype))
 
     def delta_weight(self) -> jax.Array:
-        """scale * A @ B in float32, shaped like the kernel (the merge of PEFT's merge_and_unload)."""
+        """scale * A @ B in float32, shaped like the kernel (the merge of PEFT's merge_and_unload).
+
+        The rank is summed one term at a time, in order, rather than by a matmul: a matmul's summation order
+        follows how the kernel is split over the mesh, and a merged model is a base whose fingerprint must be
+        the same on every mesh (jaxllm/train/base_model.py).
+        """
         lead = string.ascii_uppercase[:self.a.ndim - self.n_in - 1]
         ins, outs = string.ascii_lowercase[:self.n_in], string.ascii_lowercase[self.n_in:self.n_in + self.n_out]
-        return self.scale * jnp.einsum(f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}",
-                                       self.a[...].astype(jnp.float32), self.b[...].astype(jnp.float32))
+        a = jnp.moveaxis(self.a[...].astype(jnp.float32), -1, 0)  # [r, *lead, *in]
+        b = jnp.moveaxis(self.b[...].astype(jnp.float32), len(lead), 0)  # [r, *lead, *out]
+        outer = lambda a_i, b_i: jnp.einsum(f"{lead}{ins},{lead}{outs}->{lead}{ins}{outs}", a_i, b_i)
+
+        def add_term(total, ab):
+            return total + outer(*ab), None
+
+        total, _ = jax.lax.scan(add_term, jnp.zeros(jax.eval_shape(outer, a[0], b[0]).shape, jnp.float32), (a, b))
+        return self.scale * total
 
 
 def adapter(cfg: LoRAConfig | None, target: str, in_shape, out_shape, in_names, out_names, *, stack, dtype,
@@ -89,16 +101,14 @@ def adapters_of(model) -> dict[str, LoRA]:
 
 
 def merge(model):
-    """The plain model (no adapters) with each target kernel W + scale * A @ B, computed in float32 and stored in
-    the kernel's dtype, as PEFT's merge_and_unload does. A model without adapters is returned as it is."""
-    from jaxllm.model.transformer import Transformer
-
+    """The plain model of the same class (no adapters) with each target kernel W + scale * A @ B, computed in
+    float32 and stored in the kernel's dtype, as PEFT's merge_and_unload does. A model without adapters is returned as it is."""
     if model.lora is None:
         return model
 
     def plain():
         with nnx.use_eager_sharding(False):
-            return nnx.split(Transformer(model.cfg, model.precision, rngs=nnx.Rngs(0),
+            return nnx.split(type(model)(model.cfg, model.precision, rngs=nnx.Rngs(0),
                                          rope_scaling=model.rope_scaling,
                                          pipeline_microbatches=model.pipeline_microbatches,
                                          pipeline_repeats=model.pipeline_repeats))[0]

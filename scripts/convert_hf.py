@@ -2,12 +2,15 @@
 
   python scripts/convert_hf.py import --hf DIR --out CKPT_DIR [--dtype float32]
       Writes step 0 of a jaxllm checkpoint (parameters from DIR, a fresh AdamW state) that a run can start
-      from with `--config.checkpoint.restore_from=CKPT_DIR` (use a matching --config.model.*).
+      from with `--config.checkpoint.restore_from=CKPT_DIR` (use a matching --config.model.*). A
+      LlamaForSequenceClassification directory (one label) becomes a reward-model checkpoint.
   python scripts/convert_hf.py export --checkpoint CKPT [--step N] --out DIR [--adapter_only]
       CKPT is a run's workdir, its checkpoints directory or one step directory; the model config is read from
       the checkpoint's metadata and only the parameters are read. DIR loads with
-      `transformers.AutoModelForCausalLM.from_pretrained`. A LoRA fine-tuning run is exported merged into its
-      base, or with --adapter_only as the adapter alone in PEFT's format (`peft.PeftModel.from_pretrained`).
+      `transformers.AutoModelForCausalLM.from_pretrained` (a reward model's with
+      `AutoModelForSequenceClassification`: LlamaForSequenceClassification, pad_token_id the tokenizer's). A LoRA
+      fine-tuning run is exported merged into its base, or with --adapter_only as the adapter alone in PEFT's
+      format (`peft.PeftModel.from_pretrained`).
 """
 
 import dataclasses
@@ -27,8 +30,11 @@ def do_import(args) -> int:
     from jaxllm.config import OptimConfig, PrecisionConfig
     from jaxllm.data.tokenizer import find_tokenizer_file
     from jaxllm.evaluate import single_device_mesh
+    from jaxllm.model.reward import RewardModel
     from jaxllm.optim import make_optimizer
-    from jaxllm.train.state import create_train_state
+    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.train.reward import reward_model_objective
+    from jaxllm.train.state import init_objective_state
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
@@ -44,12 +50,14 @@ def do_import(args) -> int:
     optim = OptimConfig()
     tx = make_optimizer(optim, 1)
     mesh = single_device_mesh()
+    reward = isinstance(model, RewardModel)
+    objective = (reward_model_objective if reward else lm_objective)(cfg, precision)
     with jax.set_mesh(mesh):
-        _, state, shardings = create_train_state(cfg, precision, tx, mesh, seed=0)
-        params = jax.device_put(nnx.state(model), shardings.params)
+        state, _, shardings, _ = init_objective_state(objective, tx, mesh, seed=0)
+        params = jax.device_put(nnx.state(model, nnx.Param), shardings.params)
         state = state.replace(params=params, opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
     meta = {"config": {"model": dataclasses.asdict(cfg), "precision": dataclasses.asdict(precision),
-                       "optim": dataclasses.asdict(optim)},
+                       "optim": dataclasses.asdict(optim), "train": {"objective": "reward" if reward else "pretrain"}},
             "source": str(Path(args.hf).absolute())}
     tokenizer = find_tokenizer_file(args.hf)
     if tokenizer is not None:
@@ -68,7 +76,7 @@ def do_import(args) -> int:
 def do_export(args) -> int:
     from jaxllm import hf
     from jaxllm.checkpoint import CheckpointError
-    from jaxllm.data.tokenizer import tokenizer_files
+    from jaxllm.data.tokenizer import load_tokenizer, tokenizer_files
     from jaxllm.evaluate import load_checkpoint
 
     try:
@@ -77,8 +85,10 @@ def do_export(args) -> int:
         fail(str(exc))
     if args.adapter_only and loaded.model.lora is None:
         fail(f"--adapter_only: {loaded.path} holds a whole model, not LoRA adapters")
-    hf.save_pretrained(loaded.model, args.out, max_shard_bytes=args.max_shard_bytes, adapter_only=args.adapter_only)
     tokenizer = loaded.tokenizer_path()
+    pad_id = load_tokenizer(tokenizer).pad_id if tokenizer is not None else 0  # jaxllm tokenizers' pad id is 0
+    hf.save_pretrained(loaded.model, args.out, max_shard_bytes=args.max_shard_bytes, adapter_only=args.adapter_only,
+                       pad_token_id=pad_id)
     if tokenizer is not None:  # tokenizer.model, or tokenizer.json with its tokenizer_config.json
         for name, src in tokenizer_files(tokenizer).items():
             shutil.copyfile(src, Path(args.out) / name)

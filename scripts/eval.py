@@ -1,5 +1,5 @@
 """Evaluate a model: `python scripts/eval.py (--checkpoint DIR | --hf DIR) [--data STORE] [--choices FILE.jsonl]
-[--task FILE.jsonl]`.
+[--task FILE.jsonl] [--reward FILE.jsonl]`.
 
 --data STORE     held-out perplexity on a token store's split (token-weighted over loss_mask, packing-aware);
                  (with --checkpoint and no --choices it defaults to the training data store the checkpoint records)
@@ -10,6 +10,10 @@
                  optional "task" groups them), rendered with --template (default: the checkpoint's sft.template,
                  else alpaca); greedy responses of up to --max_new_tokens are scored by exact match and sacrebleu's
                  corpus BLEU, per task and over all ("task" in the output)
+--reward FILE    pair accuracy of a reward model (a reward run's checkpoint, or a LlamaForSequenceClassification
+                 --hf directory) on preference pairs: JSON lines {"prompt", "chosen", "rejected"} (an optional
+                 "kind" groups them), tokenised as the run's training pairs were (its preference.template,
+                 train.seq_len); accuracy per kind, over all and on the length-matched subset ("reward")
 A LoRA fine-tuning checkpoint is evaluated with its adapters on the base model it records.
 Prints one JSON object.
 """
@@ -35,6 +39,7 @@ def main(argv):
     p.add_argument("--choices", default=None, help="multiple-choice JSON-lines file")
     p.add_argument("--tokenizer", default=None, help="tokenizer.model or tokenizer.json (for --choices, --task)")
     p.add_argument("--task", default=None, help="generation-task JSON-lines file (exact match, BLEU)")
+    p.add_argument("--reward", default=None, help="preference-pairs JSON-lines file (reward-model pair accuracy)")
     p.add_argument("--template", default=None, choices=("alpaca", "chatml", "model"))
     p.add_argument("--max_new_tokens", type=int, default=None)
     args = p.parse_args(argv)
@@ -64,9 +69,10 @@ def main(argv):
             tokenizer_file = find_tokenizer_file(args.hf)
     except (FileNotFoundError, ValueError, CheckpointError, NotImplementedError) as exc:
         fail(str(exc))
-    data = args.data or (recorded_data if args.choices is None and args.task is None else None)
-    if data is None and args.choices is None and args.task is None:
-        fail("nothing to evaluate: pass --data STORE, --choices FILE and/or --task FILE")
+    asked = args.choices is not None or args.task is not None or args.reward is not None
+    data = args.data or (recorded_data if not asked else None)
+    if data is None and not asked:
+        fail("nothing to evaluate: pass --data STORE, --choices FILE, --task FILE and/or --reward FILE")
     seq_len = args.seq_len or (recorded.get("train") or {}).get("seq_len", 128)
     if data is not None and args.tokenizer is None and find_tokenizer_file(data) is not None:
         tokenizer_file = find_tokenizer_file(data)
@@ -86,6 +92,9 @@ def main(argv):
             result.update(evaluate.multiple_choice(graphdef, params, mesh, load_tokenizer(tokenizer_file), items))
         if args.task is not None:
             result["task"] = _task(args, graphdef, params, mesh, tokenizer_file, recorded.get("sft") or {}, seq_len)
+        if args.reward is not None:
+            result["reward"] = _reward(args, graphdef, params, mesh, tokenizer_file, recorded.get("preference") or {},
+                                       seq_len)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         fail(str(exc))
     print(json.dumps(result))
@@ -113,6 +122,43 @@ def _task(args, graphdef, params, mesh, tokenizer_file, recorded_sft: dict, seq_
         fail(f"--task: no usable examples in {args.task}")
     max_new = args.max_new_tokens or recorded_sft.get("max_new_tokens", 32)
     return evaluate_task(graphdef, params, mesh, tokenizer, examples, max_new_tokens=max_new, max_len=seq_len)
+
+
+def _reward(args, graphdef, params, mesh, tokenizer_file, recorded: dict, seq_len: int) -> dict:
+    from flax import nnx
+
+    from jaxllm.data.preference import encode_pairs, packed_pairs, read_pairs
+    from jaxllm.data.sft_template import TemplateError
+    from jaxllm.data.tokenizer import load_tokenizer
+    from jaxllm.model.reward import RewardModel
+    from jaxllm.post import pair_eval
+    from jaxllm.train.reward import pair_rewards
+
+    if not isinstance(nnx.merge(graphdef, params), RewardModel):
+        fail("--reward needs a reward model: a train.objective=reward checkpoint or a LlamaForSequenceClassification "
+             "--hf directory")
+    if tokenizer_file is None or not Path(tokenizer_file).is_file():
+        fail("--reward needs a tokenizer: pass --tokenizer FILE")
+    if not Path(args.reward).is_file():
+        fail(f"--reward: no such file {args.reward}")
+    skipped = []
+    records = list(read_pairs(Path(args.reward), skipped))
+    for line in skipped:
+        print(f"skipped {line['file']} line {line['line']}: {line['reason']}", file=sys.stderr)
+    K = recorded.get("pairs_per_row", 1)
+    try:
+        enc = encode_pairs(records, load_tokenizer(tokenizer_file), args.template or recorded.get("template", "alpaca"),
+                           seq_len, recorded.get("overlong", "truncate"))
+    except TemplateError as exc:
+        fail(str(exc))
+    if not enc.pairs:
+        fail(f"--reward: no usable pairs in {args.reward}")
+    rows, pairs = packed_pairs(enc, seq_len, 0, K)
+    scored = pair_eval.score_rows(graphdef, params, mesh, rows, args.batch_size,
+                                  lambda model, batch: dict(zip(("chosen", "rejected"), pair_rewards(model, batch, K)[:2])))
+    chosen, rejected = (pair_eval.per_pair(pairs, scored[s]) for s in ("chosen", "rejected"))
+    return dict(pair_eval.accuracy_report(pairs, {"accuracy": chosen > rejected}), skipped_lines=len(skipped),
+                dropped=enc.dropped)
 
 
 if __name__ == "__main__":

@@ -35,3 +35,37 @@ def shakespeare_store(tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "shakespeare"
     prepare([str(ROOT / "data" / "shakespeare.jsonl.gz")], str(out), vocab_size=512, log=lambda *a, **k: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def sft_task(tmp_path_factory):
+    """A slice of the shipped SFT task (every kind of example)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("task")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sft_task.py"), "--out", str(out)], check=True,
+                   capture_output=True)
+    for name, keep in (("train.jsonl", 400), ("eval.jsonl", 8)):
+        lines = (out / name).read_text().splitlines()[:keep]
+        (out / name).write_text("\n".join(lines) + "\n")
+    return out
+
+
+@pytest.fixture(scope="session")
+def bases(shakespeare_store, tmp_path_factory):
+    """Two tiny pretrained runs (seeds 0 and 1): a base and a different one."""
+    from train_runs import pretrain_base
+
+    return [pretrain_base(shakespeare_store, tmp_path_factory.mktemp(f"base{seed}"), seed) for seed in (0, 1)]
+
+
+@pytest.fixture(scope="session")
+def lora_run(bases, sft_task, tmp_path_factory):
+    """6 steps of LoRA SFT on bases[0]."""
+    from train_runs import run_sft
+
+    workdir = tmp_path_factory.mktemp("lora")
+    proc = run_sft(bases[0], sft_task, workdir, "--config.train.steps=6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from jaxllm.config import MeshConfig, ModelConfig, PrecisionConfig
-from jaxllm.data.sft import SFTDataError, SFTRows, encode_examples, pack, prepare_sft
+from jaxllm.data.row_prep import PreparedDataError, PreparedRows
+from jaxllm.data.sft import encode_examples, pack, prepare_sft
 from jaxllm.data.sft_template import TemplateError, encode, prompt_pieces, render
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.mesh import make_mesh
@@ -151,17 +152,17 @@ def test_preparation_skips_itself_and_never_overwrites(tmp_path, shakespeare_sto
     before = (tmp_path / "prepared" / "train" / "tokens.npy").stat().st_mtime_ns
     logged = []
     assert _prepare(tmp_path, train, tok, log=logged.append) == first
-    assert logged == [f"SFT data in {tmp_path / 'prepared'} is up to date (skipped)"]
+    assert logged == [f"prepared data in {tmp_path / 'prepared'} is up to date (skipped)"]
     assert (tmp_path / "prepared" / "train" / "tokens.npy").stat().st_mtime_ns == before
-    with pytest.raises(SFTDataError, match="different inputs or settings"):
+    with pytest.raises(PreparedDataError, match="different inputs or settings"):
         _prepare(tmp_path, train, tok, seq_len=96)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(SFTDataError, match="holds no prepared SFT data"):
+    with pytest.raises(PreparedDataError, match="holds no prepared data of this kind"):
         prepare_sft(tmp_path / "other", train_file=train, eval_file="", tokenizer_path=tok, template="alpaca",
                     seq_len=64, overlong="truncate", eval_fraction=0.2, seed=0, log=lambda *_: None)
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
-    rows = SFTRows(tmp_path / "prepared", "train", seed=0)
+    rows = PreparedRows(tmp_path / "prepared", "train", seed=0)
     epoch0 = rows.get_rows(np.arange(len(rows)))["tokens"]
     epoch1 = rows.get_rows(np.arange(len(rows), 2 * len(rows)))["tokens"]
     assert sorted(map(tuple, epoch0)) == sorted(map(tuple, epoch1))  # each epoch visits every row once
@@ -208,7 +209,7 @@ def test_sft_data_with_a_tokenizer_json_and_its_chat_template(tmp_path):
     tok = load_tokenizer(tmp_path / "prepared" / "tokenizer.json")
     responses = []
     for split in ("train", "eval"):
-        rows = SFTRows(tmp_path / "prepared", split, shuffle=False).get_rows(np.arange(manifest["splits"][split]["rows"]))
+        rows = PreparedRows(tmp_path / "prepared", split, shuffle=False).get_rows(np.arange(manifest["splits"][split]["rows"]))
         for r in range(len(rows["tokens"])):
             for s in range(1, rows["segment_ids"][r].max() + 1):
                 at = (rows["segment_ids"][r] == s) & (rows["loss_mask"][r] == 1)
@@ -218,20 +219,20 @@ def test_sft_data_with_a_tokenizer_json_and_its_chat_template(tmp_path):
 
 
 def test_a_concurrent_preparation_of_the_same_data_is_accepted(tmp_path, shakespeare_store, monkeypatch):
-    import jaxllm.data.sft as sft
+    import jaxllm.data.row_prep as row_prep
 
     train = _write(tmp_path / "train.jsonl", [{"prompt": f"Q{i}", "response": f"A{i}"} for i in range(20)])
     tok = shakespeare_store / "tokenizer.model"
     first = _prepare(tmp_path, train, tok)
-    real, calls = sft._existing, []
+    real, calls = row_prep.existing_manifest, []
 
-    def checked_before_the_other_process_committed(output):
+    def checked_before_the_other_process_committed(output, data_format):
         calls.append(output)
-        return None if len(calls) == 1 else real(output)
+        return None if len(calls) == 1 else real(output, data_format)
 
-    monkeypatch.setattr(sft, "_existing", checked_before_the_other_process_committed)
+    monkeypatch.setattr(row_prep, "existing_manifest", checked_before_the_other_process_committed)
     assert _prepare(tmp_path, train, tok) == first  # its rename fails; the committed data is the same
     calls.clear()
-    with pytest.raises(SFTDataError, match="another process with different SFT data"):
+    with pytest.raises(PreparedDataError, match="another process with different data"):
         _prepare(tmp_path, train, tok, seq_len=96)
-    assert real(tmp_path / "prepared") == first  # untouched
+    assert real(tmp_path / "prepared", "jaxllm.sft") == first  # untouched

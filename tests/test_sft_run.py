@@ -10,71 +10,19 @@ import sys
 
 import jax
 import numpy as np
-import pytest
 
-from train_runs import ROOT, losses, preempt_at, train_command, train_env
+from train_runs import ROOT, losses, preempt_at, run_sft, sft_command, train_env
 
 from jaxllm.checkpoint import Checkpointer, directory_bytes
 from jaxllm.evaluate import load_checkpoint
-
-SFT = ("--config.train.seq_len=128", "--config.train.eval_batches=1", "--config.train.eval_every=1000",
-       "--config.checkpoint.every=2", "--config.optim.warmup_steps=2", "--config.sft.eval_examples=4",
-       "--config.sft.max_new_tokens=4", "--config.lora.dropout=0.1")
-
-
-def _pretrain(store, workdir, seed):
-    proc = subprocess.run(train_command(store, workdir, "--config.train.steps=2", "--config.checkpoint.every=2",
-                                        "--config.train.eval_every=1000", f"--config.train.seed={seed}"),
-                          capture_output=True, text=True, env=train_env(), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return workdir
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    """A slice of the shipped SFT task (both kinds of examples)."""
-    out = tmp_path_factory.mktemp("task")
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sft_task.py"), "--out", str(out)], check=True,
-                   capture_output=True)
-    for name, keep in (("train.jsonl", 400), ("eval.jsonl", 8)):
-        lines = (out / name).read_text().splitlines()[:keep]
-        (out / name).write_text("\n".join(lines) + "\n")
-    return out
-
-
-@pytest.fixture(scope="module")
-def bases(shakespeare_store, tmp_path_factory):
-    """Two tiny pretrained runs (seeds 0 and 1): the base and a different one."""
-    return [_pretrain(shakespeare_store, tmp_path_factory.mktemp(f"base{seed}"), seed) for seed in (0, 1)]
-
-
-def _sft_cmd(base, task, workdir, *args):
-    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "sft_lora.py"),
-            "--workdir", str(workdir), f"--config.checkpoint.restore_from={base}",
-            f"--config.sft.train_file={task / 'train.jsonl'}", f"--config.sft.eval_file={task / 'eval.jsonl'}",
-            f"--config.data.path={task / 'prepared'}", *SFT, *args]
-
-
-def _sft(base, task, workdir, *args):
-    return subprocess.run(_sft_cmd(base, task, workdir, *args), capture_output=True, text=True, env=train_env(),
-                          timeout=600)
-
-
-@pytest.fixture(scope="module")
-def lora_run(bases, task, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("lora")
-    proc = _sft(bases[0], task, workdir, "--config.train.steps=6")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return workdir
-
 
 def _leaves(workdir):
     return [np.asarray(x) for x in jax.tree.leaves(load_checkpoint(str(workdir)).params)]
 
 
-def test_lora_sft_resumes_bitwise_after_sigterm(bases, task, lora_run, tmp_path):
-    assert preempt_at(_sft_cmd(bases[0], task, tmp_path, "--config.train.steps=6"), tmp_path, 3) == 3
-    again = _sft(bases[0], task, tmp_path, "--config.train.steps=6")
+def test_lora_sft_resumes_bitwise_after_sigterm(bases, sft_task, lora_run, tmp_path):
+    assert preempt_at(sft_command(bases[0], sft_task, tmp_path, "--config.train.steps=6"), tmp_path, 3) == 3
+    again = run_sft(bases[0], sft_task, tmp_path, "--config.train.steps=6")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from checkpoint step 3" in again.stdout
     full, resumed = losses(lora_run), losses(tmp_path)
@@ -107,11 +55,11 @@ def test_lora_checkpoints_hold_adapters_and_a_reference_to_the_base(bases, lora_
         assert summary["task"][which]["all"]["examples"] == 4
 
 
-def test_resume_onto_a_different_base_is_refused(bases, task, lora_run, tmp_path):
+def test_resume_onto_a_different_base_is_refused(bases, sft_task, lora_run, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(lora_run, workdir)
     before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
-    proc = _sft(bases[1], task, workdir, "--config.train.steps=8")
+    proc = run_sft(bases[1], sft_task, workdir, "--config.train.steps=8")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: checkpoint.restore_from:"), proc.stderr[-2000:]
@@ -119,8 +67,8 @@ def test_resume_onto_a_different_base_is_refused(bases, task, lora_run, tmp_path
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
 
 
-def test_rank_0_fine_tunes_every_parameter(bases, task, tmp_path):
-    proc = _sft(bases[0], task, tmp_path, "--config.train.steps=2", "--config.lora.rank=0")
+def test_rank_0_fine_tunes_every_parameter(bases, sft_task, tmp_path):
+    proc = run_sft(bases[0], sft_task, tmp_path, "--config.train.steps=2", "--config.lora.rank=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     tuned, base = load_checkpoint(str(tmp_path)), load_checkpoint(str(bases[0]))
     assert jax.tree.structure(tuned.params) == jax.tree.structure(base.params)  # a whole model, no adapters
@@ -129,9 +77,9 @@ def test_rank_0_fine_tunes_every_parameter(bases, task, tmp_path):
     assert all(changed)
 
 
-def test_eval_task_on_the_lora_checkpoint(lora_run, task):
+def test_eval_task_on_the_lora_checkpoint(lora_run, sft_task):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval.py"), "--checkpoint", str(lora_run),
-                           "--task", str(task / "eval.jsonl")], capture_output=True, text=True, env=train_env(),
+                           "--task", str(sft_task / "eval.jsonl")], capture_output=True, text=True, env=train_env(),
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)["task"]
@@ -142,11 +90,11 @@ def test_eval_task_on_the_lora_checkpoint(lora_run, task):
     assert [s["response"] for s in result["samples"]] == [s["response"] for s in summary["samples"]]
 
 
-def test_bad_sft_settings_are_one_line_errors(bases, task, tmp_path):
+def test_bad_sft_settings_are_one_line_errors(bases, sft_task, tmp_path):
     for args, key in ((("--config.sft.train_file=/no/such.jsonl",), "sft.train_file"),
                       (("--config.sft.template=model",), "sft.template"),
                       (("--config.sft.overlong=wrap",), "sft.overlong")):
-        proc = _sft(bases[0], task, tmp_path / key, *args, f"--config.data.path={tmp_path / key / 'data'}")
+        proc = run_sft(bases[0], sft_task, tmp_path / key, *args, f"--config.data.path={tmp_path / key / 'data'}")
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {key}:"), proc.stderr[-2000:]
 
@@ -170,12 +118,12 @@ def test_export_merged_and_adapter_only(bases, lora_run, tmp_path):
     np.testing.assert_allclose(np.asarray(merge(adapted)(tokens)), tuned, atol=1e-4)
 
 
-def test_sft_from_a_hugging_face_base(bases, task, lora_run, tmp_path):
+def test_sft_from_a_hugging_face_base(bases, sft_task, lora_run, tmp_path):
     export = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "export", "--checkpoint",
                              str(bases[0]), "--out", str(tmp_path / "hf")], capture_output=True, text=True,
                             env=train_env(), timeout=300)
     assert export.returncode == 0, export.stderr[-2000:]
-    proc = _sft(tmp_path / "hf", task, tmp_path / "run", "--config.train.steps=2")
+    proc = run_sft(tmp_path / "hf", sft_task, tmp_path / "run", "--config.train.steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"starting from the base model {tmp_path / 'hf'}" in proc.stdout
     from_hf = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -94,3 +94,30 @@ def free_port_pair() -> int:
         except OSError:
             continue
     raise RuntimeError("no free pair of ports")
+
+
+# LoRA SFT of a tiny pretrained base on a slice of the shipped SFT task (tests/conftest.py: bases, sft_task).
+SFT = ("--config.train.seq_len=128", "--config.train.eval_batches=1", "--config.train.eval_every=1000",
+       "--config.checkpoint.every=2", "--config.optim.warmup_steps=2", "--config.sft.eval_examples=4",
+       "--config.sft.max_new_tokens=4", "--config.lora.dropout=0.1")
+
+
+def pretrain_base(store, workdir, seed):
+    """A tiny pretrained run of 2 steps in `workdir`."""
+    proc = subprocess.run(train_command(store, workdir, "--config.train.steps=2", "--config.checkpoint.every=2",
+                                        "--config.train.eval_every=1000", f"--config.train.seed={seed}"),
+                          capture_output=True, text=True, env=train_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def sft_command(base, task, workdir, *args):
+    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "sft_lora.py"),
+            "--workdir", str(workdir), f"--config.checkpoint.restore_from={base}",
+            f"--config.sft.train_file={task / 'train.jsonl'}", f"--config.sft.eval_file={task / 'eval.jsonl'}",
+            f"--config.data.path={task / 'prepared'}", *SFT, *args]
+
+
+def run_sft(base, task, workdir, *args):
+    return subprocess.run(sft_command(base, task, workdir, *args), capture_output=True, text=True, env=train_env(),
+                          timeout=600)

@@ -9,8 +9,8 @@ targets ids[1:], loss_mask 1 where the target is a response token (the prompt an
 longer than seq_len + 1 tokens is cut to its first seq_len + 1 (`overlong="truncate"`; it is dropped anyway when
 no response token is left) or dropped (`"drop"`), and counted.
 
-Examples are packed into rows of seq_len positions in a seeded order, each into the first of the last
-`PACK_WINDOW` rows with room (first fit over a bounded window keeps packing linear). segment_ids number the
+Examples are packed into rows of seq_len positions in a seeded order, first fit over a bounded window
+(jaxllm/data/row_prep.py, which also holds the manifest, fingerprint and atomic commit). segment_ids number the
 examples of a row from 1 (0: padding) and positions restart at 0 in each, so attention never crosses examples.
 
 The prepared directory (`data.path`):
@@ -22,40 +22,26 @@ The prepared directory (`data.path`):
     <tokenizer file(s)>             a copy of the tokenizer the ids come from
 
 Preparing again with the same inputs and settings is skipped; different ones into the same directory is an
-error (SFTDataError), never an overwrite.
+error (PreparedDataError), never an overwrite.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
+import json
+
 import numpy as np
 
-from jaxllm.data.pipeline import FIELDS
-from jaxllm.data.prepare import split_train_eval
+from jaxllm.data import row_prep
+from jaxllm.data.row_prep import PreparedDataError
 from jaxllm.data.sft_template import ROLES, encode, prompt_pieces, render
 from jaxllm.data.tokenizer import load_tokenizer, tokenizer_files
 
 FORMAT = "jaxllm.sft"
 VERSION = 1
-MANIFEST = "manifest.json"
 EVAL_EXAMPLES = "eval_examples.jsonl"
-PACK_WINDOW = 64
-MAX_REPORTED_LINES = 20  # skipped lines listed in the manifest (all are counted)
-
-
-class SFTDataError(ValueError):
-    """A problem with SFT inputs or the prepared directory, as one line naming the file; `key` is the setting
-    that names it."""
-
-    def __init__(self, message: str, key: str = "data.path"):
-        super().__init__(message)
-        self.key = key
 
 
 def _conversation(record) -> tuple[list[dict], str]:
@@ -85,15 +71,7 @@ def _conversation(record) -> tuple[list[dict], str]:
 
 def read_examples(path: Path, skipped: list[dict]) -> Iterator[tuple[list[dict], str]]:
     """(messages, task) of every usable line of `path`; each unusable one is appended to `skipped`."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield _conversation(json.loads(line))
-            except ValueError as exc:  # json.JSONDecodeError is a ValueError too
-                reason = "not valid JSON" if isinstance(exc, json.JSONDecodeError) else str(exc)
-                skipped.append({"file": str(path), "line": number, "reason": reason})
+    return row_prep.read_records(path, skipped, _conversation)
 
 
 class Encoded:
@@ -147,20 +125,8 @@ def encode_examples(conversations, tokenizer, template: str, seq_len: int, overl
 
 def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, seed: int) -> dict[str, np.ndarray]:
     """Rows [R, seq_len] of every field (see the module docstring for the rule)."""
-    order = np.random.default_rng(seed).permutation(len(examples))
-    rows: list[list[int]] = []  # example indices per row
-    free: list[int] = []
-    for i in order:
-        need = len(examples[i][0]) - 1
-        lo = max(0, len(rows) - PACK_WINDOW)
-        slot = next((r for r in range(lo, len(rows)) if free[r] >= need), None)
-        if slot is None:
-            rows.append([])
-            free.append(seq_len)
-            slot = len(rows) - 1
-        rows[slot].append(int(i))
-        free[slot] -= need
-    out = {f: np.zeros((len(rows), seq_len), np.int32) for f in FIELDS}
+    rows = row_prep.first_fit([len(ids) - 1 for ids, _ in examples], seq_len, seed)
+    out = row_prep.empty_rows(len(rows), seq_len)
     for r, members in enumerate(rows):
         at = 0
         for segment, i in enumerate(members, start=1):
@@ -176,142 +142,44 @@ def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, seed: int) -
     return out
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def prepare_sft(output, *, train_file, eval_file, tokenizer_path, template: str, seq_len: int, overlong: str,
                 eval_fraction: float, seed: int, log: Callable[[str], None] = print) -> dict:
-    """Prepare SFT data into `output` (see the module docstring); returns the manifest. Raises SFTDataError, or
-    TemplateError when the template cannot render with this tokenizer."""
+    """Prepare SFT data into `output` (see the module docstring); returns the manifest. Raises PreparedDataError,
+    or TemplateError when the template cannot render with this tokenizer."""
     output, tokenizer_path = Path(output), Path(tokenizer_path)
-    inputs = [Path(p) for p in (train_file, eval_file) if p]
-    settings = {"version": VERSION, "template": template, "seq_len": seq_len, "overlong": overlong,
-                "eval_fraction": None if eval_file else eval_fraction, "seed": seed,
-                "inputs": [[p.name, _sha256(p)] for p in inputs],
-                "tokenizer": [[name, _sha256(p)] for name, p in tokenizer_files(tokenizer_path).items()]}
-    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    existing = _existing(output)
+    settings, fingerprint = row_prep.settings_fingerprint(
+        {"version": VERSION, "template": template, "seq_len": seq_len, "overlong": overlong,
+         "eval_fraction": None if eval_file else eval_fraction, "seed": seed}, (train_file, eval_file), tokenizer_path)
+    existing = row_prep.up_to_date(output, FORMAT, fingerprint, log)
     if existing is not None:
-        if existing.get("fingerprint") == fingerprint:
-            log(f"SFT data in {output} is up to date (skipped)")
-            return existing
-        raise SFTDataError(f"{output} holds SFT data prepared from different inputs or settings; remove it or "
-                           "choose another data.path")
+        return existing
     tokenizer = load_tokenizer(tokenizer_path)
     skipped: list[dict] = []
-    if eval_file:
-        splits = {"train": list(read_examples(Path(train_file), skipped)),
-                  "eval": list(read_examples(Path(eval_file), skipped))}
-    else:
-        conversations = list(read_examples(Path(train_file), skipped))
-        keys = [json.dumps(m, sort_keys=True) for m, _ in conversations]
-        held = set(split_train_eval(keys, eval_fraction, seed)[1]) if len(keys) >= 2 else set()
-        splits = {"train": [c for c, k in zip(conversations, keys) if k not in held],
-                  "eval": [c for c, k in zip(conversations, keys) if k in held]}
-    for line in skipped[:MAX_REPORTED_LINES]:
-        log(f"skipped {line['file']} line {line['line']}: {line['reason']}")
+    splits = row_prep.read_splits(train_file, eval_file, eval_fraction, seed, _conversation, skipped)
+    row_prep.report_skipped(skipped, output, log)
     encoded = {name: encode_examples(convs, tokenizer, template, seq_len, overlong) for name, convs in splits.items()}
     for name, enc in encoded.items():
         if not enc.examples:
             source, key = (eval_file, "sft.eval_file") if name == "eval" and eval_file else (train_file, "sft.train_file")
-            raise SFTDataError(f"no usable {name} examples in {source} (skipped lines: {len(skipped)}, dropped: "
-                               f"{enc.dropped})", key)
-    manifest = _write(output, encoded, tokenizer_path, seq_len, seed, {
-        "format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "settings": settings,
-        "tokenizer": next(iter(tokenizer_files(tokenizer_path))), "vocab_size": tokenizer.vocab_size, "seq_len": seq_len,
-        "skipped_lines": len(skipped), "skipped": skipped[:MAX_REPORTED_LINES]})
-    for name, s in manifest["splits"].items():
-        log(f"SFT {name}: {s['examples']} examples in {s['rows']} rows (packing {s['packing_efficiency']:.2f}), "
-            f"{s['truncated']} truncated, dropped {s['dropped'] or 'none'}")
-    if skipped:
-        log(f"skipped {len(skipped)} unusable lines (listed in {output / MANIFEST})")
-    return manifest
+            raise PreparedDataError(f"no usable {name} examples in {source} (skipped lines: {len(skipped)}, "
+                                    f"dropped: {enc.dropped})", key)
 
-
-def _existing(output: Path) -> dict | None:
-    """The manifest of prepared data in `output`, None for an absent or empty directory; raises for others."""
-    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
-        return None
-    try:
-        manifest = json.loads((output / MANIFEST).read_text())
-    except (OSError, ValueError):
-        manifest = None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise SFTDataError(f"{output} exists and holds no prepared SFT data ({MANIFEST} with format {FORMAT!r}); "
-                           "remove it or choose another data.path")
-    return manifest
-
-
-def _write(output: Path, encoded: dict[str, Encoded], tokenizer_path: Path, seq_len: int, seed: int,
-           manifest: dict) -> dict:
-    """Write everything into a temporary sibling and rename it into place (readers never see half of it)."""
-    tmp = output.with_name(f"{output.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        splits = {}
-        for name, enc in encoded.items():
-            rows = pack(enc.examples, seq_len, seed)
-            (tmp / name).mkdir(parents=True)
-            for field, array in rows.items():
-                np.save(tmp / name / f"{field}.npy", array)
-            splits[name] = {"examples": len(enc.examples), "rows": len(rows["tokens"]),
-                            "response_tokens": int(rows["loss_mask"].sum()),
-                            "packing_efficiency": float((rows["segment_ids"] > 0).mean()),
-                            "truncated": enc.truncated, "dropped": enc.dropped}
+    def write(tmp: Path) -> dict:
         with open(tmp / EVAL_EXAMPLES, "w") as f:
             for prompt in encoded["eval"].prompts:
                 f.write(json.dumps(prompt) + "\n")
-        for name, path in tokenizer_files(tokenizer_path).items():
-            shutil.copyfile(path, tmp / name)
-        manifest = dict(manifest, splits=splits)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        output.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            if output.exists():
-                output.rmdir()  # empty when _existing looked
-            os.rename(tmp, output)
-        except OSError:  # another process of the job (same filesystem) committed first: fine if it is this data
-            existing = _existing(output)
-            if existing is None or existing.get("fingerprint") != manifest["fingerprint"]:
-                raise SFTDataError(f"{output} was written by another process with different SFT data") from None
-            return existing
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        return {name: dict(row_prep.save_rows(tmp / name, pack(enc.examples, seq_len, seed)),
+                           examples=len(enc.examples), truncated=enc.truncated, dropped=enc.dropped)
+                for name, enc in encoded.items()}
+
+    manifest = row_prep.commit(output, {
+        "format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "settings": settings,
+        "tokenizer": next(iter(tokenizer_files(tokenizer_path))), "vocab_size": tokenizer.vocab_size, "seq_len": seq_len,
+        "skipped_lines": len(skipped), "skipped": skipped[:row_prep.MAX_REPORTED_LINES]}, write, tokenizer_path)
+    for name, s in manifest["splits"].items():
+        log(f"SFT {name}: {s['examples']} examples in {s['rows']} rows (packing {s['packing_efficiency']:.2f}), "
+            f"{s['truncated']} truncated, dropped {s['dropped'] or 'none'}")
     return manifest
-
-
-class SFTRows:
-    """The packed rows of one split, random access by global row: epoch e = row // R visits the R rows in the
-    order `default_rng([seed, e]).permutation(R)` (unshuffled: in order), so a batch is a pure function of
-    (seed, step), as for pretraining (jaxllm.data.pipeline.TrainIterator and EvalBatches read it alike)."""
-
-    def __init__(self, directory: Path, split: str, seed: int = 0, shuffle: bool = True):
-        self.arrays = {f: np.load(Path(directory) / split / f"{f}.npy", mmap_mode="r") for f in FIELDS}
-        self.rows_per_epoch, self.seq_len = self.arrays["tokens"].shape
-        self.seed, self.shuffle = int(seed), bool(shuffle)
-
-    def __len__(self) -> int:
-        return self.rows_per_epoch
-
-    def get_rows(self, rows) -> dict[str, np.ndarray]:
-        rows = np.asarray(rows, np.int64)
-        R = self.rows_per_epoch
-        index = rows % R
-        if self.shuffle:
-            for epoch in np.unique(rows // R):
-                at = rows // R == epoch
-                index[at] = np.random.default_rng([self.seed, int(epoch)]).permutation(R)[index[at]]
-        return {f: np.asarray(a[index], np.int32) for f, a in self.arrays.items()}
-
-    def __getstate__(self):  # grain workers get the paths, not the memory maps
-        return {"paths": {f: a.filename for f, a in self.arrays.items()}, "seed": self.seed,
-                "shuffle": self.shuffle}
-
-    def __setstate__(self, state):
-        self.arrays = {f: np.load(p, mmap_mode="r") for f, p in state["paths"].items()}
-        self.rows_per_epoch, self.seq_len = self.arrays["tokens"].shape
-        self.seed, self.shuffle = state["seed"], state["shuffle"]
 
 
 def eval_prompts(directory) -> list[dict]:

@@ -133,7 +133,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
                  rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1,
-                 lora: LoRAConfig | None = None):
+                 lora: LoRAConfig | None = None, lm_head: bool = True):
         dtype = jnp.dtype(precision.params)
         cfg = dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, precision.compute))
         self.cfg = cfg
@@ -152,7 +152,7 @@ class Transformer(nnx.Module):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
         self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs, lora=self.lora)
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, rngs=rngs)
-        if not cfg.tie_embeddings:
+        if lm_head and not cfg.tie_embeddings:  # a reward model (jaxllm/model/reward.py) has a score head instead
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, cfg.init_std)
 
     def hidden_states(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):

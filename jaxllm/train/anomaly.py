@@ -54,7 +54,8 @@ def detect(loss, grad_norm, loss_window, grad_window, cfg: AnomalyConfig) -> dic
     nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
     loss_spike = ~nonfinite & is_spike(loss, loss_window, cfg.z, cfg.min_history, cfg.loss_ratio)
     grad_spike = ~nonfinite & is_spike(grad_norm, grad_window, cfg.grad_z, cfg.min_history, cfg.grad_ratio)
-    acted = nonfinite | loss_spike | (grad_spike if cfg.act_on_grad_spike else False)
+    acted = (nonfinite | (loss_spike if cfg.act_on_loss_spike else False)
+             | (grad_spike if cfg.act_on_grad_spike else False))
     return {"anomaly": acted, "nonfinite": nonfinite, "loss_spike": loss_spike, "grad_spike": grad_spike}
 
 

@@ -2,7 +2,9 @@
 parameters load, and the fingerprint that ties the run's checkpoints to it.
 
 `checkpoint.restore_from` names the base: a jaxllm run (its workdir, checkpoints directory or one step directory)
-or a Hugging Face model directory (config.json + safetensors). The run adopts the base's architecture. A LoRA
+or a Hugging Face model directory (config.json + safetensors). A LoRA fine-tuning run's checkpoint is a base too:
+its adapters merged into the base it records (kind "jaxllm-lora"; DPO starts from a LoRA SFT run this way, and
+the merged model is its frozen reference). The run adopts the base's architecture. A LoRA
 run's checkpoints hold the adapters and their optimizer state only, plus a `base` record (kind, path, step,
 fingerprint) in their metadata; a resume loads the base again and refuses one whose fingerprint differs.
 
@@ -25,6 +27,7 @@ from flax import nnx
 
 from jaxllm.checkpoint import CheckpointError, Checkpointer
 from jaxllm.config import Config, ConfigError, ModelConfig, validate
+from jaxllm.sharding import sharding_tree
 
 # ModelConfig fields that describe the network itself (adopted from the base); the others (remat, attention,
 # init_std, preset) are choices of this run.
@@ -36,7 +39,8 @@ _KEY = "checkpoint.restore_from"
 
 @dataclasses.dataclass(frozen=True)
 class Base:
-    """A located base: `kind` "jaxllm" (`path` is a step directory) or "hf" (a model directory)."""
+    """A located base: `kind` "jaxllm" or "jaxllm-lora" (`path` is a step directory) or "hf" (a model
+    directory)."""
 
     kind: str
     path: Path
@@ -50,19 +54,33 @@ class Base:
         return {"kind": self.kind, "path": str(self.path), "step": self.step, "fingerprint": fingerprint}
 
     def load(self, abstract, mesh):
-        """The base parameters as the tree `abstract` (ShapeDtypeStructs of nnx.Param variables, the plain
-        model's structure), placed per the sharding rules on `mesh`."""
+        """The base parameters as the tree `abstract` (ShapeDtypeStructs of nnx.Param variables: the plain
+        model's, or part of them), placed per the sharding rules on `mesh`."""
         if self.kind == "jaxllm":
             source = Checkpointer(self.path.parent, keep=1000, log=lambda *_: None)
             try:
                 return source.restore_params(self.step, abstract, mesh)
             finally:
                 source.close()
+        if self.kind == "jaxllm-lora":
+            from jaxllm.evaluate import load_checkpoint
+            from jaxllm.lora import merge
+
+            dtype = jnp.dtype(jax.tree.leaves(abstract)[0].dtype).name
+            loaded = load_checkpoint(str(self.path), mesh=mesh, compute=dtype)
+            return _placed_like(nnx.state(merge(loaded.model), nnx.Param), abstract, mesh)
         from jaxllm import hf
 
         dtype = jax.tree.leaves(abstract)[0].dtype
         model = hf.from_pretrained(self.path, mesh=mesh, dtype=jnp.dtype(dtype).name)
-        return nnx.state(model, nnx.Param)
+        return _placed_like(nnx.state(model, nnx.Param), abstract, mesh)
+
+
+def _placed_like(state, abstract, mesh):
+    """The variables of `state` that `abstract` has (e.g. no lm_head for a reward model), placed per the rules."""
+    wanted = {path for path, _ in nnx.to_flat_state(abstract)}
+    kept = nnx.from_flat_state([(path, v) for path, v in nnx.to_flat_state(state) if path in wanted])
+    return jax.device_put(kept, sharding_tree(abstract, mesh))
 
 
 def is_hf_directory(path: Path) -> bool:
@@ -100,11 +118,23 @@ def locate(restore_from: str) -> Base:
     config = meta.get("config") or {}
     if "model" not in config:
         raise ConfigError(_KEY, f"{directory / str(step)}: its metadata records no model config")
-    if (config.get("lora") or {}).get("rank") and (config.get("train") or {}).get("objective") == "sft":
-        raise ConfigError(_KEY, f"{directory / str(step)} holds LoRA adapters, not a base model (export the merged "
-                                "model with scripts/convert_hf.py and start from that)")
-    return Base("jaxllm", Path(directory) / str(step), step, {k: config["model"][k] for k in ARCHITECTURE},
-                _store_tokenizer((config.get("data") or {}).get("path")))
+    kind, rope_scaling = "jaxllm", None
+    if holds_adapters(config):
+        record = meta.get("base") or {}
+        if not record.get("path"):
+            raise ConfigError(_KEY, f"{directory / str(step)} holds LoRA adapters and records no base model")
+        kind, rope_scaling = "jaxllm-lora", locate(record["path"]).rope_scaling
+    return Base(kind, Path(directory) / str(step), step, {k: config["model"][k] for k in ARCHITECTURE},
+                _store_tokenizer((config.get("data") or {}).get("path")), rope_scaling)
+
+
+FINE_TUNING = ("sft", "reward", "dpo")
+
+
+def holds_adapters(config: dict) -> bool:
+    """Whether the checkpoints of a run with this recorded config hold LoRA adapters (on a base it records)
+    rather than a whole model."""
+    return bool((config.get("lora") or {}).get("rank")) and (config.get("train") or {}).get("objective") in FINE_TUNING
 
 
 def _store_tokenizer(store: str | None) -> Path | None:

@@ -189,6 +189,14 @@ def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
         from jaxllm.train.sft import sft_objective
 
         return sft_objective(cfg, jax.device_count(), log)
+    if cfg.train.objective == "reward":
+        from jaxllm.train.reward import reward_objective
+
+        return reward_objective(cfg, jax.device_count(), log)
+    if cfg.train.objective == "dpo":
+        from jaxllm.train.dpo import dpo_objective
+
+        return dpo_objective(cfg, jax.device_count(), log)
     from jaxllm.train.pretrain import pretrain_objective
 
     return cfg, pretrain_objective(cfg)
@@ -328,6 +336,8 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     )
     if recover.grad_spikes:
         summary["grad_spikes"] = recover.grad_spikes
+    if recover.loss_spikes:
+        summary["loss_spikes"] = recover.loss_spikes
     log(f"trained steps {start_step + 1}..{step} in {train_s:.1f}s: {tps:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}% "
         f"(causal {100 * summary['mfu_causal']:.2f}%)")
     log(f"held-out loss {final_eval:.4f} (step {start_step}: {initial_eval:.4f}, ratio {final_eval / initial_eval:.2f})")
@@ -349,9 +359,7 @@ def report_task(objective: Objective, run: Run, mesh, base_report: dict | None, 
     tuned = objective.report(objective.graphdef, run.variables(), mesh)
     base = (base_report or {}).get("scores", {})
     summary["task"] = {"base": base, "tuned": tuned["scores"], "samples": tuned["samples"]}
-    log("task metrics, base model vs fine-tuned (held-out examples, greedy):\n"
-        + format_table(base or {k: {**v, "exact_match": float("nan"), "bleu": float("nan")}
-                               for k, v in tuned["scores"].items()}, tuned["scores"]))
+    log("task metrics, base model vs fine-tuned (held-out examples):\n" + format_table(base, tuned["scores"]))
     for s in tuned["samples"]:
         log(f"  [{s['task']}] reference {s['reference']!r}, response {s['response']!r}")
 

@@ -63,7 +63,9 @@ class Objective:
     and `sample_prompt` drive the end-of-run sample of language models ("" prompts with BOS alone, None: no
     sample). `base` (jaxllm.train.base_model.Base) is the pretrained model a fresh run loads instead of
     initialising: into the frozen variables when there are any (adapters), else into the trainable ones (full
-    fine-tuning). `report(graphdef, variables, mesh)` gives task metrics of a model, taken before and after
+    fine-tuning); `fresh` filters the trainable variables a base does not have (a reward model's score head),
+    which are initialised from the seed instead. `report(graphdef, variables, mesh)` gives task metrics of a
+    model ({"scores": {group: {"examples": n, metric: value}}, "samples": [...]}), taken before and after
     training.
     """
 
@@ -76,6 +78,7 @@ class Objective:
     tokenizer: Any = None
     sample_prompt: str | None = ""
     base: Any = None
+    fresh: Any = None
     report: Callable[[nnx.GraphDef, Any, Any], dict] | None = None
 
     @functools.cached_property

@@ -23,17 +23,23 @@ from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.state import build_model
 
 
-def cross_entropy_sum(logits_BTV, targets_BT, mask_BT):
-    """(sum of token losses, number of counted tokens), in float32.
+def token_logps(logits_BTV, targets_BT):
+    """log p(target) at every position [B, T], in float32.
 
     The target logit is picked with a one-hot product rather than a gather: with the vocabulary split over
-    `tensor`, that is an elementwise product and a sharded reduction, with no gather across devices.
+    `tensor`, that is an elementwise product and a sharded reduction, with no gather across devices. No
+    [B, T, V] log-softmax is kept: the logsumexp reduces it at once.
     """
     logits_BTV = logits_BTV.astype(jnp.float32)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_logit_BT = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32), -1)
+    return target_logit_BT - lse_BT
+
+
+def cross_entropy_sum(logits_BTV, targets_BT, mask_BT):
+    """(sum of token losses, number of counted tokens), in float32."""
     mask_BT = mask_BT.astype(jnp.float32)
-    return jnp.sum((lse_BT - target_logit_BT) * mask_BT), jnp.sum(mask_BT)
+    return -jnp.sum(token_logps(logits_BTV, targets_BT) * mask_BT), jnp.sum(mask_BT)
 
 
 def next_token_loss(model, batch, rng=None):

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxllm.checkpoint import CheckpointError, Checkpointer
 from jaxllm.config import Config, ConfigError
 from jaxllm.sharding import sharding_tree
 from jaxllm.train.anomaly import incident_kind
 from jaxllm.train.base_model import check_same_base, fingerprint
-from jaxllm.train.state import init_frozen, init_objective_state, init_trainable_state, state_from_params
+from jaxllm.train.state import (init_frozen, init_objective_state, init_part, init_trainable_state,
+                               state_from_params)
 
 
 class AnomalyAbort(RuntimeError):
@@ -128,7 +130,8 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
 
 def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log, on_loaded) -> Start:
     """A fresh fine-tuning run: the base loads into the frozen variables (new adapters train) or, when nothing
-    is frozen (full fine-tuning), into the trainable ones."""
+    is frozen (full fine-tuning), into the trainable ones; what the base lacks (`objective.fresh`) is initialised
+    from the seed."""
     abstract_state, abstract_frozen = abstract
     base = objective.base
     if jax.tree.leaves(abstract_frozen):
@@ -136,13 +139,23 @@ def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log,
         record = base.record(fingerprint(frozen))
         state = init_trainable_state(objective, tx, mesh, seed, window)
     else:
-        params = base.load(abstract_state.params, mesh)
-        record = base.record(fingerprint(params))
-        state = state_from_params(params, tx, sharding_tree(abstract_state, mesh), seed, window)
+        params = _base_and_fresh(objective, abstract_state.params, mesh, seed)
+        record = base.record(fingerprint(params[0]))
+        state = state_from_params(nnx.merge_state(*params), tx, sharding_tree(abstract_state, mesh), seed, window)
         frozen = abstract_frozen
     log(f"starting from the base model {base.path} (fingerprint {record['fingerprint']})")
     on_loaded()
     return Start(state, frozen, 0, 0, record)
+
+
+def _base_and_fresh(objective, abstract_params, mesh, seed: int):
+    """(the trainable variables the base provides, loaded; the `fresh` ones, initialised from the seed)."""
+    if objective.fresh is None:
+        return objective.base.load(abstract_params, mesh), nnx.State({})
+    _, from_base = abstract_params.split(objective.fresh, ...)
+    fresh = init_part(lambda key: objective.split(objective.build_model(key))[1].split(objective.fresh, ...)[0],
+                       mesh, seed)
+    return objective.base.load(from_base, mesh), fresh
 
 
 def _frozen(objective, mesh, cfg: Config, abstract, recorded: dict | None):
@@ -204,6 +217,7 @@ class Recovery:
         self.checkpointer, self.incidents, self.abstract, self.mesh, self.log = (
             checkpointer, incidents, abstract_state, mesh, log)
         self.grad_spikes = 0
+        self.loss_spikes = 0
 
     def __call__(self, run, record: dict) -> bool:
         """Handle `record` (one step's fetched metrics) for `run`; True when `run` was rolled back."""
@@ -211,9 +225,13 @@ class Recovery:
         incident = dict(step=step, loss=record["loss"], grad_norm=record["grad_norm"], kind=incident_kind(record))
         if record["grad_spike"] and not record["anomaly"]:  # counted and reported, not acted on
             self.grad_spikes += 1
-            self.incidents.write(dict(incident, action="reported"))
+            self.incidents.write(dict(incident, action="reported", kind="grad_spike"))
             self.log(f"step {step}: gradient-norm spike ({record['grad_norm']:.4g}, loss {record['loss']:.4g}); "
                      f"reported only (clipping bounds the update)")
+        if record["loss_spike"] and not record["anomaly"]:  # anomaly.act_on_loss_spike is off
+            self.loss_spikes += 1
+            self.incidents.write(dict(incident, action="reported", kind="loss_spike"))
+            self.log(f"step {step}: loss spike ({record['loss']:.4g}); reported only (anomaly.act_on_loss_spike)")
         if not record["anomaly"]:
             return False
         if self.policy.on_anomaly == "rollback":

@@ -52,10 +52,11 @@ def new_train_state(params, tx: optax.GradientTransformation, seed, window: int)
 
 def build_model(cfg: ModelConfig, precision: PrecisionConfig, key: jax.Array,
                 pipeline: PipelineConfig = PipelineConfig(), lora: LoRAConfig | None = None,
-                rope_scaling=None) -> Transformer:
-    """Construct the model without flax's eager sharding: placement is decided by `jaxllm.sharding` instead."""
+                rope_scaling=None, model_class=Transformer) -> Transformer:
+    """Construct the model (`model_class`: the LM, or jaxllm.model.reward.RewardModel) without flax's eager
+    sharding: placement is decided by `jaxllm.sharding` instead."""
     with nnx.use_eager_sharding(False):
-        return Transformer(cfg, precision, rngs=nnx.Rngs(params=key), pipeline_microbatches=pipeline.microbatches,
+        return model_class(cfg, precision, rngs=nnx.Rngs(params=key), pipeline_microbatches=pipeline.microbatches,
                            pipeline_repeats=pipeline.repeats, lora=lora, rope_scaling=rope_scaling)
 
 
@@ -93,7 +94,7 @@ def init_objective_state(objective, tx, mesh, seed: int, window: int = 50):
     return state, frozen, *shardings
 
 
-def _init_part(part_of, mesh, seed: int):
+def init_part(part_of, mesh, seed: int):
     """`part_of(key)` (a part of a model's initialisation) computed into its shards; XLA drops the rest."""
     shardings = sharding_tree(jax.eval_shape(part_of, jax.random.key(0)), mesh)
     return jax.jit(part_of, out_shardings=shardings)(jax.random.key(seed))
@@ -102,13 +103,13 @@ def _init_part(part_of, mesh, seed: int):
 def init_frozen(objective, mesh, seed: int):
     """`objective`'s frozen variables alone, initialised from `seed` into their shards exactly as
     `init_objective_state` makes them; the trainable variables are never materialised."""
-    return _init_part(lambda key: objective.split(objective.build_model(key))[2], mesh, seed)
+    return init_part(lambda key: objective.split(objective.build_model(key))[2], mesh, seed)
 
 
 def init_trainable_state(objective, tx, mesh, seed: int, window: int = 50) -> TrainState:
     """`objective`'s train state alone (fresh trainable variables, as `init_objective_state` makes them, and
     their optimizer state); the frozen variables are never materialised (a pretrained base is loaded instead)."""
-    return _init_part(lambda key: new_train_state(objective.split(objective.build_model(key))[1], tx, seed, window),
+    return init_part(lambda key: new_train_state(objective.split(objective.build_model(key))[1], tx, seed, window),
                       mesh, seed)
 
 

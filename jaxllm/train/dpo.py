@@ -1,0 +1,94 @@
+"""Direct preference optimisation as an objective: the policy is the base LM with fresh LoRA adapters, and the
+reference is the same base with the adapters off: the frozen arrays themselves, merged into the plain model's
+graph, so it costs no second copy of the weights (`reference_model`).
+
+A LoRA SFT run as the base is merged first (jaxllm/train/base_model.py, kind "jaxllm-lora"): the merged SFT model
+is the frozen base, hence the reference, and DPO trains new adapters on it.
+
+Log-probabilities are summed over each response's tokens (jaxllm/post/pairs.py); the loss is
+jaxllm.post.losses.dpo_loss. Metrics carry TRL's names: rewards/chosen, rewards/rejected, rewards/accuracies,
+rewards/margins, logps/chosen, logps/rejected. The task report gives, per kind of held-out pair, the accuracy of
+the implicit reward (beta * (log pi - log ref) of chosen above rejected) and of the policy's own log-likelihood
+(chosen more likely than rejected), before and after training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config import Config, DPOConfig
+from jaxllm.data.tokenizer import load_tokenizer
+from jaxllm.post import pair_eval
+from jaxllm.post.losses import dpo_loss
+from jaxllm.post.pairs import masked_mean, pair_mask, per_sequence_sums
+from jaxllm.train.finetune import row_batches
+from jaxllm.train.objective import Objective
+from jaxllm.train.pretrain import lm_objective, token_logps
+from jaxllm.train.reward import held_out_rows, load_pairs
+
+
+def reference_model(model, plain_graphdef):
+    """The model with its adapters off: its non-adapter variables (the same arrays) in the plain model's graph."""
+    return nnx.merge(plain_graphdef, nnx.state(model, nnx.Not(nnx.LoRAParam)))
+
+
+def sequence_logps(model, batch, pairs_per_row: int, rng=None):
+    """(chosen [B, K], rejected [B, K]): each response's log-probability, summed over its tokens."""
+    logits_BTV = model(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
+    logps_BT = token_logps(logits_BTV, batch["targets"]) * batch["loss_mask"]
+    return per_sequence_sums(logps_BT, batch["segment_ids"], pairs_per_row)
+
+
+def pair_logps(model, batch, plain_graphdef, pairs_per_row: int, rng=None) -> dict:
+    """Policy and reference log-probabilities of each pair's responses, and the responses' lengths in tokens."""
+    chosen, rejected = sequence_logps(model, batch, pairs_per_row, rng)
+    ref_chosen, ref_rejected = jax.lax.stop_gradient(
+        sequence_logps(reference_model(model, plain_graphdef), batch, pairs_per_row))
+    chosen_len, rejected_len = per_sequence_sums(batch["loss_mask"], batch["segment_ids"], pairs_per_row)
+    return {"chosen": chosen, "rejected": rejected, "ref_chosen": ref_chosen, "ref_rejected": ref_rejected,
+            "chosen_len": chosen_len, "rejected_len": rejected_len}
+
+
+def dpo_loss_fn(model, batch, rng=None, *, plain_graphdef, pairs_per_row: int, dpo: DPOConfig = DPOConfig()):
+    """`loss_fn` of DPO: the loss summed over the batch's pairs, counted per pair."""
+    lp = pair_logps(model, batch, plain_graphdef, pairs_per_row, rng)
+    mask = pair_mask(batch["segment_ids"], pairs_per_row)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(
+        lp["chosen"], lp["rejected"], lp["ref_chosen"], lp["ref_rejected"], beta=dpo.beta, loss_type=dpo.loss,
+        label_smoothing=dpo.label_smoothing, chosen_lengths=lp["chosen_len"], rejected_lengths=lp["rejected_len"])
+    metrics = {"rewards/chosen": masked_mean(chosen_rewards, mask),
+               "rewards/rejected": masked_mean(rejected_rewards, mask),
+               "rewards/accuracies": masked_mean((chosen_rewards > rejected_rewards).astype(jnp.float32), mask),
+               "rewards/margins": masked_mean(chosen_rewards - rejected_rewards, mask),
+               "logps/chosen": masked_mean(lp["chosen"], mask), "logps/rejected": masked_mean(lp["rejected"], mask)}
+    return jnp.sum(losses * mask), jnp.sum(mask), metrics
+
+
+def dpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
+    """(cfg with the base's architecture, the DPO objective), preparing the pairs first."""
+    cfg, base, directory, manifest = load_pairs(cfg, num_devices, log)
+    K = cfg.preference.pairs_per_row
+    rope = base and base.rope_scaling
+    plain_graphdef = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope).graphdef
+    policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora, rope_scaling=rope)
+    pairs, rows = held_out_rows(cfg, directory)
+    open_batches, eval_batches = row_batches(cfg, directory)
+
+    def report(graphdef, variables, mesh):
+        lp = pair_eval.score_rows(graphdef, variables, mesh, rows, cfg.train.batch_size,
+                                  lambda model, batch: pair_logps(model, batch, plain_graphdef, K))
+        get = lambda name: pair_eval.per_pair(pairs, lp[name])
+        implicit = (get("chosen") - get("ref_chosen")) > (get("rejected") - get("ref_rejected"))
+        return pair_eval.accuracy_report(pairs, {"reward_accuracy": implicit,
+                                                 "logp_accuracy": get("chosen") > get("rejected")})
+
+    loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain_graphdef, pairs_per_row=K, dpo=cfg.dpo)
+    return cfg, dataclasses.replace(policy, name="dpo", loss_fn=loss_fn, open_batches=open_batches,
+                                    eval_batches=eval_batches,
+                                    tokenizer=load_tokenizer(directory / manifest["tokenizer"]), sample_prompt=None,
+                                    base=base, report=report)
