@@ -23,7 +23,7 @@ def get_config():
     config.lora.update(rank=0)
     config.optim.update(name="adamw", lr=1e-3, schedule="cosine", warmup_steps=20, weight_decay=0.0)
     # A row holds a pair's two sequences side by side (up to 128 positions each: the base's trained length).
-    config.train.update(objective="reward", steps=200, batch_size=16, seq_len=256, eval_every=100, eval_batches=8)
+    config.train.update(objective="reward", steps=250, batch_size=16, seq_len=256, eval_every=125, eval_batches=8)
     config.preference.update(train_file="build/data/preference/train.jsonl",
                              eval_file="build/data/preference/eval.jsonl", template="alpaca", pairs_per_row=2)
     config.data.update(path="build/data/preference/prepared", num_workers=0)

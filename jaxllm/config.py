@@ -23,7 +23,7 @@ OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
 OBJECTIVES = ("pretrain", "sft", "reward", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo", "robust")
-DPO_REFERENCES = ("shared",)
+DPO_REFERENCES = ("shared", "precomputed")
 SFT_TEMPLATES = ("alpaca", "chatml", "model")
 OVERLONG_RULES = ("truncate", "drop")
 
@@ -227,7 +227,20 @@ ANOMALY_POLICIES = ("rollback", "skip", "abort")
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTConfig:
+class FineTuningData:
+    """The data fields SFT and preference learning share (see each): JSON-lines files, the held-out fraction,
+    the template, the overlong rule and the tokenizer."""
+
+    train_file: str = ""
+    eval_file: str = ""
+    eval_fraction: float = 0.05
+    template: str = "alpaca"
+    overlong: str = "truncate"
+    tokenizer: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(FineTuningData):
     """Supervised fine-tuning data (train.objective="sft"), prepared into `data.path` at the start of the run
     (skipped when it is up to date).
 
@@ -240,18 +253,12 @@ class SFTConfig:
     `eval_examples` held-out examples are generated (greedy, up to `max_new_tokens`) for exact-match accuracy and
     BLEU, before and after training."""
 
-    train_file: str = ""
-    eval_file: str = ""
-    eval_fraction: float = 0.05
-    template: str = "alpaca"
-    overlong: str = "truncate"
-    tokenizer: str = ""
     eval_examples: int = 200
     max_new_tokens: int = 32
 
 
 @dataclasses.dataclass(frozen=True)
-class PreferenceConfig:
+class PreferenceConfig(FineTuningData):
     """Preference pairs (train.objective "reward" or "dpo"), prepared into `data.path` at the start of the run
     (jaxllm/data/preference.py; skipped when up to date).
 
@@ -262,12 +269,6 @@ class PreferenceConfig:
     `pairs_per_row` pairs a row); a sequence longer than half a row is cut (`overlong`="truncate") or its pair
     left out ("drop"). `eval_pairs` held-out pairs (0: all) are scored per kind before and after training."""
 
-    train_file: str = ""
-    eval_file: str = ""
-    eval_fraction: float = 0.05
-    template: str = "alpaca"
-    overlong: str = "truncate"
-    tokenizer: str = ""
     pairs_per_row: int = 4
     eval_pairs: int = 0
 
@@ -284,8 +285,10 @@ class RewardConfig:
 @dataclasses.dataclass(frozen=True)
 class DPOConfig:
     """Direct preference optimisation (jaxllm.post.losses.dpo_loss): `loss` "sigmoid", "ipo" or "robust",
-    `beta`, `label_smoothing` (robust and sigmoid). `reference` "shared": the reference is the base with the
-    adapters off (the same arrays, no copy; needs lora.rank > 0)."""
+    `beta`, `label_smoothing` (robust; with sigmoid it gives conservative DPO, which TRL 1.13.0's sigmoid
+    ignores). `reference` "shared": the reference is the base with the adapters off (the same arrays, no copy;
+    needs lora.rank > 0); "precomputed": the base scores every pair once before training and the sums are stored
+    with the data (jaxllm/train/reference.py): no reference model in memory, for full fine-tuning too."""
 
     beta: float = 0.1
     loss: str = "sigmoid"
@@ -615,25 +618,24 @@ def _check_lora(cfg: LoRAConfig) -> None:
                                           f"{cfg.targets!r}")
 
 
-def _check_sft(cfg: SFTConfig) -> None:
+def _check_data(cfg: FineTuningData, section: str, what: str) -> None:
     if not cfg.train_file:  # the files themselves are opened when the run starts (a dry run needs none)
-        raise ConfigError("sft.train_file", "must name a JSON-lines file")
+        raise ConfigError(f"{section}.train_file", f"must name a JSON-lines file of {what}")
     if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
-        raise ConfigError("sft.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
-    _choice("sft.template", cfg.template, SFT_TEMPLATES)
-    _choice("sft.overlong", cfg.overlong, OVERLONG_RULES)
+        raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
+    _choice(f"{section}.template", cfg.template, SFT_TEMPLATES)
+    _choice(f"{section}.overlong", cfg.overlong, OVERLONG_RULES)
+
+
+def _check_sft(cfg: SFTConfig) -> None:
+    _check_data(cfg, "sft", "examples")
     if cfg.eval_examples < 0:
         raise ConfigError("sft.eval_examples", f"must be >= 0, got {cfg.eval_examples}")
     _positive("sft.max_new_tokens", cfg.max_new_tokens)
 
 
 def _check_preference(cfg: PreferenceConfig) -> None:
-    if not cfg.train_file:  # opened when the run starts
-        raise ConfigError("preference.train_file", "must name a JSON-lines file of preference pairs")
-    if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
-        raise ConfigError("preference.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
-    _choice("preference.template", cfg.template, SFT_TEMPLATES)
-    _choice("preference.overlong", cfg.overlong, OVERLONG_RULES)
+    _check_data(cfg, "preference", "preference pairs")
     _positive("preference.pairs_per_row", cfg.pairs_per_row)
     if cfg.eval_pairs < 0:
         raise ConfigError("preference.eval_pairs", f"must be >= 0 (0: all), got {cfg.eval_pairs}")

@@ -3,17 +3,18 @@
 Each pair continues one speech of the 37 plays of data/shakespeare.jsonl.gz (the sonnets and poems are left out):
 
     prompt    "Continue the speech.\\n<the speaker's name>\\n<the speech's first one or two lines>"
-    chosen    the speech's next two lines (c1, c2)
+    chosen    the speech's next two lines (c1, c2), where c1 runs on (it does not end a sentence) and c2 ends one
+              (".", "!" or "?"): a continuation that stops where the speaker does
     rejected  a corruption of them, one of four kinds (the `kind` field), as many of each as the set allows:
 
-    other_play  two consecutive lines of a speech of another play of the same split, of a length within 10% of
-                the chosen's (20% when none is), with the same capitalisation of their first letters (verse or
-                running prose, as the chosen)
+    other_play  two consecutive lines of a speech of another play of the same split, shaped like the chosen (the
+                first runs on, the second ends a sentence), of a length within 10% of the chosen's (20% when none
+                is), with the same capitalisation of their first letters (verse or running prose, as the chosen)
     shuffled    the chosen's two lines swapped (c2, c1): the same characters, only the order is wrong
     repeated    the prompt's last line repeated before c1 (last, c1), or c1 repeated in place of c2 (c1, c1),
                 whichever is closer in length to the chosen
-    truncated   c1 cut short at a word boundary (one to a third of its words dropped), then c2: words are missing
-                mid-passage (not only at its end, where a prose line break is arbitrary); shorter by construction
+    truncated   c1, then c2 cut short at a word boundary (one to a third of its words dropped): the speech stops
+                mid-sentence; shorter by construction
 
 The prompt carries two lines when the speech has them and prompt plus response stays within MAX_EXAMPLE_CHARS,
 otherwise one. Lines with a stage direction ("[Aside.]") are never used. A pair whose rejected equals its chosen
@@ -28,16 +29,13 @@ split. Each file is shuffled (seeded). Writes train.jsonl and eval.jsonl as {"pr
 
 from __future__ import annotations
 
-import argparse
 import bisect
-import gzip
-import json
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_sft_task import TITLES, _spread, held_out, speeches  # noqa: E402
+from make_sft_task import _spread, corpus_arguments, play_documents, speeches, write_jsonl  # noqa: E402
 
 PROMPT = "Continue the speech.\n"
 KINDS = ("other_play", "shuffled", "repeated", "truncated")
@@ -45,6 +43,10 @@ KINDS = ("other_play", "shuffled", "repeated", "truncated")
 MAX_EXAMPLE_CHARS = 200
 MIN_LINE_WORDS = 3  # each chosen line: no half lines ("Cry.") whose corruptions say little
 LENGTH_TOLERANCES = (0.1, 0.2)  # other_play: relative length difference allowed, tried in order
+
+
+def _ends_sentence(line: str) -> bool:
+    return line.rstrip().rstrip("'\"").endswith((".", "!", "?"))
 
 
 def _usable(line: str) -> bool:
@@ -55,6 +57,11 @@ def _pattern(lines) -> tuple[tuple[bool, bool], ...]:
     """Per line: whether it is indented (songs), whether it opens with a capital letter (verse lines always do;
     running prose does not)."""
     return tuple((line[:1] == " ", line.lstrip()[:1].isupper()) for line in lines)
+
+
+def _shaped(c1: str, c2: str) -> bool:
+    """A continuation that runs on from its first line and ends a sentence with its second."""
+    return not _ends_sentence(c1) and _ends_sentence(c2)
 
 
 def _fits(prompt: str, response: str) -> bool:
@@ -71,7 +78,7 @@ class Pool:
         body = speech[1:]
         for i in range(1, len(body) - 1):
             pair = body[i:i + 2]
-            if all(map(_usable, pair)):
+            if all(map(_usable, pair)) and _shaped(*pair):
                 text = "\n".join(pair)
                 self.by_pattern.setdefault(_pattern(pair), []).append((len(text), text, play))
 
@@ -106,11 +113,11 @@ def _rejected(kind: str, prompt_last: str, c1: str, c2: str, play: str, room: in
         options = [prompt_last + "\n" + c1, c1 + "\n" + c1]
         options = [o for o in options if o != chosen]
         return min(options, key=lambda o: abs(len(o) - len(chosen))) if options else None
-    # truncated: c1 less its last one to a third of its words (its indentation kept), then c2
-    words = len(c1.split())
+    # truncated: c1, then c2 less its last one to a third of its words: the speech stops mid-sentence
+    words = len(c2.split())
     if words < 4:
         return None
-    return c1.rsplit(None, rng.randint(1, words // 3))[0] + "\n" + c2
+    return c1 + "\n" + c2.rsplit(None, rng.randint(1, words // 3))[0]
 
 
 def candidates_of(play: str, parts: list[list[str]], pool: Pool, rng: random.Random) -> list[dict[str, dict]]:
@@ -126,7 +133,8 @@ def candidates_of(play: str, parts: list[list[str]], pool: Pool, rng: random.Ran
             prompt = PROMPT + "\n".join([name] + lines[:k])
             c1, c2 = lines[k], lines[k + 1]
             chosen = c1 + "\n" + c2
-            if c1 == c2 or min(len(c1.split()), len(c2.split())) < MIN_LINE_WORDS or not _fits(prompt, chosen):
+            if (c1 == c2 or min(len(c1.split()), len(c2.split())) < MIN_LINE_WORDS or not _fits(prompt, chosen)
+                    or not _shaped(c1, c2)):
                 continue
             room = MAX_EXAMPLE_CHARS - len(prompt) - 1
             for kind in KINDS:
@@ -163,28 +171,16 @@ def pairs_of(doc_id: str, play: str, parts: list[list[str]], pool: Pool, seed: i
 
 
 def main(argv) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--corpus", default="data/shakespeare.jsonl.gz")
-    p.add_argument("--out", required=True, help="directory for train.jsonl and eval.jsonl")
-    p.add_argument("--eval_fraction", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if not Path(args.corpus).is_file():
-        print(f"error: --corpus: no such file {args.corpus}", file=sys.stderr)
+    args = corpus_arguments(__doc__.splitlines()[0], argv)
+    if args is None:
         return 2
     docs = {"train": [], "eval": []}
     pools = {name: Pool() for name in docs}
-    with gzip.open(args.corpus, "rt", encoding="utf-8") as f:
-        for line in f:
-            doc = json.loads(line)
-            play = doc["id"].rsplit("-", 1)[0].removesuffix("_gut")
-            if play not in TITLES:
-                continue  # the sonnets and poems
-            name = "eval" if held_out(doc["id"], args.eval_fraction, args.seed) else "train"
-            parts = speeches(doc["text"])
-            docs[name].append((doc["id"], play, parts))
-            for speech in parts:
-                pools[name].add(play, speech)
+    for name, doc_id, play, text in play_documents(args):
+        parts = speeches(text)
+        docs[name].append((doc_id, play, parts))
+        for speech in parts:
+            pools[name].add(play, speech)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, (name, found) in enumerate(docs.items()):
@@ -193,9 +189,7 @@ def main(argv) -> int:
         rows = [r for doc_id, play, parts in found
                 for r in pairs_of(doc_id, play, parts, pools[name], args.seed, made)]
         random.Random(args.seed + i).shuffle(rows)
-        tmp = out / f"{name}.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(out / f"{name}.jsonl")
+        write_jsonl(out / f"{name}.jsonl", rows)
         print(f"{out / (name + '.jsonl')}: {len(rows)} pairs from {len(found)} documents")
         for kind in KINDS:
             of = [r for r in rows if r["kind"] == kind]

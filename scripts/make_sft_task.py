@@ -27,6 +27,7 @@ import random
 import re
 import sys
 from pathlib import Path
+from typing import Iterator
 
 TITLES = {
     "alls_well_that_ends_well": "All's Well That Ends Well", "antony_and_cleopatra": "Antony and Cleopatra",
@@ -121,8 +122,10 @@ def interleave(groups: list[list[dict]]) -> list[dict]:
     return out
 
 
-def main(argv) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def corpus_arguments(description: str, argv) -> argparse.Namespace | None:
+    """--corpus, --out, --eval_fraction, --seed (the task builders' command line); None (error printed) when the
+    corpus file is missing."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--corpus", default="data/shakespeare.jsonl.gz")
     p.add_argument("--out", required=True, help="directory for train.jsonl and eval.jsonl")
     p.add_argument("--eval_fraction", type=float, default=0.1)
@@ -130,27 +133,43 @@ def main(argv) -> int:
     args = p.parse_args(argv)
     if not Path(args.corpus).is_file():
         print(f"error: --corpus: no such file {args.corpus}", file=sys.stderr)
-        return 2
-    split = {name: {task: [] for task in PER_DOCUMENT} for name in ("train", "eval")}
+        return None
+    return args
+
+
+def play_documents(args) -> Iterator[tuple[str, str, str, str]]:
+    """(split, document id, play, text) of every document of the 37 plays, split by `held_out`."""
     with gzip.open(args.corpus, "rt", encoding="utf-8") as f:
         for line in f:
             doc = json.loads(line)
             play = doc["id"].rsplit("-", 1)[0].removesuffix("_gut")
-            if play not in TITLES:
-                continue  # the sonnets and poems
-            name = "eval" if held_out(doc["id"], args.eval_fraction, args.seed) else "train"
-            for task, found in examples_of(play, doc["text"]).items():
-                split[name][task] += found
+            if play in TITLES:  # not the sonnets and poems
+                split = "eval" if held_out(doc["id"], args.eval_fraction, args.seed) else "train"
+                yield split, doc["id"], play, doc["text"]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """All of `rows` or nothing: written beside `path`, then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def main(argv) -> int:
+    args = corpus_arguments(__doc__.splitlines()[0], argv)
+    if args is None:
+        return 2
+    split = {name: {task: [] for task in PER_DOCUMENT} for name in ("train", "eval")}
+    for name, _, play, text in play_documents(args):
+        for task, found in examples_of(play, text).items():
+            split[name][task] += found
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, tasks in split.items():
         if name == "eval":
             for i, examples in enumerate(tasks.values()):
                 random.Random(args.seed + i).shuffle(examples)
-        rows = interleave(list(tasks.values()))
-        tmp = out / f"{name}.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(out / f"{name}.jsonl")
+        write_jsonl(out / f"{name}.jsonl", interleave(list(tasks.values())))
         print(f"{out / (name + '.jsonl')}: " + ", ".join(f"{len(v)} {k}" for k, v in tasks.items()))
     return 0
 

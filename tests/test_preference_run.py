@@ -162,3 +162,21 @@ def test_bad_settings_are_one_line_errors(bases, pairs, tmp_path):
         proc = _run(objective, bases[0], pairs, tmp_path / key, *args, data)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {key}:"), proc.stderr[-2000:]
+
+
+def test_dpo_with_precomputed_reference_fine_tunes_everything(bases, pairs, tmp_path):
+    proc = _run("dpo", bases[0], pairs, tmp_path / "run", "--config.train.steps=2", "--config.lora.rank=0",
+                "--config.dpo.reference=precomputed", f"--config.data.path={tmp_path / 'data'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "computing reference log-probabilities" in proc.stdout
+    (stored,) = (tmp_path / "data").glob("reference-*")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert stored.name == f"reference-{summary['base']['fingerprint']}"
+    rows = len(np.load(tmp_path / "data" / "train" / "tokens.npy"))
+    assert np.load(stored / "train.npy").shape == (rows, 1, 2)
+    # Before the first update the policy is its reference: every pair's loss is log 2.
+    assert summary["initial_eval_loss"] == pytest.approx(np.log(2), rel=1e-6)
+    # ... and after an update it is not: the reference stayed where the base was (read from the stored sums).
+    assert abs(summary["final_eval_loss"] - np.log(2)) > 1e-4
+    tuned, base = load_checkpoint(str(tmp_path / "run")), load_checkpoint(str(bases[0]))
+    assert jax.tree.structure(tuned.params) == jax.tree.structure(base.params)  # a whole model, no adapters

@@ -381,11 +381,11 @@ class EvalBatches:
             start = b * self.batch_size + self.first
             idx = np.arange(start, start + self.local)
             real = idx[idx < len(self.rows)]
-            batch = {f: np.zeros((self.local, self.rows.seq_len), np.int32) for f in FIELDS}
+            got = self.rows.get_rows(real if real.size else np.arange(1))  # padding rows: zeros of each field
+            batch = {f: np.zeros((self.local,) + v.shape[1:], v.dtype) for f, v in got.items()}
             if real.size:
-                got = self.rows.get_rows(real)
-                for f in FIELDS:
-                    batch[f][:real.size] = got[f]
+                for f, v in got.items():
+                    batch[f][:real.size] = v
             yield batch
 
 

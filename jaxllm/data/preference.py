@@ -29,7 +29,6 @@ from typing import Callable
 import numpy as np
 
 from jaxllm.data import row_prep
-from jaxllm.data.row_prep import PreparedDataError
 from jaxllm.data.sft_template import ROLES, encode, render
 from jaxllm.data.tokenizer import load_tokenizer, tokenizer_files
 
@@ -87,6 +86,7 @@ class EncodedPairs:
 
     def __init__(self):
         self.pairs: list[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]] = []
+        self.items = self.pairs
         self.kinds: list[str] = []
         self.truncated = 0
         self.dropped: dict[str, int] = {}
@@ -161,16 +161,9 @@ def prepare_preference(output, *, train_file, eval_file, tokenizer_path, templat
     if existing is not None:
         return existing
     tokenizer = load_tokenizer(tokenizer_path)
-    skipped: list[dict] = []
-    splits = row_prep.read_splits(train_file, eval_file, eval_fraction, seed, _pair, skipped)
-    row_prep.report_skipped(skipped, output, log)
-    encoded = {name: encode_pairs(records, tokenizer, template, seq_len, overlong) for name, records in splits.items()}
-    for name, enc in encoded.items():
-        if not enc.pairs:
-            source, key = ((eval_file, "preference.eval_file") if name == "eval" and eval_file
-                           else (train_file, "preference.train_file"))
-            raise PreparedDataError(f"no usable {name} pairs in {source} (skipped lines: {len(skipped)}, dropped: "
-                                    f"{enc.dropped})", key)
+    encoded, skipped = row_prep.read_and_encode(
+        output, (train_file, eval_file), eval_fraction, seed, _pair,
+        lambda records: encode_pairs(records, tokenizer, template, seq_len, overlong), "preference", "pairs", log)
 
     def write(tmp: Path) -> dict:
         splits_out = {}

@@ -102,6 +102,23 @@ def up_to_date(output: Path, data_format: str, fingerprint: str, log) -> dict | 
                             "another data.path")
 
 
+def read_and_encode(output: Path, files: tuple, eval_fraction: float, seed: int, parse: Callable,
+                    encode: Callable, section: str, what: str, log) -> tuple[dict, list[dict]]:
+    """({"train", "eval"}: `encode(records)` of each split, skipped lines) of `files` = (train, eval or ""); a
+    split left with nothing (`encode`'s result has no `items`) is an error naming the file and its key."""
+    train_file, eval_file = files
+    skipped: list[dict] = []
+    splits = read_splits(train_file, eval_file, eval_fraction, seed, parse, skipped)
+    report_skipped(skipped, output, log)
+    encoded = {name: encode(records) for name, records in splits.items()}
+    for name, enc in encoded.items():
+        if not enc.items:
+            source, key = (eval_file, "eval_file") if name == "eval" and eval_file else (train_file, "train_file")
+            raise PreparedDataError(f"no usable {name} {what} in {source} (skipped lines: {len(skipped)}, dropped: "
+                                    f"{enc.dropped})", f"{section}.{key}")
+    return encoded, skipped
+
+
 def save_rows(directory: Path, rows: dict[str, np.ndarray]) -> dict:
     """Write the fields of one split; returns its row count, response tokens and packing efficiency."""
     directory.mkdir(parents=True)
@@ -146,10 +163,15 @@ def report_skipped(skipped: list[dict], output: Path, log) -> None:
 class PreparedRows:
     """The packed rows of one split, random access by global row: epoch e = row // R visits the R rows in the
     order `default_rng([seed, e]).permutation(R)` (unshuffled: in order), so a batch is a pure function of
-    (seed, step), as for pretraining (jaxllm.data.pipeline.TrainIterator and EvalBatches read it alike)."""
+    (seed, step), as for pretraining (jaxllm.data.pipeline.TrainIterator and EvalBatches read it alike).
+    `extra` names further per-row arrays ({field: .npy path}, leading axis R) that travel with the rows."""
 
-    def __init__(self, directory: Path, split: str, seed: int = 0, shuffle: bool = True):
-        self.arrays = {f: np.load(Path(directory) / split / f"{f}.npy", mmap_mode="r") for f in FIELDS}
+    def __init__(self, directory: Path, split: str, seed: int = 0, shuffle: bool = True, extra: dict | None = None):
+        paths = {f: Path(directory) / split / f"{f}.npy" for f in FIELDS}
+        self._open(dict(paths, **{f: Path(p) for f, p in (extra or {}).items()}), seed, shuffle)
+
+    def _open(self, paths: dict, seed: int, shuffle: bool) -> None:
+        self.arrays = {f: np.load(p, mmap_mode="r") for f, p in paths.items()}
         self.rows_per_epoch, self.seq_len = self.arrays["tokens"].shape
         self.seed, self.shuffle = int(seed), bool(shuffle)
 
@@ -164,16 +186,14 @@ class PreparedRows:
             for epoch in np.unique(rows // R):
                 at = rows // R == epoch
                 index[at] = np.random.default_rng([self.seed, int(epoch)]).permutation(R)[index[at]]
-        return {f: np.asarray(a[index], np.int32) for f, a in self.arrays.items()}
+        return {f: np.asarray(a[index]) for f, a in self.arrays.items()}
 
     def __getstate__(self):  # grain workers get the paths, not the memory maps
         return {"paths": {f: a.filename for f, a in self.arrays.items()}, "seed": self.seed,
                 "shuffle": self.shuffle}
 
     def __setstate__(self, state):
-        self.arrays = {f: np.load(p, mmap_mode="r") for f, p in state["paths"].items()}
-        self.rows_per_epoch, self.seq_len = self.arrays["tokens"].shape
-        self.seed, self.shuffle = state["seed"], state["shuffle"]
+        self._open(state["paths"], state["seed"], state["shuffle"])
 
 
 PACK_WINDOW = 64

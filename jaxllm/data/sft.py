@@ -35,7 +35,6 @@ import json
 import numpy as np
 
 from jaxllm.data import row_prep
-from jaxllm.data.row_prep import PreparedDataError
 from jaxllm.data.sft_template import ROLES, encode, prompt_pieces, render
 from jaxllm.data.tokenizer import load_tokenizer, tokenizer_files
 
@@ -79,6 +78,7 @@ class Encoded:
 
     def __init__(self):
         self.examples: list[tuple[list[int], list[int]]] = []  # (ids, response mask)
+        self.items = self.examples
         self.prompts: list[dict] = []  # evaluation: prompt ids, reference, task
         self.truncated = 0
         self.dropped: dict[str, int] = {}
@@ -154,15 +154,9 @@ def prepare_sft(output, *, train_file, eval_file, tokenizer_path, template: str,
     if existing is not None:
         return existing
     tokenizer = load_tokenizer(tokenizer_path)
-    skipped: list[dict] = []
-    splits = row_prep.read_splits(train_file, eval_file, eval_fraction, seed, _conversation, skipped)
-    row_prep.report_skipped(skipped, output, log)
-    encoded = {name: encode_examples(convs, tokenizer, template, seq_len, overlong) for name, convs in splits.items()}
-    for name, enc in encoded.items():
-        if not enc.examples:
-            source, key = (eval_file, "sft.eval_file") if name == "eval" and eval_file else (train_file, "sft.train_file")
-            raise PreparedDataError(f"no usable {name} examples in {source} (skipped lines: {len(skipped)}, "
-                                    f"dropped: {enc.dropped})", key)
+    encoded, skipped = row_prep.read_and_encode(
+        output, (train_file, eval_file), eval_fraction, seed, _conversation,
+        lambda convs: encode_examples(convs, tokenizer, template, seq_len, overlong), "sft", "examples", log)
 
     def write(tmp: Path) -> dict:
         with open(tmp / EVAL_EXAMPLES, "w") as f:

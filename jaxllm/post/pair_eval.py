@@ -13,7 +13,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxllm.data.pipeline import FIELDS
 from jaxllm.train.step import batch_sharding
 
 ALL = "all"
@@ -23,8 +22,8 @@ LENGTH_TOLERANCE = 0.1
 
 def score_rows(graphdef, variables, mesh, rows: dict[str, np.ndarray], batch_size: int,
                score: Callable) -> dict[str, np.ndarray]:
-    """`score(model, batch)` ({name: [B, K]}) over every row of `rows` (numpy [R, T] per field), as numpy
-    [R, K] per name. Every process passes all rows; each device takes its shard of each batch."""
+    """`score(model, batch)` ({name: [B, K]}) over every row of `rows` (numpy, leading axis R, per field), as
+    numpy [R, K] per name. Every process passes all rows; each device takes its shard of each batch."""
     sharding = batch_sharding(mesh)
     fn = jax.jit(lambda v, b: score(nnx.merge(graphdef, v), b),
                  out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -32,9 +31,9 @@ def score_rows(graphdef, variables, mesh, rows: dict[str, np.ndarray], batch_siz
     out: dict[str, list] = {}
     with jax.set_mesh(mesh):
         for start in range(0, total, batch_size):
-            batch = {f: np.zeros((batch_size,) + rows[f].shape[1:], np.int32) for f in FIELDS}
-            for f in FIELDS:
-                part = rows[f][start:start + batch_size]
+            batch = {f: np.zeros((batch_size,) + v.shape[1:], v.dtype) for f, v in rows.items()}
+            for f, v in rows.items():
+                part = v[start:start + batch_size]
                 batch[f][:len(part)] = part
             placed = {f: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
                       for f, v in batch.items()}

@@ -26,7 +26,7 @@ import ml_collections
 from flax import nnx
 
 from jaxllm.checkpoint import CheckpointError, Checkpointer
-from jaxllm.config import Config, ConfigError, ModelConfig, validate
+from jaxllm.config import Config, ConfigError, validate
 from jaxllm.sharding import sharding_tree
 
 # ModelConfig fields that describe the network itself (adopted from the base); the others (remat, attention,

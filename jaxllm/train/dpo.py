@@ -1,6 +1,8 @@
-"""Direct preference optimisation as an objective: the policy is the base LM with fresh LoRA adapters, and the
-reference is the same base with the adapters off: the frozen arrays themselves, merged into the plain model's
-graph, so it costs no second copy of the weights (`reference_model`).
+"""Direct preference optimisation as an objective: the policy is the base LM with fresh LoRA adapters (or all of
+it at lora.rank=0). The reference is, with `dpo.reference="shared"`, the same base with the adapters off: the
+frozen arrays themselves, merged into the plain model's graph, so it costs no second copy of the weights
+(`reference_model`); with "precomputed", the base's log-probabilities of every pair, computed once before
+training and stored with the data (jaxllm/train/reference.py), read from the batch.
 
 A LoRA SFT run as the base is merged first (jaxllm/train/base_model.py, kind "jaxllm-lora"): the merged SFT model
 is the frozen base, hence the reference, and DPO trains new adapters on it.
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.config import Config, DPOConfig
+from jaxllm.config import Config, ConfigError, DPOConfig
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.post import pair_eval
 from jaxllm.post.losses import dpo_loss
@@ -29,6 +31,7 @@ from jaxllm.post.pairs import masked_mean, pair_mask, per_sequence_sums
 from jaxllm.train.finetune import row_batches
 from jaxllm.train.objective import Objective
 from jaxllm.train.pretrain import lm_objective, token_logps
+from jaxllm.train.reference import FIELD, reference_logps
 from jaxllm.train.reward import held_out_rows, load_pairs
 
 
@@ -47,8 +50,11 @@ def sequence_logps(model, batch, pairs_per_row: int, rng=None):
 def pair_logps(model, batch, plain_graphdef, pairs_per_row: int, rng=None) -> dict:
     """Policy and reference log-probabilities of each pair's responses, and the responses' lengths in tokens."""
     chosen, rejected = sequence_logps(model, batch, pairs_per_row, rng)
-    ref_chosen, ref_rejected = jax.lax.stop_gradient(
-        sequence_logps(reference_model(model, plain_graphdef), batch, pairs_per_row))
+    if FIELD in batch:  # precomputed
+        ref_chosen, ref_rejected = batch[FIELD][..., 0], batch[FIELD][..., 1]
+    else:
+        ref_chosen, ref_rejected = jax.lax.stop_gradient(
+            sequence_logps(reference_model(model, plain_graphdef), batch, pairs_per_row))
     chosen_len, rejected_len = per_sequence_sums(batch["loss_mask"], batch["segment_ids"], pairs_per_row)
     return {"chosen": chosen, "rejected": rejected, "ref_chosen": ref_chosen, "ref_rejected": ref_rejected,
             "chosen_len": chosen_len, "rejected_len": rejected_len}
@@ -70,24 +76,33 @@ def dpo_loss_fn(model, batch, rng=None, *, plain_graphdef, pairs_per_row: int, d
 
 
 def dpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
-    """(cfg with the base's architecture, the DPO objective), preparing the pairs first."""
+    """(cfg with the base's architecture, the DPO objective), preparing the pairs (and, precomputed, the
+    reference log-probabilities) first."""
     cfg, base, directory, manifest = load_pairs(cfg, num_devices, log)
+    if base is None:
+        raise ConfigError("checkpoint.restore_from", "DPO starts from a model, its reference: name a jaxllm run or "
+                                                     "a Hugging Face model directory")
     K = cfg.preference.pairs_per_row
-    rope = base and base.rope_scaling
-    plain_graphdef = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope).graphdef
-    policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora, rope_scaling=rope)
-    pairs, rows = held_out_rows(cfg, directory)
-    open_batches, eval_batches = row_batches(cfg, directory)
+    rope = base.rope_scaling
+    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope)
+    policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora if cfg.lora.rank else None,
+                          rope_scaling=rope)
+    extra = {}
+    if cfg.dpo.reference == "precomputed":
+        stored = reference_logps(cfg, base, directory, plain, lambda m, b: sequence_logps(m, b, K), log)
+        extra = {split: {FIELD: stored / f"{split}.npy"} for split in ("train", "eval")}
+    pairs, rows = held_out_rows(cfg, directory, extra.get("eval"))
+    open_batches, eval_batches = row_batches(cfg, directory, extra)
 
     def report(graphdef, variables, mesh):
         lp = pair_eval.score_rows(graphdef, variables, mesh, rows, cfg.train.batch_size,
-                                  lambda model, batch: pair_logps(model, batch, plain_graphdef, K))
+                                  lambda model, batch: pair_logps(model, batch, plain.graphdef, K))
         get = lambda name: pair_eval.per_pair(pairs, lp[name])
         implicit = (get("chosen") - get("ref_chosen")) > (get("rejected") - get("ref_rejected"))
         return pair_eval.accuracy_report(pairs, {"reward_accuracy": implicit,
                                                  "logp_accuracy": get("chosen") > get("rejected")})
 
-    loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain_graphdef, pairs_per_row=K, dpo=cfg.dpo)
+    loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain.graphdef, pairs_per_row=K, dpo=cfg.dpo)
     return cfg, dataclasses.replace(policy, name="dpo", loss_fn=loss_fn, open_batches=open_batches,
                                     eval_batches=eval_batches,
                                     tokenizer=load_tokenizer(directory / manifest["tokenizer"]), sample_prompt=None,

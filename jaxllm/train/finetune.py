@@ -62,19 +62,21 @@ def check_vocab(cfg: Config, manifest: dict, tokenizer: Path) -> None:
                                               f"{manifest['vocab_size']} tokens ({tokenizer})")
 
 
-def row_batches(cfg: Config, directory: Path):
-    """(open_batches, eval_batches) of an objective whose data is prepared rows in `directory`."""
-    tc = cfg.train
+def row_batches(cfg: Config, directory: Path, extra: dict | None = None):
+    """(open_batches, eval_batches) of an objective whose data is prepared rows in `directory`; `extra` gives
+    per split further per-row arrays ({split: {field: path}}) that travel with the rows."""
+    tc, extra = cfg.train, extra or {}
 
     def open_batches(request: BatchRequest):
         index, count = request.rows
-        return TrainIterator(PreparedRows(directory, "train", tc.seed), global_batch_size=tc.batch_size,
-                             process_index=index, process_count=count, start_step=request.first,
-                             num_steps=request.end, num_workers=cfg.data.num_workers, prefetch=2)
+        return TrainIterator(PreparedRows(directory, "train", tc.seed, extra=extra.get("train")),
+                             global_batch_size=tc.batch_size, process_index=index, process_count=count,
+                             start_step=request.first, num_steps=request.end, num_workers=cfg.data.num_workers,
+                             prefetch=2)
 
     def eval_batches(rows):
         index, count = rows
-        return list(EvalBatches(PreparedRows(directory, "eval", shuffle=False), tc.batch_size,
-                                tc.eval_batches or None, index, count))
+        return list(EvalBatches(PreparedRows(directory, "eval", shuffle=False, extra=extra.get("eval")),
+                                tc.batch_size, tc.eval_batches or None, index, count))
 
     return open_batches, eval_batches

@@ -78,11 +78,12 @@ def load_pairs(cfg: Config, num_devices: int, log) -> tuple[Config, object, Path
     return cfg, base, Path(cfg.data.path), manifest
 
 
-def held_out_rows(cfg: Config, directory: Path) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """(the first preference.eval_pairs held-out pairs, every held-out row) for task reports."""
+def held_out_rows(cfg: Config, directory: Path, extra: dict | None = None) -> tuple[list[dict], dict]:
+    """(the first preference.eval_pairs held-out pairs, every held-out row with its `extra` fields) for task
+    reports."""
     pairs = eval_pairs(directory)
     pairs = pairs[: cfg.preference.eval_pairs] if cfg.preference.eval_pairs else pairs
-    rows = PreparedRows(directory, "eval", shuffle=False)
+    rows = PreparedRows(directory, "eval", shuffle=False, extra=extra)
     return pairs, rows.get_rows(np.arange(len(rows)))
 
 
