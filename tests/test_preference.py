@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from jaxllm import hf
-from jaxllm.config import LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.config import DPOConfig, LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.data.preference import encode_pairs, pack_pairs, prepare_preference, read_pairs
 from jaxllm.data.row_prep import PreparedDataError, PreparedRows
 from jaxllm.data.tokenizer import load_tokenizer
@@ -233,7 +233,7 @@ def test_dpo_at_the_reference_with_tiny_beta_is_log_2_with_gradients_linear_in_b
     grads = {}
     for beta in (1e-4, 2e-4):
         loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain, pairs_per_row=K,
-                                    dpo=dataclasses.replace(default_dpo(), beta=beta))
+                                    dpo=DPOConfig(beta=beta))
         grads[beta], loss, count, metrics = grads_and_loss(graphdef, adapters, rows, loss_fn=loss_fn, frozen=frozen)
         assert math.isclose(float(loss), math.log(2), rel_tol=1e-6) and count == 12
         # B = 0 adds exact zeros, though XLA may round the fused policy matmuls a hair differently
@@ -241,12 +241,6 @@ def test_dpo_at_the_reference_with_tiny_beta_is_log_2_with_gradients_linear_in_b
     small, large = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(grads[b])]) for b in (1e-4, 2e-4))
     assert np.abs(small).max() > 0
     np.testing.assert_allclose(large, 2 * small, rtol=1e-4, atol=1e-12)
-
-
-def default_dpo():
-    from jaxllm.config import DPOConfig
-
-    return DPOConfig()
 
 
 # ------------------------------------------------------------------------------------------ layouts
@@ -272,7 +266,7 @@ def _dpo_objective():
     policy = lm_objective(MODEL, F32, lora=LORA)
     plain = lm_objective(MODEL, F32).graphdef
     return dataclasses.replace(policy, loss_fn=functools.partial(dpo_loss_fn, plain_graphdef=plain, pairs_per_row=K,
-                                                                 dpo=dataclasses.replace(default_dpo(), beta=0.5)))
+                                                                 dpo=DPOConfig(beta=0.5)))
 
 
 # The reward model with adapters (the filter of adapters plus the fresh head); full fine-tuning shares the rest.

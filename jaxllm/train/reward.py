@@ -84,7 +84,7 @@ def held_out_rows(cfg: Config, directory: Path, extra: dict | None = None) -> tu
     pairs = eval_pairs(directory)
     pairs = pairs[: cfg.preference.eval_pairs] if cfg.preference.eval_pairs else pairs
     rows = PreparedRows(directory, "eval", shuffle=False, extra=extra)
-    return pairs, rows.get_rows(np.arange(len(rows)))
+    return pairs, rows.get_rows(np.arange(max(p["row"] for p in pairs) + 1))  # the rows those pairs are in
 
 
 def reward_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
