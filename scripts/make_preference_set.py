@@ -7,9 +7,10 @@ Each pair continues one speech of the 37 plays of data/shakespeare.jsonl.gz (the
               (".", "!" or "?"): a continuation that stops where the speaker does
     rejected  a corruption of them, one of four kinds (the `kind` field), as many of each as the set allows:
 
-    other_play  two consecutive lines of a speech of another play of the same split, shaped like the chosen (the
-                first runs on, the second ends a sentence), of a length within 10% of the chosen's (20% when none
-                is), with the same capitalisation of their first letters (verse or running prose, as the chosen)
+    other_play  two consecutive lines (not a speech's first) of a speech of another play of the same split, of a
+                length within 10% of the chosen's (20% when none is), with the same capitalisation of their first
+                letters (verse or running prose, as the chosen); wherever they fall in their speech, so some end a
+                sentence and some do not
     shuffled    the chosen's two lines swapped (c2, c1): the same characters, only the order is wrong
     repeated    the prompt's last line repeated before c1 (last, c1), or c1 repeated in place of c2 (c1, c1),
                 whichever is closer in length to the chosen
@@ -78,7 +79,7 @@ class Pool:
         body = speech[1:]
         for i in range(1, len(body) - 1):
             pair = body[i:i + 2]
-            if all(map(_usable, pair)) and _shaped(*pair):
+            if all(map(_usable, pair)):
                 text = "\n".join(pair)
                 self.by_pattern.setdefault(_pattern(pair), []).append((len(text), text, play))
 
