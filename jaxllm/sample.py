@@ -32,10 +32,18 @@ def _bucket(n: int, minimum: int = MIN_BUCKET) -> int:
 
 
 def _pick(logits_BV, key, step, temperature, top_k, top_p, sampling: bool):
-    """Next tokens [B]: argmax, or a draw from the temperature-scaled top-k / top-p (nucleus) distribution."""
+    """Next tokens [B] and their log-probabilities [B] (float32).
+
+    Greedy: the argmax, with its log-probability under softmax(logits). Sampling: a draw from the
+    temperature-scaled top-k / top-p (nucleus) distribution, with its log-probability under the whole
+    softmax(logits / temperature), not the truncated one: that is what a forward pass over the sampled sequence
+    gives back, the quantity PPO's probability ratio needs (jaxllm.post.rollout).
+    """
+    logits_BV = logits_BV.astype(jnp.float32)
     if not sampling:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits_BV = logits_BV.astype(jnp.float32) / temperature
+        token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return token_B, _logp_of(logits_BV, token_B)
+    logits_BV = logits_BV / temperature
     # Work in sorted order so top-k is exact (ties cannot let extra tokens in) and k may be a traced value.
     order_BV = jnp.argsort(-logits_BV, axis=-1)
     sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
@@ -45,39 +53,75 @@ def _pick(logits_BV, key, step, temperature, top_k, top_p, sampling: bool):
     # Nucleus: keep a token if the tokens ranked above it hold less than top_p (the first is always kept).
     keep_BV &= (jnp.cumsum(probs_BV, axis=-1) - probs_BV) < top_p
     choice_B = jax.random.categorical(jax.random.fold_in(key, step), jnp.where(keep_BV, sorted_BV, -jnp.inf))
-    return jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    token_B = jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return token_B, _logp_of(logits_BV, token_B)
+
+
+def _logp_of(logits_BV, token_B):
+    # The arithmetic of jaxllm.train.pretrain.token_logps (target logit - logsumexp), so that a forward pass
+    # over the sampled tokens rounds the same way.
+    target_B = jnp.take_along_axis(logits_BV, token_B[:, None], axis=-1)[:, 0]
+    return target_B - jax.nn.logsumexp(logits_BV, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "sampling"))
 def _decode(graphdef, params, tokens_BP, start_B, max_new, stop_ids, temperature, top_k, top_p, key, *,
             cache_len: int, sampling: bool):
-    """Prefill + token loop; returns [B, cache_len - P] new tokens (NO_TOKEN after a row stopped)."""
+    """Prefill + token loop; returns [B, cache_len - P] new tokens (NO_TOKEN after a row stopped) and their
+    log-probabilities (0 after a row stopped)."""
     model = nnx.merge(graphdef, params)
     B, P = tokens_BP.shape
     pick = functools.partial(_pick, key=key, temperature=temperature, top_k=top_k, top_p=top_p, sampling=sampling)
 
     cache = KVCache.zeros(model.cfg, B, cache_len, model.compute_dtype)
     logits_BV, cache = model.decode(tokens_BP, cache, 0, start_B)
-    token_B = pick(logits_BV, step=0)
+    token_B, logp_B = pick(logits_BV, step=0)
     out_BN = jnp.full((B, cache_len - P), NO_TOKEN, jnp.int32).at[:, 0].set(token_B)
+    logp_BN = jnp.zeros((B, cache_len - P), jnp.float32).at[:, 0].set(logp_B)
     done_B = jnp.isin(token_B, stop_ids)
 
     def cond(carry):
-        step, _, _, done_B, _ = carry
+        step, _, _, done_B, _, _ = carry
         return (step < max_new) & ~jnp.all(done_B)
 
     def body(carry):
-        step, cache, token_B, done_B, out_BN = carry
+        step, cache, token_B, done_B, out_BN, logp_BN = carry
         # Token `step - 1` sits in slot P + step - 1; its logits give token `step`.
         logits_BV, cache = model.decode(token_B[:, None], cache, P + step - 1, start_B)
-        new_B = pick(logits_BV, step=step)
+        new_B, logp_B = pick(logits_BV, step=step)
         out_BN = out_BN.at[:, step].set(jnp.where(done_B, NO_TOKEN, new_B))
+        logp_BN = logp_BN.at[:, step].set(jnp.where(done_B, 0.0, logp_B))
         # A stopped row keeps feeding its last token: shapes stay fixed and its output no longer changes.
         token_B = jnp.where(done_B, token_B, new_B)
-        return step + 1, cache, token_B, done_B | jnp.isin(new_B, stop_ids), out_BN
+        return step + 1, cache, token_B, done_B | jnp.isin(new_B, stop_ids), out_BN, logp_BN
 
-    carry = (jnp.int32(1), cache, token_B, done_B, out_BN)
-    return jax.lax.while_loop(cond, body, carry)[-1]
+    carry = (jnp.int32(1), cache, token_B, done_B, out_BN, logp_BN)
+    return jax.lax.while_loop(cond, body, carry)[-2:]
+
+
+def left_pad(prompts: Sequence[Sequence[int]], batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts left-padded to a power-of-two length P: (tokens [B, P] int32, start_B [B], each row's first real
+    slot). B is `batch` or len(prompts) rounded up to a power of two; filler rows hold one pad token."""
+    B, P = batch or _bucket(len(prompts), 1), _bucket(max(len(p) for p in prompts))
+    tokens_BP = np.zeros((B, P), np.int32)
+    start_B = np.full((B,), P - 1, np.int32)
+    for b, prompt in enumerate(prompts):
+        tokens_BP[b, P - len(prompt):] = prompt
+        start_B[b] = P - len(prompt)
+    return tokens_BP, start_B
+
+
+def decode(graphdef, params, tokens_BP, start_B, *, max_new_tokens: int, stop_ids: Sequence[int] = (),
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, key=None):
+    """The jitted prefill and token loop on left-padded prompts (`left_pad`): (new tokens [B, N], their
+    log-probabilities [B, N]) as device arrays, N = the cache bucket less P (>= max_new_tokens); NO_TOKEN and 0
+    after a row stopped (its stop token is kept). Settings as `generate`'s; `key` a jax PRNG key."""
+    stops = np.full((_bucket(len(stop_ids), STOP_SLOTS),), NO_TOKEN, np.int32)
+    stops[: len(stop_ids)] = list(stop_ids)
+    key = jax.random.key(0) if key is None else key
+    return _decode(graphdef, params, jnp.asarray(tokens_BP), jnp.asarray(start_B), jnp.int32(max_new_tokens),
+                   jnp.asarray(stops), jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p),
+                   key, cache_len=_bucket(tokens_BP.shape[1] + max_new_tokens), sampling=temperature > 0)
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
@@ -98,18 +142,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise ValueError(f"generate: need temperature >= 0, 0 < top_p <= 1, top_k >= 0 "
                          f"(got {temperature}, {top_p}, {top_k})")
-    B, P = _bucket(len(prompts), 1), _bucket(max(len(p) for p in prompts))
-    tokens_BP = np.zeros((B, P), np.int32)
-    start_B = np.full((B,), P - 1, np.int32)  # bucket-filler rows: one pad token, outputs discarded
-    for b, prompt in enumerate(prompts):
-        tokens_BP[b, P - len(prompt):] = prompt
-        start_B[b] = P - len(prompt)
-    stops = np.full((_bucket(len(stop_ids), STOP_SLOTS),), NO_TOKEN, np.int32)
-    stops[: len(stop_ids)] = list(stop_ids)
-    out_BN = _decode(graphdef, params, jnp.asarray(tokens_BP), jnp.asarray(start_B), jnp.int32(max_new_tokens),
-                     jnp.asarray(stops), jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k),
-                     jnp.float32(top_p), jax.random.key(seed), cache_len=_bucket(P + max_new_tokens),
-                     sampling=temperature > 0)
+    tokens_BP, start_B = left_pad(prompts)
+    out_BN, _ = decode(graphdef, params, tokens_BP, start_B, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                       temperature=temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed))
     out_BN = np.asarray(out_BN)
     results = []
     for row in out_BN[: len(prompts), :max_new_tokens]:
