@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jaxllm.post.rewards import ends_a_sentence  # noqa: E402
 from make_sft_task import _spread, corpus_arguments, play_documents, speeches, write_jsonl  # noqa: E402
 
 PROMPT = "Continue the speech.\n"
@@ -44,10 +45,6 @@ KINDS = ("other_play", "shuffled", "repeated", "truncated")
 MAX_EXAMPLE_CHARS = 200
 MIN_LINE_WORDS = 3  # each chosen line: no half lines ("Cry.") whose corruptions say little
 LENGTH_TOLERANCES = (0.1, 0.2)  # other_play: relative length difference allowed, tried in order
-
-
-def _ends_sentence(line: str) -> bool:
-    return line.rstrip().rstrip("'\"").endswith((".", "!", "?"))
 
 
 def _usable(line: str) -> bool:
@@ -62,7 +59,7 @@ def _pattern(lines) -> tuple[tuple[bool, bool], ...]:
 
 def _shaped(c1: str, c2: str) -> bool:
     """A continuation that runs on from its first line and ends a sentence with its second."""
-    return not _ends_sentence(c1) and _ends_sentence(c2)
+    return not ends_a_sentence(c1) and ends_a_sentence(c2)
 
 
 def _fits(prompt: str, response: str) -> bool:
