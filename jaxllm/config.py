@@ -21,9 +21,10 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
-OBJECTIVES = ("pretrain", "sft", "reward", "dpo")
+OBJECTIVES = ("pretrain", "sft", "reward", "dpo", "grpo")
 DPO_LOSSES = ("sigmoid", "ipo", "robust")
 DPO_REFERENCES = ("shared", "precomputed")
+GRPO_LOSS_AGGS = ("dapo", "grpo", "bnpo", "dr_grpo")  # jaxllm.post.losses.GRPO_LOSS_AGGS
 SFT_TEMPLATES = ("alpaca", "chatml", "model")
 OVERLONG_RULES = ("truncate", "drop")
 
@@ -126,7 +127,8 @@ class OptimConfig:
 class TrainConfig:
     """Length and shape of the run, and what it trains: `objective` "pretrain" (next-token prediction on a token
     store), "sft" (supervised fine-tuning, see SFTConfig), "reward" (a reward model on preference pairs, see
-    PreferenceConfig and RewardConfig) or "dpo" (direct preference optimisation, see DPOConfig). The end-of-run
+    PreferenceConfig and RewardConfig), "dpo" (direct preference optimisation, see DPOConfig) or "grpo" (group
+    relative policy optimisation on the policy's own rollouts, see GRPOConfig). The end-of-run
     greedy sample continues `sample_prompt` (empty: the objective's own prompt) by `sample_tokens` tokens."""
 
     objective: str = "pretrain"
@@ -297,6 +299,39 @@ class DPOConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """Group relative policy optimisation (train.objective="grpo", jaxllm/train/grpo.py).
+
+    Prompts: `train_file` / `eval_file` JSON lines of {"prompt"} or {"messages"} ending with a user turn
+    (jaxllm/data/prompts.py; no `eval_file`: a seeded `eval_fraction` is held out), rendered with `template`,
+    at most `max_prompt_tokens` tokens (longer ones are left out and counted); `tokenizer` as in SFTConfig.
+    Each iteration takes `prompts_per_iteration` prompts, samples `num_generations` responses to each (up to
+    `max_new_tokens`, at `temperature`, stopping at EOS), scores them with `reward` ("fn:<name>",
+    jaxllm/post/rewards.py), and trains `epochs` passes over them in minibatches of train.batch_size rows: an
+    iteration is epochs * prompts_per_iteration * num_generations / train.batch_size optimizer steps. Loss:
+    jaxllm.post.losses.grpo_loss with `beta` (the k3 KL to the reference, the base with the adapters off), `clip`
+    and `loss_agg`. `eval_prompts` held-out prompts are answered (same sampling, fixed seed) and scored before
+    and after training."""
+
+    train_file: str = ""
+    eval_file: str = ""
+    eval_fraction: float = 0.05
+    template: str = "alpaca"
+    tokenizer: str = ""
+    reward: str = ""
+    max_prompt_tokens: int = 64
+    max_new_tokens: int = 32
+    prompts_per_iteration: int = 8
+    num_generations: int = 4
+    epochs: int = 1
+    temperature: float = 1.0
+    beta: float = 0.04
+    clip: float = 0.2
+    loss_agg: str = "dapo"
+    eval_prompts: int = 32
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline schedule over the `stage` mesh axis: p = mesh.stage stages, m micro-batches, r repeats.
 
@@ -326,6 +361,7 @@ class Config:
     preference: PreferenceConfig = PreferenceConfig()
     reward: RewardConfig = RewardConfig()
     dpo: DPOConfig = DPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
 
@@ -477,6 +513,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     preference = _build(PreferenceConfig, cd.get("preference", {}), "preference.")
     reward = _build(RewardConfig, cd.get("reward", {}), "reward.")
     dpo = _build(DPOConfig, cd.get("dpo", {}), "dpo.")
+    grpo = _build(GRPOConfig, cd.get("grpo", {}), "grpo.")
 
     for key in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
         _positive(f"model.{key}", getattr(model, key))
@@ -579,6 +616,8 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         _check_preference(preference)
     if train.objective == "dpo":
         _check_dpo(dpo, lora)
+    if train.objective == "grpo":
+        _check_grpo(grpo, lora, train.batch_size)
     if data.num_workers < 0:
         raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
     if not str(cd.get("workdir", "")):
@@ -600,6 +639,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         preference=preference,
         reward=reward,
         dpo=dpo,
+        grpo=grpo,
         workdir=str(cd.get("workdir", Config.workdir)),
         peak_flops=float(cd.get("peak_flops", 0.0)),
     )
@@ -652,12 +692,40 @@ def _check_dpo(cfg: DPOConfig, lora: LoRAConfig) -> None:
                                            "(lora.rank > 0)")
 
 
+def _check_grpo(cfg: GRPOConfig, lora: LoRAConfig, batch_size: int) -> None:
+    if not cfg.train_file:
+        raise ConfigError("grpo.train_file", "must name a JSON-lines file of prompts")
+    if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
+        raise ConfigError("grpo.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
+    _choice("grpo.template", cfg.template, SFT_TEMPLATES)
+    if not cfg.reward.startswith("fn:") or len(cfg.reward) == 3:
+        raise ConfigError("grpo.reward", f"expected fn:<name> (jaxllm/post/rewards.py), got {cfg.reward!r}")
+    for key in ("max_prompt_tokens", "max_new_tokens", "prompts_per_iteration", "epochs", "temperature"):
+        _positive(f"grpo.{key}", getattr(cfg, key))
+    if cfg.num_generations < 2:
+        raise ConfigError("grpo.num_generations", f"must be >= 2 (advantages compare a group), got "
+                                                  f"{cfg.num_generations}")
+    rows = cfg.prompts_per_iteration * cfg.num_generations
+    if rows % batch_size:
+        raise ConfigError("train.batch_size", f"{batch_size} does not divide an iteration's {rows} responses "
+                                              "(grpo.prompts_per_iteration * grpo.num_generations)")
+    if cfg.beta < 0:
+        raise ConfigError("grpo.beta", f"must be >= 0, got {cfg.beta}")
+    if not lora.rank:
+        raise ConfigError("lora.rank", "GRPO trains LoRA adapters (its reference is the base with adapters off); "
+                                       "full fine-tuning is not supported yet")
+    _positive("grpo.clip", cfg.clip)
+    _choice("grpo.loss_agg", cfg.loss_agg, GRPO_LOSS_AGGS)
+    if cfg.eval_prompts < 0:
+        raise ConfigError("grpo.eval_prompts", f"must be >= 0, got {cfg.eval_prompts}")
+
+
 def default_config_dict() -> ml_collections.ConfigDict:
     """A ConfigDict holding every field with its dataclass default; config files start from it."""
     sections = dict(mesh=MeshConfig, model=ModelConfig, precision=PrecisionConfig, optim=OptimConfig,
                     train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
                     anomaly=AnomalyConfig, debug=DebugConfig, lora=LoRAConfig, sft=SFTConfig,
-                    preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig)
+                    preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

@@ -99,10 +99,12 @@ def _decode(graphdef, params, tokens_BP, start_B, max_new, stop_ids, temperature
     return jax.lax.while_loop(cond, body, carry)[-2:]
 
 
-def left_pad(prompts: Sequence[Sequence[int]], batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Prompts left-padded to a power-of-two length P: (tokens [B, P] int32, start_B [B], each row's first real
-    slot). B is `batch` or len(prompts) rounded up to a power of two; filler rows hold one pad token."""
-    B, P = batch or _bucket(len(prompts), 1), _bucket(max(len(p) for p in prompts))
+def left_pad(prompts: Sequence[Sequence[int]], batch: int | None = None,
+             length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts left-padded to length P: (tokens [B, P] int32, start_B [B], each row's first real slot). P is
+    `length` or the longest prompt rounded up to a power of two; B is `batch` or len(prompts) rounded up to a
+    power of two; filler rows hold one pad token."""
+    B, P = batch or _bucket(len(prompts), 1), length or _bucket(max(len(p) for p in prompts))
     tokens_BP = np.zeros((B, P), np.int32)
     start_B = np.full((B,), P - 1, np.int32)
     for b, prompt in enumerate(prompts):

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxllm.config import MeshConfig, ModelConfig, PrecisionConfig
 from jaxllm.mesh import make_mesh
 from jaxllm.post.losses import ppo_policy_loss
-from jaxllm.post.rollout import response_logps, rollout
+from jaxllm.post.rollout import response_logps, rollout, sequence_layout
 from jaxllm.sample import left_pad
 from jaxllm.sharding import sharding_tree
 from jaxllm.train.state import build_model
@@ -41,7 +41,8 @@ def _roll(graphdef, params, seed=0):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len"))
 def _forward_logps(graphdef, params, tokens, start, *, prompt_len):
-    return response_logps(nnx.merge(graphdef, params), tokens, start, prompt_len, TEMPERATURE)
+    return response_logps(nnx.merge(graphdef, params), tokens, *sequence_layout(tokens, start), prompt_len,
+                          TEMPERATURE)
 
 
 def _check_agrees(graphdef, params, out):

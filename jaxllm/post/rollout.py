@@ -58,16 +58,18 @@ def sequence_layout(tokens_BS, start_B):
     return real_BS.astype(jnp.int32), jnp.maximum(slots_S[None, :] - start_B[:, None], 0)
 
 
-def response_logits(model, tokens_BS, start_B, prompt_len: int, temperature: float = 1.0, rng=None):
-    """Logits / temperature [B, N, V] (float32) that predict each response slot, from one forward pass."""
-    segment_ids_BS, positions_BS = sequence_layout(tokens_BS, start_B)
+def response_logits(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: int, temperature: float = 1.0,
+                    rng=None):
+    """Logits / temperature [B, N, V] (float32) that predict each response slot, from one forward pass over
+    rows laid out by `sequence_layout`."""
     logits_BSV = model(tokens_BS, segment_ids_BS, positions_BS, rng=rng)
     # Slot s's logits predict slot s + 1: response slot n (sequence slot P + n) is predicted from P + n - 1.
     return logits_BSV[:, prompt_len - 1:-1].astype(jnp.float32) / temperature
 
 
-def response_logps(model, tokens_BS, start_B, prompt_len: int, temperature: float = 1.0, rng=None):
+def response_logps(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: int, temperature: float = 1.0,
+                   rng=None):
     """Each response token's log-probability [B, N] under the model (float32): what `rollout` recorded for
     the policy that sampled, and the reference's and the updated policy's log-probs of the same tokens."""
-    logits_BNV = response_logits(model, tokens_BS, start_B, prompt_len, temperature, rng)
+    logits_BNV = response_logits(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len, temperature, rng)
     return token_logps(logits_BNV, tokens_BS[:, prompt_len:])

@@ -74,7 +74,8 @@ class PeakLiveBytes:
 @dataclasses.dataclass
 class Run:
     """The mutable position of a run: the state the next step updates, the frozen variables, the data offset
-    (data index = step - 1 + offset), the rollbacks so far, and the open batch source."""
+    (data index = step - 1 + offset), the rollbacks so far, the open batch source, and the batch-source state
+    of the checkpoint the run last (re)started from."""
 
     objective: Objective
     steps: int
@@ -84,6 +85,7 @@ class Run:
     data_offset: int = 0
     rollbacks: int = 0
     batches: object = None
+    data_state: dict | None = None
 
     def variables(self):
         """Trainable and frozen variables together: the whole model's state."""
@@ -96,7 +98,7 @@ class Run:
         first = int(self.state.step)
         self.batches = self.objective.open_batches(BatchRequest(
             first=first + self.data_offset, end=self.steps + self.data_offset + 1, rows=self.rows,
-            current=lambda: self.state))
+            current=self.variables, state=self.data_state))
 
 
 class StepRunner:
@@ -197,6 +199,10 @@ def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
         from jaxllm.train.dpo import dpo_objective
 
         return dpo_objective(cfg, jax.device_count(), log)
+    if cfg.train.objective == "grpo":
+        from jaxllm.train.grpo import grpo_objective
+
+        return grpo_objective(cfg, jax.device_count(), log)
     from jaxllm.train.pretrain import pretrain_objective
 
     return cfg, pretrain_objective(cfg)
@@ -231,7 +237,8 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     peak_live = PeakLiveBytes()
     with jax.set_mesh(mesh):
         start = restore_start(cfg, objective, tx, checkpointer, abstract, mesh, log, on_loaded=peak_live.sample)
-    run = Run(objective, tc.steps, rows, start.state, start.frozen, start.data_offset, start.rollbacks)
+    run = Run(objective, tc.steps, rows, start.state, start.frozen, start.data_offset, start.rollbacks,
+              data_state=start.data_state)
     start_step = int(run.state.step)
     run.reopen_batches()
     eval_batches = ([to_global(b, rows_sharding, tc.batch_size) for b in objective.eval_batches(rows)]
@@ -260,8 +267,9 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
         summary["base"] = start.base
     eval_loss = lambda: evaluate(eval_step, run.state.params, run.frozen, eval_batches) if eval_step else float("nan")
     summary["initial_eval_loss"] = initial_eval = eval_loss()
-    metrics_log.writer.write({"step": start_step, "eval_loss": initial_eval})
-    log(f"step {start_step} held-out loss {initial_eval:.4f}")
+    if eval_step is not None:  # objectives without held-out batches (GRPO) report through their task metrics
+        metrics_log.writer.write({"step": start_step, "eval_loss": initial_eval})
+        log(f"step {start_step} held-out loss {initial_eval:.4f}")
 
     base_report = start.base_report
     if objective.report is not None and base_report is None and start_step == 0:
@@ -325,7 +333,8 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     train_s = time.perf_counter() - train_start
 
     final_eval = eval_loss()
-    metrics_log.writer.write({"step": step, "eval_loss": final_eval})
+    if eval_step is not None:
+        metrics_log.writer.write({"step": step, "eval_loss": final_eval})
     tps = metrics_log.steady_tokens_per_sec()
     losses = metrics_log.losses
     summary.update(
@@ -340,7 +349,8 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
         summary["loss_spikes"] = recover.loss_spikes
     log(f"trained steps {start_step + 1}..{step} in {train_s:.1f}s: {tps:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}% "
         f"(causal {100 * summary['mfu_causal']:.2f}%)")
-    log(f"held-out loss {final_eval:.4f} (step {start_step}: {initial_eval:.4f}, ratio {final_eval / initial_eval:.2f})")
+    if eval_step is not None:
+        log(f"held-out loss {final_eval:.4f} (step {start_step}: {initial_eval:.4f}, ratio {final_eval / initial_eval:.2f})")
     if "preempted_at" not in summary:
         report_task(objective, run, mesh, base_report, summary, log)
         sample(cfg, objective, run, mesh, summary, log)

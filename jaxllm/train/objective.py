@@ -6,7 +6,8 @@ four; the train state, the step, the loop, checkpoints, recovery and sharding ar
 
 How the interface covers what comes later:
 - batches that depend on the current parameters (rollouts): `open_batches` receives `current`, a function giving
-  the train state the next step will update, and a source may generate from it;
+  the variables of the model the next step will update, and a source may generate from it; what it generated
+  goes into its `get_state()`, saved with each checkpoint and handed back as `BatchRequest.state` on resume;
 - several update epochs over one batch: a source yields the same rollout's minibatches as often as it likes;
   each `next` is one optimizer step;
 - two trainable models with their own optimizers (policy and value): the model is one module holding both, the
@@ -39,13 +40,16 @@ class BatchSource(Protocol):
 @dataclasses.dataclass(frozen=True)
 class BatchRequest:
     """What the loop asks a batch source for: data indices [first, end) (data index = step - 1 + offset) of
-    this process's block `rows` = (index, count) of every global batch, and `current()`, the train state the
-    next step will update (for sources that generate from the current parameters)."""
+    this process's block `rows` = (index, count) of every global batch, `current()`, the variables (trainable
+    and frozen, one nnx.State) of the model the next step will update, for sources that generate from the
+    current parameters, and `state`, the source state saved with the checkpoint the run (re)starts from (None:
+    a fresh run)."""
 
     first: int
     end: int
     rows: tuple[int, int]
     current: Callable[[], Any]
+    state: dict | None = None
 
 
 # loss_fn(model, batch, rng) -> (loss_sum, token_count, metrics); rng is None for evaluation (no dropout).

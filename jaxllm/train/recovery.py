@@ -69,7 +69,8 @@ def _locate(path: str) -> tuple[Path, int | None]:
 class Start:
     """Where a run starts: its train state and frozen variables, the data offset (data index = step - 1 +
     offset; rollbacks skip data), the rollbacks so far, the record of the base model it fine-tunes (None:
-    none) and the base model's task report taken at step 0 (None: not yet taken)."""
+    none), the base model's task report taken at step 0 (None: not yet taken) and the batch source's state
+    saved with the checkpoint it resumes (None: not a resume)."""
 
     state: object
     frozen: object
@@ -77,6 +78,7 @@ class Start:
     rollbacks: int
     base: dict | None = None
     base_report: dict | None = None
+    data_state: dict | None = None
 
 
 def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstract, mesh, log,
@@ -102,7 +104,8 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
             + (f" (data offset {offset} after rollbacks)" if offset else ""))
         on_loaded()
         frozen, base = _frozen(objective, mesh, cfg, abstract, meta.get("base"))
-        return Start(state, frozen, offset, int(meta.get("rollbacks", 0)), base, meta.get("base_report"))
+        return Start(state, frozen, offset, int(meta.get("rollbacks", 0)), base, meta.get("base_report"),
+                     meta["data"])
     if objective.base is not None:
         return _start_from_base(objective, tx, abstract, mesh, seed, window, log, on_loaded)
     if not cfg.checkpoint.restore_from:
@@ -257,7 +260,7 @@ class Recovery:
         restored = restore_latest(self.checkpointer, self.abstract, self.mesh, self.log)
         if restored is None:
             raise AnomalyAbort(f"step {bad}: {incident['kind']}; no readable checkpoint left to roll back to")
-        healthy, _ = restored
+        healthy, meta = restored
         at = int(healthy.step)
         run.rollbacks += 1
         # The restored step's successor reads the data after what step `bad` consumed (the offset already
@@ -266,6 +269,7 @@ class Recovery:
         lr_scale = float(healthy.lr_scale) * self.lr_factor
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         run.state = healthy.replace(lr_scale=jax.device_put(np.float32(lr_scale), replicated))
+        run.data_state = meta["data"]
         run.reopen_batches()
         self.incidents.write(dict(incident, action=ROLLBACK, restored_step=at,
                                   skipped_steps=list(range(at + 1, bad + 1)), lr_scale=lr_scale,

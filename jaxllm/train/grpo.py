@@ -1,0 +1,226 @@
+"""Group relative policy optimisation as an objective: the policy is the base LM with fresh LoRA adapters,
+trained by the shared step and loop on batches its own rollouts make. (Full fine-tuning needs a frozen copy of
+the base as its reference, which is not built yet.)
+
+An iteration: `GRPOBatches` takes the iteration's prompts, and the current policy (the variables the next step
+updates, `BatchRequest.current`) samples grpo.num_generations responses to each with the KV-cache sampler, on
+the run's mesh and from the same parameter arrays; the reward function scores them, `group_advantages` compares
+each response with its group's, and the reference (the base with the adapters off: the frozen arrays, no copy)
+gives its log-probabilities once. The iteration's rows then feed grpo.epochs passes of minibatches, one
+optimizer step each, through `grpo_loss_fn` (jaxllm.post.losses.grpo_loss).
+
+Everything an iteration made travels in the batch source's state, saved with every checkpoint: a run resumed in
+the middle of an iteration trains on the very rollouts it had, and resumes bitwise. The policy's forward pass
+uses no dropout, so that at an iteration's first update the ratio is 1 (TRL's GRPO disables dropout too). Prompts
+are padded to one length (the bucket of grpo.max_prompt_tokens) and responses to grpo.max_new_tokens, so the
+step compiles once. One process per run for now: the rollout is read back whole on the host.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.config import Config, ConfigError, GRPOConfig
+from jaxllm.data.prompts import read_prompts
+from jaxllm.data.tokenizer import load_tokenizer
+from jaxllm.mesh import make_mesh
+from jaxllm.post import rewards
+from jaxllm.post.losses import group_advantages, grpo_loss, kl_penalty, ppo_policy_loss
+from jaxllm.post.pairs import masked_mean
+from jaxllm.post.rollout import response_logps, rollout, sequence_layout
+from jaxllm.sample import left_pad
+from jaxllm.train.dpo import reference_model
+from jaxllm.train.finetune import data_errors, locate_base, tokenizer_path
+from jaxllm.train.objective import BatchRequest, Objective
+from jaxllm.train.pretrain import lm_objective
+
+# Token-mean aggregations count tokens; the others average over sequences.
+_PER_TOKEN = ("dapo", "bnpo")
+
+
+def grpo_loss_fn(model, batch, rng=None, *, grpo: GRPOConfig):
+    """`loss_fn` of GRPO on a minibatch of rollout rows; `rng` is unused (no dropout: see the module doc)."""
+    mask = batch["mask"]
+    prompt_len = batch["tokens"].shape[1] - mask.shape[1]
+    logps = response_logps(model, batch["tokens"], batch["segment_ids"], batch["positions"], prompt_len,
+                           grpo.temperature)
+    advantages = batch["advantages"]
+    loss = grpo_loss(logps, batch["old_logps"], batch["ref_logps"] if grpo.beta else None, advantages, mask,
+                     beta=grpo.beta, clip=grpo.clip, loss_agg=grpo.loss_agg, max_completion_length=mask.shape[1])
+    count = jnp.sum(mask) if grpo.loss_agg in _PER_TOKEN else jnp.float32(mask.shape[0])
+    _, clip_fraction, approx_kl = ppo_policy_loss(logps, batch["old_logps"],
+                                                  jnp.broadcast_to(advantages, mask.shape), mask, grpo.clip)
+    metrics = {"reward": jnp.mean(batch["rewards"]), "kl": masked_mean(kl_penalty(logps, batch["ref_logps"], "k3"),
+                                                                        mask),
+               "clip_fraction": clip_fraction, "approx_kl": approx_kl,
+               "response_length": jnp.mean(jnp.sum(mask, axis=1)), "eos_rate": jnp.mean(batch["stopped"])}
+    return loss * count, count, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "temperature"))
+def _logps(graphdef, variables, tokens, segment_ids, positions, *, prompt_len: int, temperature: float):
+    return response_logps(nnx.merge(graphdef, variables), tokens, segment_ids, positions, prompt_len, temperature)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """What rollouts need: the policy's and the plain LM's graphs, the mesh, the tokenizer, the reward
+    function and the settings."""
+
+    graphdef: object
+    plain_graphdef: object
+    mesh: object
+    tokenizer: object
+    reward_fn: object
+    grpo: GRPOConfig
+    prompt_len: int
+
+    def respond(self, variables, prompts: list[dict], key) -> dict[str, np.ndarray]:
+        """One sampled response to each prompt, scored: host arrays of the rows (tokens, layout, mask, the
+        sampler's and the reference's log-probs, and per row [B, 1]: rewards, stopped; a batch field's leading
+        axis is split over the batch mesh axes, its second is the sequence)."""
+        g = self.grpo
+        tokens_BP, start_B = left_pad([p["prompt_ids"] for p in prompts], len(prompts), self.prompt_len)
+        with jax.set_mesh(self.mesh):
+            out = rollout(self.graphdef, variables, tokens_BP, start_B, max_new_tokens=g.max_new_tokens,
+                          temperature=g.temperature, stop_ids=(self.tokenizer.eos_id,), key=key)
+            N = g.max_new_tokens  # the sampler's cache bucket may hold more slots: never filled
+            tokens = out.tokens[:, : self.prompt_len + N]
+            segment_ids, positions = sequence_layout(tokens, out.start)
+            reference = reference_model(nnx.merge(self.graphdef, variables), self.plain_graphdef)
+            ref_logps = _logps(self.plain_graphdef, nnx.state(reference), tokens, segment_ids, positions,
+                               prompt_len=self.prompt_len, temperature=g.temperature)
+        mask = np.asarray(out.mask[:, :N])
+        rows = {"tokens": np.asarray(tokens), "segment_ids": np.asarray(segment_ids),
+                "positions": np.asarray(positions), "mask": mask, "old_logps": np.asarray(out.logps[:, :N]),
+                "ref_logps": np.asarray(ref_logps) * mask,
+                "stopped": np.asarray(out.stopped, np.float32)[:, None]}
+        rows["rewards"] = np.asarray([[self.score(p, r, m)] for p, r, m in
+                                      zip(prompts, rows["tokens"][:, self.prompt_len:], mask)], np.float32)
+        return rows
+
+    def score(self, prompt: dict, response_ids: np.ndarray, mask: np.ndarray) -> float:
+        ids = [int(t) for t in response_ids[: int(mask.sum())] if t != self.tokenizer.eos_id]
+        return float(self.reward_fn(prompt["prompt"], self.tokenizer.decode(ids)))
+
+
+def _encode(rows: dict[str, np.ndarray]) -> str:
+    buffer = io.BytesIO()
+    np.savez(buffer, **rows)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _decode(text: str) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(base64.b64decode(text))) as archive:
+        return {k: archive[k] for k in archive.files}
+
+
+class GRPOBatches:
+    """The batch source of GRPO (see the module doc): data index i is step i of iteration i // S, S the steps
+    an iteration takes; each epoch visits the iteration's rows in a seeded order."""
+
+    def __init__(self, cfg: Config, request: BatchRequest, sampler: Sampler, prompts: list[dict]):
+        g, tc = cfg.grpo, cfg.train
+        self.rows = g.prompts_per_iteration * g.num_generations
+        self.batch_size, self.seed, self.grpo = tc.batch_size, tc.seed, g
+        self.steps_per_epoch = self.rows // tc.batch_size
+        self.steps_per_iteration = g.epochs * self.steps_per_epoch
+        self.request, self.sampler, self.prompts = request, sampler, prompts
+        self.index, self.end = request.first, request.end
+        self.iteration, self.buffer = None, None
+        saved = request.state or {}
+        if "rollout" in saved and saved["iteration"] == self.index // self.steps_per_iteration:
+            self.iteration, self.buffer = saved["iteration"], _decode(saved["rollout"])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.index >= self.end:
+            raise StopIteration
+        iteration, cursor = divmod(self.index, self.steps_per_iteration)
+        if iteration != self.iteration:
+            self.iteration, self.buffer = iteration, self._make(iteration)
+        epoch, k = divmod(cursor, self.steps_per_epoch)
+        order = np.random.default_rng([self.seed, iteration, epoch]).permutation(self.rows)
+        rows = order[k * self.batch_size:(k + 1) * self.batch_size]
+        index, count = self.request.rows
+        block = len(rows) // count
+        rows = rows[index * block:(index + 1) * block]
+        self.index += 1
+        return {name: values[rows] for name, values in self.buffer.items()}
+
+    def _make(self, iteration: int) -> dict[str, np.ndarray]:
+        """The iteration's rollouts from the current policy, with their group advantages."""
+        G = self.grpo.num_generations
+        order = np.random.default_rng([self.seed, iteration, 1 << 20]).permutation(len(self.prompts))
+        chosen = [self.prompts[i] for i in np.resize(order, self.grpo.prompts_per_iteration)]
+        key = jax.random.fold_in(jax.random.key(self.seed), iteration)
+        rows = self.sampler.respond(self.request.current(), [p for p in chosen for _ in range(G)], key)
+        rows["advantages"] = np.asarray(group_advantages(rows["rewards"][:, 0], G), np.float32)[:, None]
+        return rows
+
+    def get_state(self) -> dict:
+        state = {"step": self.index, "iteration": self.iteration}
+        return {**state, "rollout": _encode(self.buffer)} if self.buffer is not None else state
+
+    def close(self) -> None:
+        pass
+
+
+def _bucket_len(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def grpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
+    """(cfg with the base's architecture, the GRPO objective), reading the prompts first."""
+    cfg, base = locate_base(cfg, num_devices, "grpo")
+    if base is None:
+        raise ConfigError("checkpoint.restore_from", "GRPO starts from a model, its reference: name a jaxllm run or "
+                                                     "a Hugging Face model directory")
+    g = cfg.grpo
+    try:
+        reward_fn = rewards.resolve(g.reward)
+    except ValueError as exc:
+        raise ConfigError("grpo.reward", str(exc)) from None
+    tokenizer_file = tokenizer_path(cfg, base, "grpo")
+    tokenizer = load_tokenizer(tokenizer_file)
+    with data_errors("grpo"):
+        prompts = read_prompts(g.train_file, g.eval_file, g.eval_fraction, cfg.train.seed, tokenizer, g.template,
+                               g.max_prompt_tokens, log)
+    if not prompts["train"]:
+        raise ConfigError("grpo.train_file", f"no usable prompts in {g.train_file}")
+    rope = base.rope_scaling
+    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope)
+    policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora if cfg.lora.rank else None,
+                          rope_scaling=rope)
+    sampler = Sampler(policy.graphdef, plain.graphdef, make_mesh(cfg.mesh), tokenizer, reward_fn, g,
+                      _bucket_len(g.max_prompt_tokens))
+    held_out = prompts["eval"][: g.eval_prompts]
+
+    def report(graphdef, variables, mesh):
+        if not held_out:
+            return {"scores": {}, "samples": []}
+        rows = sampler.respond(variables, held_out, jax.random.key(cfg.train.seed + 1))
+        samples = [{"task": "grpo", "reference": p["prompt"][-60:],
+                    "response": tokenizer.decode([int(t) for t, m in zip(r[sampler.prompt_len:], mask) if m])}
+                   for p, r, mask in zip(held_out[:3], rows["tokens"], rows["mask"])]
+        return {"scores": {"all": {"examples": len(held_out), "reward": float(rows["rewards"].mean()),
+                                   "eos_rate": float(rows["stopped"].mean()),
+                                   "length": float(rows["mask"].sum(axis=1).mean())}}, "samples": samples}
+
+    def open_batches(request: BatchRequest):
+        return GRPOBatches(cfg, request, sampler, prompts["train"])
+
+    loss_fn = functools.partial(grpo_loss_fn, grpo=g)
+    return cfg, dataclasses.replace(policy, name="grpo", loss_fn=loss_fn, open_batches=open_batches,
+                                    eval_batches=None, tokenizer=tokenizer, sample_prompt=None, base=base,
+                                    report=report)

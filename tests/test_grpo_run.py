@@ -1,0 +1,91 @@
+"""GRPO as real `scripts/train.py` processes on the tiny LoRA SFT run: rollouts inside the training program, the
+ratio at 1 at each iteration's first update, bitwise resume after SIGTERM in the middle of an iteration's
+updates (the rollout travels in the checkpoint), a reward that rises, and bad settings as one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from train_runs import ROOT, losses, metrics, preempt_at, train_env
+
+from jaxllm.evaluate import load_checkpoint
+
+# 4 prompts x 4 responses = 16 rows an iteration, 2 epochs of 2 minibatches of 8: 4 steps an iteration.
+SMALL = ("--config.train.batch_size=8", "--config.checkpoint.every=2", "--config.grpo.prompts_per_iteration=4",
+         "--config.grpo.num_generations=4", "--config.grpo.epochs=2", "--config.grpo.max_prompt_tokens=64",
+         "--config.grpo.max_new_tokens=8", "--config.grpo.eval_prompts=8", "--config.grpo.reward=fn:single_line")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory, sft_task):
+    """Short prompts of the SFT task slice (one of every line whose prompt has at most 40 characters)."""
+    out = tmp_path_factory.mktemp("prompts")
+    for name in ("train", "eval"):
+        rows = [json.loads(x) for x in (sft_task / f"{name}.jsonl").read_text().splitlines()]
+        short = [{"prompt": r["prompt"][:40]} for r in rows]
+        (out / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in short) + "\n")
+    return out
+
+
+def _command(base, prompts, workdir, *args):
+    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "grpo.py"),
+            "--workdir", str(workdir), f"--config.checkpoint.restore_from={base}",
+            f"--config.grpo.train_file={prompts / 'train.jsonl'}", f"--config.grpo.eval_file={prompts / 'eval.jsonl'}",
+            *SMALL, *args]
+
+
+def _run(*command_args, timeout=600):
+    return subprocess.run(_command(*command_args), capture_output=True, text=True, env=train_env(), timeout=timeout)
+
+
+def _leaves(workdir):
+    return [np.asarray(x) for x in jax.tree.leaves(load_checkpoint(str(workdir)).params)]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(lora_run, prompts, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("grpo")
+    proc = _run(lora_run, prompts, workdir, "--config.train.steps=6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_each_iteration_starts_at_ratio_1(grpo_run):
+    steps = {r["step"]: r for r in metrics(grpo_run) if "loss" in r}
+    assert sorted(steps) == list(range(1, 7))
+    for first in (1, 5):  # the first minibatch of iterations 0 and 1: the policy is the one that sampled
+        assert steps[first]["clip_fraction"] == 0.0 and steps[first]["approx_kl"] < 1e-9, steps[first]
+    assert max(steps[s]["approx_kl"] for s in (2, 3, 4)) > 1e-7  # later minibatches follow updates
+    for r in steps.values():
+        assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["eos_rate"] <= 1.0 and 0 < r["response_length"] <= 8
+    summary = json.loads((grpo_run / "summary.json").read_text())
+    assert summary["task"]["tuned"]["all"]["examples"] == 8 and "reward" in summary["task"]["base"]["all"]
+
+
+def test_resumes_bitwise_after_sigterm_mid_iteration(grpo_run, lora_run, prompts, tmp_path):
+    """Preempted after step 3 (iteration 0 has one minibatch left): the resumed run trains on the saved rollout
+    and ends with the uninterrupted run's parameters, bit for bit."""
+    assert preempt_at(_command(lora_run, prompts, tmp_path, "--config.train.steps=6"), tmp_path, 3) == 3
+    again = _run(lora_run, prompts, tmp_path, "--config.train.steps=6")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from checkpoint step 3" in again.stdout
+    full, resumed = losses(grpo_run), losses(tmp_path)
+    assert all(resumed[s] == full[s] for s in range(1, 7)), (resumed, full)
+    for a, b in zip(_leaves(tmp_path), _leaves(grpo_run)):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("--config.grpo.reward=fn:nope", "grpo.reward: no reward function 'nope'; registered:"),
+    ("--config.grpo.reward=rm", "grpo.reward: expected fn:<name>"),
+    ("--config.grpo.num_generations=3", "train.batch_size: 8 does not divide an iteration's 12 responses"),
+    ("--config.lora.rank=0", "lora.rank: GRPO trains LoRA adapters"),
+    ("--config.grpo.train_file=/nonexistent.jsonl", "grpo.train_file: no such file"),
+])
+def test_bad_settings_are_one_line_errors(lora_run, prompts, tmp_path, setting, message):
+    proc = _run(lora_run, prompts, tmp_path, "--config.train.steps=2", setting)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
