@@ -89,3 +89,13 @@ def test_resumes_bitwise_after_sigterm_mid_iteration(grpo_run, lora_run, prompts
 def test_bad_settings_are_one_line_errors(lora_run, prompts, tmp_path, setting, message):
     proc = _run(lora_run, prompts, tmp_path, "--config.train.steps=2", setting)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_an_injected_nan_rolls_back(lora_run, prompts, tmp_path):
+    """A non-finite step 3 (mid-iteration) rolls back to the checkpoint of step 2, which holds the iteration's
+    rollout, and the run finishes with finite losses."""
+    proc = _run(lora_run, prompts, tmp_path, "--config.train.steps=5", "--config.debug.inject_nan_at_step=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (incident,) = [json.loads(x) for x in (tmp_path / "incidents.jsonl").read_text().splitlines()]
+    assert (incident["kind"], incident["action"], incident["restored_step"]) == ("nonfinite", "rollback", 2)
+    assert all(np.isfinite(v) for s, v in losses(tmp_path).items() if s != 3)
