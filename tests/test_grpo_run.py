@@ -60,6 +60,8 @@ def test_each_iteration_starts_at_ratio_1(grpo_run):
     for first in (1, 5):  # the first minibatch of iterations 0 and 1: the policy is the one that sampled
         assert steps[first]["clip_fraction"] == 0.0 and steps[first]["approx_kl"] < 1e-9, steps[first]
     assert max(steps[s]["approx_kl"] for s in (2, 3, 4)) > 1e-7  # later minibatches follow updates
+    for s, r in steps.items():  # rollouts are made (and timed) at an iteration's first step only
+        assert (r["rollout_s"] > 0 and r["scoring_s"] > 0 and r["rollout_tokens_per_sec"] > 0) == (s in (1, 5)), r
     for r in steps.values():
         assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["eos_rate"] <= 1.0 and 0 < r["response_length"] <= 8
     summary = json.loads((grpo_run / "summary.json").read_text())

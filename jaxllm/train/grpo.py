@@ -22,6 +22,7 @@ import base64
 import dataclasses
 import functools
 import io
+import time
 
 import jax
 import jax.numpy as jnp
@@ -83,28 +84,33 @@ class Sampler:
     grpo: GRPOConfig
     prompt_len: int
 
-    def respond(self, variables, prompts: list[dict], key) -> dict[str, np.ndarray]:
+    def respond(self, variables, prompts: list[dict], key, timings: dict | None = None) -> dict[str, np.ndarray]:
         """One sampled response to each prompt, scored: host arrays of the rows (tokens, layout, mask, the
         sampler's and the reference's log-probs, and per row [B, 1]: rewards, stopped; a batch field's leading
-        axis is split over the batch mesh axes, its second is the sequence)."""
-        g = self.grpo
+        axis is split over the batch mesh axes, its second is the sequence). `timings` gets the seconds spent
+        sampling ("rollout_s") and scoring: the reference's log-probs and the rewards ("scoring_s")."""
+        jax.block_until_ready(variables)  # the update that made them is not the rollout's time
+        g, started = self.grpo, time.perf_counter()
         tokens_BP, start_B = left_pad([p["prompt_ids"] for p in prompts], len(prompts), self.prompt_len)
         with jax.set_mesh(self.mesh):
             out = rollout(self.graphdef, variables, tokens_BP, start_B, max_new_tokens=g.max_new_tokens,
                           temperature=g.temperature, stop_ids=(self.tokenizer.eos_id,), key=key)
             N = g.max_new_tokens  # the sampler's cache bucket may hold more slots: never filled
+            mask = np.asarray(out.mask[:, :N])  # waits for the sampler
+            sampled = time.perf_counter()
             tokens = out.tokens[:, : self.prompt_len + N]
             segment_ids, positions = sequence_layout(tokens, out.start)
             reference = reference_model(nnx.merge(self.graphdef, variables), self.plain_graphdef)
             ref_logps = _logps(self.plain_graphdef, nnx.state(reference), tokens, segment_ids, positions,
                                prompt_len=self.prompt_len, temperature=g.temperature)
-        mask = np.asarray(out.mask[:, :N])
         rows = {"tokens": np.asarray(tokens), "segment_ids": np.asarray(segment_ids),
                 "positions": np.asarray(positions), "mask": mask, "old_logps": np.asarray(out.logps[:, :N]),
                 "ref_logps": np.asarray(ref_logps) * mask,
                 "stopped": np.asarray(out.stopped, np.float32)[:, None]}
         rows["rewards"] = np.asarray([[self.score(p, r, m)] for p, r, m in
                                       zip(prompts, rows["tokens"][:, self.prompt_len:], mask)], np.float32)
+        if timings is not None:
+            timings.update(rollout_s=sampled - started, scoring_s=time.perf_counter() - sampled)
         return rows
 
     def score(self, prompt: dict, response_ids: np.ndarray, mask: np.ndarray) -> float:
@@ -136,6 +142,7 @@ class GRPOBatches:
         self.request, self.sampler, self.prompts = request, sampler, prompts
         self.index, self.end = request.first, request.end
         self.iteration, self.buffer = None, None
+        self.timings: dict = {}  # of the rollout made for the batch given last (none: empty)
         saved = request.state or {}
         if "rollout" in saved and saved["iteration"] == self.index // self.steps_per_iteration:
             self.iteration, self.buffer = saved["iteration"], _decode(saved["rollout"])
@@ -147,6 +154,7 @@ class GRPOBatches:
         if self.index >= self.end:
             raise StopIteration
         iteration, cursor = divmod(self.index, self.steps_per_iteration)
+        self.timings = {}
         if iteration != self.iteration:
             self.iteration, self.buffer = iteration, self._make(iteration)
         epoch, k = divmod(cursor, self.steps_per_epoch)
@@ -164,9 +172,17 @@ class GRPOBatches:
         order = np.random.default_rng([self.seed, iteration, 1 << 20]).permutation(len(self.prompts))
         chosen = [self.prompts[i] for i in np.resize(order, self.grpo.prompts_per_iteration)]
         key = jax.random.fold_in(jax.random.key(self.seed), iteration)
-        rows = self.sampler.respond(self.request.current(), [p for p in chosen for _ in range(G)], key)
+        rows = self.sampler.respond(self.request.current(), [p for p in chosen for _ in range(G)], key,
+                                    self.timings)
+        self.timings["rollout_tokens_per_sec"] = float(rows["mask"].sum()) / max(self.timings["rollout_s"], 1e-9)
         rows["advantages"] = np.asarray(group_advantages(rows["rewards"][:, 0], G), np.float32)[:, None]
         return rows
+
+    def step_metrics(self) -> dict:
+        """Host metrics of the batch given last (jaxllm.train.loop.host_metrics): the seconds its iteration's
+        rollouts took to sample and to score, and the sampler's tokens/s, at an iteration's first step; 0 at
+        the others, so that sums over steps split the run's time."""
+        return {"rollout_s": 0.0, "scoring_s": 0.0, **self.timings}
 
     def get_state(self) -> dict:
         state = {"step": self.index, "iteration": self.iteration}

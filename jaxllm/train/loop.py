@@ -153,14 +153,15 @@ class MetricsLog:
     def mfu(self, tokens_per_sec: float, causal: bool = False) -> float:
         return mfu(tokens_per_sec, self.flops_causal if causal else self.flops, self.devices, self.peak)
 
-    def report(self, step: int, metrics, packing: float) -> dict:
-        """Fetch one step's metrics (blocks on that step only), log them, return them."""
+    def report(self, step: int, metrics, host: dict) -> dict:
+        """Fetch one step's metrics (blocks on that step only), log them with the `host` ones of its batch (see
+        `host_metrics`), return them."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         step_time, self.last_ready = now - self.last_ready, now
         tps = self.tokens_per_step / step_time
         record = dict(values, step=step, step_time_s=step_time, tokens_per_sec=tps, mfu=self.mfu(tps),
-                      mfu_causal=self.mfu(tps, causal=True), packing_efficiency=packing)
+                      mfu_causal=self.mfu(tps, causal=True), **host)
         self.writer.write(record)
         self.step_times.append(step_time)
         self.losses.append(values["loss"])
@@ -175,6 +176,13 @@ class MetricsLog:
     def close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def host_metrics(batch: dict, source) -> dict:
+    """What the host knows of a batch: its packing efficiency, and what its source measured making it (a
+    source's optional `step_metrics()`, e.g. GRPO's rollout time)."""
+    step_metrics = getattr(source, "step_metrics", None)
+    return {"packing_efficiency": packing_efficiency(batch), **(step_metrics() if step_metrics else {})}
 
 
 def evaluate(eval_step, params, frozen, batches) -> float:
@@ -245,7 +253,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                     if objective.eval_batches else [])
 
     local = next(run.batches)
-    packing = packing_efficiency(local)
+    host = host_metrics(local, run.batches)
     batch = to_global(local, rows_sharding, tc.batch_size)
     t0 = time.perf_counter()
     runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh)
@@ -278,7 +286,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     meta = lambda: {"seed": tc.seed, "data_offset": run.data_offset, "rollbacks": run.rollbacks,
                     "config": cfg.to_dict(), "base": start.base, "base_report": base_report}
     guard = PreemptionGuard()
-    pending = None  # (step, metrics on device, packing) of the step dispatched last, not yet read
+    pending = None  # (step, metrics on device, host metrics) of the step dispatched last, not yet read
     held = False
     step = start_step
     train_start = time.perf_counter()
@@ -287,7 +295,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
             checkpointer.check_for_errors()  # a failed background save stops training here
             step += 1
             run.state, metrics = runner(step, run.state, batch, run.frozen)  # dispatch this step ...
-            current = (step, metrics, packing)
+            current = (step, metrics, host)
             rolled_back = pending is not None and recover(run, metrics_log.report(*pending))  # ... read the last
             pending = None
             if not rolled_back:
@@ -321,7 +329,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                     break
             if step < tc.steps:
                 local = next(run.batches)
-                packing = packing_efficiency(local)
+                host = host_metrics(local, run.batches)
                 batch = to_global(local, rows_sharding, tc.batch_size)
         if pending is not None:
             recover(run, metrics_log.report(*pending))
