@@ -307,11 +307,12 @@ class GRPOConfig:
     at most `max_prompt_tokens` tokens (longer ones are left out and counted); `tokenizer` as in SFTConfig.
     Each iteration takes `prompts_per_iteration` prompts, samples `num_generations` responses to each (up to
     `max_new_tokens`, at `temperature`, stopping at EOS), scores them with `reward` ("fn:<name>",
-    jaxllm/post/rewards.py), and trains `epochs` passes over them in minibatches of train.batch_size rows: an
+    jaxllm/post/rewards.py; "rm:<checkpoint>" of a reward-model run), and trains `epochs` passes over them in minibatches of train.batch_size rows: an
     iteration is epochs * prompts_per_iteration * num_generations / train.batch_size optimizer steps. Loss:
     jaxllm.post.losses.grpo_loss with `beta` (the k3 KL to the reference, the base with the adapters off), `clip`
     and `loss_agg`. `eval_prompts` held-out prompts are answered (same sampling, fixed seed) and scored before
-    and after training."""
+    and after training. Every `samples_every` iterations (0: never) `samples` of the iteration's prompts with
+    their responses and rewards are appended to <workdir>/samples.jsonl."""
 
     train_file: str = ""
     eval_file: str = ""
@@ -329,6 +330,8 @@ class GRPOConfig:
     clip: float = 0.2
     loss_agg: str = "dapo"
     eval_prompts: int = 32
+    samples_every: int = 10
+    samples: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -698,8 +701,12 @@ def _check_grpo(cfg: GRPOConfig, lora: LoRAConfig, batch_size: int) -> None:
     if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
         raise ConfigError("grpo.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
     _choice("grpo.template", cfg.template, SFT_TEMPLATES)
-    if not cfg.reward.startswith("fn:") or len(cfg.reward) == 3:
-        raise ConfigError("grpo.reward", f"expected fn:<name> (jaxllm/post/rewards.py), got {cfg.reward!r}")
+    kind, _, name = cfg.reward.partition(":")
+    if kind not in ("fn", "rm") or not name:
+        raise ConfigError("grpo.reward", f"expected fn:<name> (jaxllm/post/rewards.py) or rm:<reward-model "
+                                         f"checkpoint>, got {cfg.reward!r}")
+    if kind == "rm" and not Path(name).exists():
+        raise ConfigError("grpo.reward", f"no reward-model checkpoint at {name}")
     for key in ("max_prompt_tokens", "max_new_tokens", "prompts_per_iteration", "epochs", "temperature"):
         _positive(f"grpo.{key}", getattr(cfg, key))
     if cfg.num_generations < 2:
@@ -716,8 +723,9 @@ def _check_grpo(cfg: GRPOConfig, lora: LoRAConfig, batch_size: int) -> None:
                                        "full fine-tuning is not supported yet")
     _positive("grpo.clip", cfg.clip)
     _choice("grpo.loss_agg", cfg.loss_agg, GRPO_LOSS_AGGS)
-    if cfg.eval_prompts < 0:
-        raise ConfigError("grpo.eval_prompts", f"must be >= 0, got {cfg.eval_prompts}")
+    for key in ("eval_prompts", "samples_every", "samples"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"grpo.{key}", f"must be >= 0, got {getattr(cfg, key)}")
 
 
 def default_config_dict() -> ml_collections.ConfigDict:

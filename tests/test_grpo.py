@@ -105,3 +105,20 @@ def test_aggregations_count_what_they_average(agg, count):
                      loss_agg=agg, max_completion_length=N)
     assert float(got) == (batch["mask"].sum() if count is None else count)
     np.testing.assert_allclose(float(loss_sum / got), float(want), rtol=1e-6)
+
+
+def test_reward_model_scores_each_rollout_row_at_its_last_response_token():
+    """rm:<checkpoint> rewards: the left-padded rollout row scored at its last response token equals the reward
+    model on that row's own tokens alone (no padding, positions from 0), at their last token."""
+    from jaxllm.model.reward import RewardModel
+    from jaxllm.train.grpo import RewardModelScorer
+
+    graphdef, variables = nnx.split(build_model(MODEL, F32, jax.random.key(3), model_class=RewardModel))
+    batch = _rollout_batch(seed=1)
+    got = RewardModelScorer(graphdef, variables)(batch["tokens"], batch["segment_ids"], batch["positions"],
+                                                 batch["mask"], P)
+    model = nnx.merge(graphdef, variables)
+    for b in range(B):
+        start, end = int(np.argmax(batch["segment_ids"][b])), P + int(batch["mask"][b].sum())
+        alone = model(batch["tokens"][b:b + 1, start:end])[0, -1]
+        np.testing.assert_allclose(got[b], float(alone), rtol=1e-5, atol=1e-6)

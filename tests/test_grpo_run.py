@@ -13,6 +13,7 @@ import pytest
 from train_runs import ROOT, losses, metrics, preempt_at, train_env
 
 from jaxllm.evaluate import load_checkpoint
+from jaxllm.post.rewards import single_line
 
 # 4 prompts x 4 responses = 16 rows an iteration, 2 epochs of 2 minibatches of 8: 4 steps an iteration.
 SMALL = ("--config.train.batch_size=8", "--config.checkpoint.every=2", "--config.grpo.prompts_per_iteration=4",
@@ -64,6 +65,10 @@ def test_each_iteration_starts_at_ratio_1(grpo_run):
         assert (r["rollout_s"] > 0 and r["scoring_s"] > 0 and r["rollout_tokens_per_sec"] > 0) == (s in (1, 5)), r
     for r in steps.values():
         assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["eos_rate"] <= 1.0 and 0 < r["response_length"] <= 8
+        assert r["entropy"] > 0
+    samples = [json.loads(x) for x in (grpo_run / "samples.jsonl").read_text().splitlines()]
+    assert [s["iteration"] for s in samples] == [0, 0, 0]  # grpo.samples_every=10: iteration 0 only
+    assert all(s["reward"] == single_line(s["prompt"], s["response"]) for s in samples)
     summary = json.loads((grpo_run / "summary.json").read_text())
     assert summary["task"]["tuned"]["all"]["examples"] == 8 and "reward" in summary["task"]["base"]["all"]
 
@@ -84,6 +89,7 @@ def test_resumes_bitwise_after_sigterm_mid_iteration(grpo_run, lora_run, prompts
 @pytest.mark.parametrize("setting, message", [
     ("--config.grpo.reward=fn:nope", "grpo.reward: no reward function 'nope'; registered:"),
     ("--config.grpo.reward=rm", "grpo.reward: expected fn:<name>"),
+    ("--config.grpo.reward=rm:/nonexistent", "grpo.reward: no reward-model checkpoint at /nonexistent"),
     ("--config.grpo.num_generations=3", "train.batch_size: 8 does not divide an iteration's 12 responses"),
     ("--config.lora.rank=0", "lora.rank: GRPO trains LoRA adapters"),
     ("--config.grpo.train_file=/nonexistent.jsonl", "grpo.train_file: no such file"),
@@ -101,3 +107,34 @@ def test_an_injected_nan_rolls_back(lora_run, prompts, tmp_path):
     (incident,) = [json.loads(x) for x in (tmp_path / "incidents.jsonl").read_text().splitlines()]
     assert (incident["kind"], incident["action"], incident["restored_step"]) == ("nonfinite", "rollback", 2)
     assert all(np.isfinite(v) for s, v in losses(tmp_path).items() if s != 3)
+
+
+@pytest.fixture(scope="module")
+def reward_checkpoint(lora_run, tmp_path_factory):
+    """A reward model of the tiny base's architecture: a random LlamaForSequenceClassification imported with
+    scripts/convert_hf.py (the preference tests train real ones; here only the wiring is under test)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = json.loads((lora_run / "config.json").read_text())["model"]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=model["vocab_size"], hidden_size=model["dim"], intermediate_size=model["mlp_dim"],
+        num_hidden_layers=model["num_layers"], num_attention_heads=model["num_heads"],
+        num_key_value_heads=model["num_kv_heads"], head_dim=model["head_dim"], rms_norm_eps=model["norm_eps"],
+        rope_theta=model["rope_theta"], num_labels=1, pad_token_id=0, tie_word_embeddings=False)
+    hf_dir, out = tmp_path_factory.mktemp("rm_hf"), tmp_path_factory.mktemp("rm") / "ckpt"
+    transformers.LlamaForSequenceClassification(config).save_pretrained(hf_dir)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "import", "--hf", str(hf_dir),
+                           "--out", str(out)], capture_output=True, text=True, env=train_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_a_reward_model_scores_the_rollouts(lora_run, prompts, reward_checkpoint, tmp_path):
+    proc = _run(lora_run, prompts, tmp_path, "--config.train.steps=2", f"--config.grpo.reward=rm:{reward_checkpoint}",
+                "--config.grpo.epochs=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewards = [s["reward"] for s in (json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines())]
+    assert len(set(rewards)) == len(rewards) == 3 and all(np.isfinite(rewards))  # real-valued scores
+    bad = _run(lora_run, prompts, tmp_path / "bad", "--config.train.steps=2", f"--config.grpo.reward=rm:{lora_run}")
+    assert bad.returncode == 2 and "is not a reward model" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -67,6 +67,13 @@ def response_logits(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: 
     return logits_BSV[:, prompt_len - 1:-1].astype(jnp.float32) / temperature
 
 
+def token_entropy(logits_BNV):
+    """Entropy [B, N] of each slot's distribution softmax(logits), float32: logsumexp - E_p[logit]."""
+    logits_BNV = logits_BNV.astype(jnp.float32)
+    probs_BNV = jax.nn.softmax(logits_BNV, axis=-1)
+    return jax.nn.logsumexp(logits_BNV, axis=-1) - jnp.sum(probs_BNV * logits_BNV, axis=-1)
+
+
 def response_logps(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: int, temperature: float = 1.0,
                    rng=None):
     """Each response token's log-probability [B, N] under the model (float32): what `rollout` recorded for

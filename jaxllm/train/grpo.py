@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import io
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,15 +34,16 @@ from jaxllm.config import Config, ConfigError, GRPOConfig
 from jaxllm.data.prompts import read_prompts
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.mesh import make_mesh
+from jaxllm.metrics import JsonlWriter
 from jaxllm.post import rewards
 from jaxllm.post.losses import group_advantages, grpo_loss, kl_penalty, ppo_policy_loss
 from jaxllm.post.pairs import masked_mean
-from jaxllm.post.rollout import response_logps, rollout, sequence_layout
+from jaxllm.post.rollout import response_logits, response_logps, rollout, sequence_layout, token_entropy
 from jaxllm.sample import left_pad
 from jaxllm.train.dpo import reference_model
 from jaxllm.train.finetune import data_errors, locate_base, tokenizer_path
 from jaxllm.train.objective import BatchRequest, Objective
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.train.pretrain import lm_objective, token_logps
 
 # Token-mean aggregations count tokens; the others average over sequences.
 _PER_TOKEN = ("dapo", "bnpo")
@@ -51,8 +53,9 @@ def grpo_loss_fn(model, batch, rng=None, *, grpo: GRPOConfig):
     """`loss_fn` of GRPO on a minibatch of rollout rows; `rng` is unused (no dropout: see the module doc)."""
     mask = batch["mask"]
     prompt_len = batch["tokens"].shape[1] - mask.shape[1]
-    logps = response_logps(model, batch["tokens"], batch["segment_ids"], batch["positions"], prompt_len,
-                           grpo.temperature)
+    logits = response_logits(model, batch["tokens"], batch["segment_ids"], batch["positions"], prompt_len,
+                             grpo.temperature)
+    logps = token_logps(logits, batch["tokens"][:, prompt_len:])
     advantages = batch["advantages"]
     loss = grpo_loss(logps, batch["old_logps"], batch["ref_logps"] if grpo.beta else None, advantages, mask,
                      beta=grpo.beta, clip=grpo.clip, loss_agg=grpo.loss_agg, max_completion_length=mask.shape[1])
@@ -62,6 +65,7 @@ def grpo_loss_fn(model, batch, rng=None, *, grpo: GRPOConfig):
     metrics = {"reward": jnp.mean(batch["rewards"]), "kl": masked_mean(kl_penalty(logps, batch["ref_logps"], "k3"),
                                                                         mask),
                "clip_fraction": clip_fraction, "approx_kl": approx_kl,
+               "entropy": masked_mean(jax.lax.stop_gradient(token_entropy(logits)), mask),
                "response_length": jnp.mean(jnp.sum(mask, axis=1)), "eos_rate": jnp.mean(batch["stopped"])}
     return loss * count, count, metrics
 
@@ -69,6 +73,47 @@ def grpo_loss_fn(model, batch, rng=None, *, grpo: GRPOConfig):
 @functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "temperature"))
 def _logps(graphdef, variables, tokens, segment_ids, positions, *, prompt_len: int, temperature: float):
     return response_logps(nnx.merge(graphdef, variables), tokens, segment_ids, positions, prompt_len, temperature)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _last_token_scores(graphdef, variables, tokens, segment_ids, positions, last_B):
+    scores_BS = nnx.merge(graphdef, variables)(tokens, segment_ids, positions)
+    return jnp.take_along_axis(scores_BS, last_B[:, None], axis=1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelScorer:
+    """`grpo.reward=rm:<checkpoint>`: a trained reward model (jaxllm.model.reward.RewardModel, its own frozen
+    arrays on the run's mesh) scores each rollout row at its last response token, as it scored each sequence's
+    last token in training; the rows are the prompt rendered with the same template, then the response and its
+    EOS, which is how its training pairs were encoded."""
+
+    graphdef: object
+    variables: object
+
+    def __call__(self, tokens, segment_ids, positions, mask, prompt_len: int) -> np.ndarray:
+        last = prompt_len + np.maximum(np.asarray(mask).sum(axis=1).astype(np.int32), 1) - 1
+        return np.asarray(_last_token_scores(self.graphdef, self.variables, tokens, segment_ids, positions,
+                                             jnp.asarray(last)))
+
+
+def load_reward_model(spec: str, mesh, compute: str, vocab_size: int) -> RewardModelScorer:
+    """The scorer of `rm:<checkpoint>` (a train.objective=reward run, a LoRA one included); ConfigError
+    (grpo.reward) when it is not a reward model of the policy's vocabulary."""
+    from jaxllm.checkpoint import CheckpointError
+    from jaxllm.evaluate import load_checkpoint
+
+    path = spec[len("rm:"):]
+    try:
+        loaded = load_checkpoint(path, mesh=mesh, compute=compute)
+    except (CheckpointError, FileNotFoundError) as exc:
+        raise ConfigError("grpo.reward", str(exc)) from None
+    if (loaded.config.get("train") or {}).get("objective") != "reward":
+        raise ConfigError("grpo.reward", f"{path} is not a reward model (train.objective=reward) checkpoint")
+    if loaded.model_cfg.vocab_size != vocab_size:
+        raise ConfigError("grpo.reward", f"{path} has a vocabulary of {loaded.model_cfg.vocab_size} tokens, the "
+                                         f"policy {vocab_size}: they must share the tokenizer")
+    return RewardModelScorer(loaded.graphdef, loaded.params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +125,7 @@ class Sampler:
     plain_graphdef: object
     mesh: object
     tokenizer: object
-    reward_fn: object
+    reward_fn: object  # fn(prompt, response) -> float, or a RewardModelScorer
     grpo: GRPOConfig
     prompt_len: int
 
@@ -103,19 +148,26 @@ class Sampler:
             reference = reference_model(nnx.merge(self.graphdef, variables), self.plain_graphdef)
             ref_logps = _logps(self.plain_graphdef, nnx.state(reference), tokens, segment_ids, positions,
                                prompt_len=self.prompt_len, temperature=g.temperature)
+            model_scores = (self.reward_fn(tokens, segment_ids, positions, mask, self.prompt_len)
+                            if isinstance(self.reward_fn, RewardModelScorer) else None)
         rows = {"tokens": np.asarray(tokens), "segment_ids": np.asarray(segment_ids),
                 "positions": np.asarray(positions), "mask": mask, "old_logps": np.asarray(out.logps[:, :N]),
                 "ref_logps": np.asarray(ref_logps) * mask,
                 "stopped": np.asarray(out.stopped, np.float32)[:, None]}
-        rows["rewards"] = np.asarray([[self.score(p, r, m)] for p, r, m in
-                                      zip(prompts, rows["tokens"][:, self.prompt_len:], mask)], np.float32)
+        rows["rewards"] = (model_scores.astype(np.float32)[:, None] if model_scores is not None else
+                           np.asarray([[self.score(p, r, m)] for p, r, m in zip(prompts, rows["tokens"], mask)],
+                                      np.float32))
         if timings is not None:
             timings.update(rollout_s=sampled - started, scoring_s=time.perf_counter() - sampled)
         return rows
 
-    def score(self, prompt: dict, response_ids: np.ndarray, mask: np.ndarray) -> float:
-        ids = [int(t) for t in response_ids[: int(mask.sum())] if t != self.tokenizer.eos_id]
-        return float(self.reward_fn(prompt["prompt"], self.tokenizer.decode(ids)))
+    def response_text(self, row_tokens: np.ndarray, mask: np.ndarray) -> str:
+        """A rollout row's response as text, without its EOS."""
+        ids = row_tokens[self.prompt_len:][: int(mask.sum())]
+        return self.tokenizer.decode([int(t) for t in ids if t != self.tokenizer.eos_id])
+
+    def score(self, prompt: dict, row_tokens: np.ndarray, mask: np.ndarray) -> float:
+        return float(self.reward_fn(prompt["prompt"], self.response_text(row_tokens, mask)))
 
 
 def _encode(rows: dict[str, np.ndarray]) -> str:
@@ -135,6 +187,8 @@ class GRPOBatches:
 
     def __init__(self, cfg: Config, request: BatchRequest, sampler: Sampler, prompts: list[dict]):
         g, tc = cfg.grpo, cfg.train
+        self.samples = JsonlWriter(Path(cfg.workdir) / "samples.jsonl",
+                                   enabled=bool(g.samples_every and g.samples) and jax.process_index() == 0)
         self.rows = g.prompts_per_iteration * g.num_generations
         self.batch_size, self.seed, self.grpo = tc.batch_size, tc.seed, g
         self.steps_per_epoch = self.rows // tc.batch_size
@@ -176,7 +230,17 @@ class GRPOBatches:
                                     self.timings)
         self.timings["rollout_tokens_per_sec"] = float(rows["mask"].sum()) / max(self.timings["rollout_s"], 1e-9)
         rows["advantages"] = np.asarray(group_advantages(rows["rewards"][:, 0], G), np.float32)[:, None]
+        if self.grpo.samples_every and iteration % self.grpo.samples_every == 0:
+            self._write_samples(iteration, chosen, rows)
         return rows
+
+    def _write_samples(self, iteration: int, chosen: list[dict], rows: dict[str, np.ndarray]) -> None:
+        """The first response to each of the first grpo.samples prompts of the iteration."""
+        for i, prompt in enumerate(chosen[: self.grpo.samples]):
+            r = i * self.grpo.num_generations
+            self.samples.write({"iteration": iteration, "prompt": prompt["prompt"],
+                                "response": self.sampler.response_text(rows["tokens"][r], rows["mask"][r]),
+                                "reward": float(rows["rewards"][r, 0])})
 
     def step_metrics(self) -> dict:
         """Host metrics of the batch given last (jaxllm.train.loop.host_metrics): the seconds its iteration's
@@ -189,7 +253,7 @@ class GRPOBatches:
         return {**state, "rollout": _encode(self.buffer)} if self.buffer is not None else state
 
     def close(self) -> None:
-        pass
+        self.samples.close()
 
 
 def _bucket_len(n: int) -> int:
@@ -203,10 +267,14 @@ def grpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Ob
         raise ConfigError("checkpoint.restore_from", "GRPO starts from a model, its reference: name a jaxllm run or "
                                                      "a Hugging Face model directory")
     g = cfg.grpo
-    try:
-        reward_fn = rewards.resolve(g.reward)
-    except ValueError as exc:
-        raise ConfigError("grpo.reward", str(exc)) from None
+    mesh = make_mesh(cfg.mesh)
+    if g.reward.startswith("rm:"):
+        reward_fn = load_reward_model(g.reward, mesh, cfg.precision.compute, cfg.model.vocab_size)
+    else:
+        try:
+            reward_fn = rewards.resolve(g.reward)
+        except ValueError as exc:
+            raise ConfigError("grpo.reward", str(exc)) from None
     tokenizer_file = tokenizer_path(cfg, base, "grpo")
     tokenizer = load_tokenizer(tokenizer_file)
     with data_errors("grpo"):
@@ -218,7 +286,7 @@ def grpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Ob
     plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope)
     policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora if cfg.lora.rank else None,
                           rope_scaling=rope)
-    sampler = Sampler(policy.graphdef, plain.graphdef, make_mesh(cfg.mesh), tokenizer, reward_fn, g,
+    sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, g,
                       _bucket_len(g.max_prompt_tokens))
     held_out = prompts["eval"][: g.eval_prompts]
 
@@ -226,8 +294,7 @@ def grpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Ob
         if not held_out:
             return {"scores": {}, "samples": []}
         rows = sampler.respond(variables, held_out, jax.random.key(cfg.train.seed + 1))
-        samples = [{"task": "grpo", "reference": p["prompt"][-60:],
-                    "response": tokenizer.decode([int(t) for t, m in zip(r[sampler.prompt_len:], mask) if m])}
+        samples = [{"task": "grpo", "reference": p["prompt"][-60:], "response": sampler.response_text(r, mask)}
                    for p, r, mask in zip(held_out[:3], rows["tokens"], rows["mask"])]
         return {"scores": {"all": {"examples": len(held_out), "reward": float(rows["rewards"].mean()),
                                    "eos_rate": float(rows["stopped"].mean()),
