@@ -122,12 +122,14 @@ class Checkpointer:
         orbax's manager logs a failed commit from its finalize thread rather than re-raising it, so a save that
         is no longer in progress but never committed its step directory counts as failed too.
         """
+        with self._lock:
+            pending = self._pending
         try:
             self.manager.check_for_errors()
         except Exception as exc:  # orbax re-raises the background thread's exception
-            raise CheckpointError(f"background checkpoint save into {self.directory} failed: {exc}") from None
-        with self._lock:
-            pending = self._pending
+            # Name the step either way: whether orbax re-raises or only logs the failure is a race.
+            what = f"save of step {pending['step']}" if pending is not None else "save"
+            raise CheckpointError(f"background checkpoint {what} into {self.directory} failed: {exc}") from None
         # Only process 0 commits (renames) a multi-process checkpoint, and only it is sure to have finished when
         # its own save is no longer in progress; a failure there stops process 0, and the others with it.
         if pending is not None and jax.process_index() == 0 and not self.manager.is_saving_in_progress():
