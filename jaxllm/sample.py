@@ -26,7 +26,7 @@ STOP_SLOTS = 8  # stop ids are padded to a multiple of this (with -1, never samp
 NO_TOKEN = -1  # output entry of a row that had already stopped
 
 
-def _bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     """Smallest power of two >= max(n, minimum)."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
@@ -104,7 +104,7 @@ def left_pad(prompts: Sequence[Sequence[int]], batch: int | None = None,
     """Prompts left-padded to length P: (tokens [B, P] int32, start_B [B], each row's first real slot). P is
     `length` or the longest prompt rounded up to a power of two; B is `batch` or len(prompts) rounded up to a
     power of two; filler rows hold one pad token."""
-    B, P = batch or _bucket(len(prompts), 1), length or _bucket(max(len(p) for p in prompts))
+    B, P = batch or bucket(len(prompts), 1), length or bucket(max(len(p) for p in prompts))
     tokens_BP = np.zeros((B, P), np.int32)
     start_B = np.full((B,), P - 1, np.int32)
     for b, prompt in enumerate(prompts):
@@ -118,12 +118,12 @@ def decode(graphdef, params, tokens_BP, start_B, *, max_new_tokens: int, stop_id
     """The jitted prefill and token loop on left-padded prompts (`left_pad`): (new tokens [B, N], their
     log-probabilities [B, N]) as device arrays, N = the cache bucket less P (>= max_new_tokens); NO_TOKEN and 0
     after a row stopped (its stop token is kept). Settings as `generate`'s; `key` a jax PRNG key."""
-    stops = np.full((_bucket(len(stop_ids), STOP_SLOTS),), NO_TOKEN, np.int32)
+    stops = np.full((bucket(len(stop_ids), STOP_SLOTS),), NO_TOKEN, np.int32)
     stops[: len(stop_ids)] = list(stop_ids)
     key = jax.random.key(0) if key is None else key
     return _decode(graphdef, params, jnp.asarray(tokens_BP), jnp.asarray(start_B), jnp.int32(max_new_tokens),
                    jnp.asarray(stops), jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p),
-                   key, cache_len=_bucket(tokens_BP.shape[1] + max_new_tokens), sampling=temperature > 0)
+                   key, cache_len=bucket(tokens_BP.shape[1] + max_new_tokens), sampling=temperature > 0)
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,

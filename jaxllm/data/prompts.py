@@ -8,10 +8,9 @@ Lines that are not JSON or not a usable prompt are counted and skipped with thei
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from jaxllm.data import row_prep
-from jaxllm.data.sft_template import ROLES, encode, prompt_pieces, render
+from jaxllm.data.sft_template import checked_messages, encode, prompt_pieces, render
 
 
 def _messages(record) -> list[dict]:
@@ -19,15 +18,8 @@ def _messages(record) -> list[dict]:
     if not isinstance(record, dict):
         raise ValueError("expected a JSON object")
     if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("field 'messages' must be a non-empty list")
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"each message needs a role in {list(ROLES)} and a string content")
-        if messages[-1]["role"] != "user":
-            raise ValueError("the last message must be the user's: the response is what the policy writes")
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
+        return checked_messages(record["messages"], "user",
+                                "the last message must be the user's: the response is what the policy writes")
     if not isinstance(record.get("prompt"), str) or not record["prompt"]:
         raise ValueError("missing field 'prompt' (a non-empty string)")
     return [{"role": "user", "content": record["prompt"]}]

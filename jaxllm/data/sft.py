@@ -35,7 +35,7 @@ import json
 import numpy as np
 
 from jaxllm.data import row_prep
-from jaxllm.data.sft_template import ROLES, encode, prompt_pieces, render
+from jaxllm.data.sft_template import checked_messages, encode, prompt_pieces, render
 from jaxllm.data.tokenizer import load_tokenizer, tokenizer_files
 
 FORMAT = "jaxllm.sft"
@@ -51,15 +51,7 @@ def _conversation(record) -> tuple[list[dict], str]:
     if not isinstance(task, str):
         raise ValueError("field 'task' must be a string")
     if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("field 'messages' must be a non-empty list")
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"each message needs a role in {list(ROLES)} and a string content")
-        if messages[-1]["role"] != "assistant":
-            raise ValueError("the last message must be the assistant's")
-        return [{"role": m["role"], "content": m["content"]} for m in messages], task
+        return checked_messages(record["messages"], "assistant", "the last message must be the assistant's"), task
     for key in ("prompt", "response"):
         if key not in record:
             raise ValueError(f"missing field '{key}'")

@@ -42,6 +42,19 @@ _FORMATS = {
 }
 
 
+def checked_messages(messages, last_role: str, last_reason: str) -> list[dict]:
+    """A record's `messages` as {"role", "content"} dicts, its last turn `last_role`; ValueError with the
+    reason (`last_reason` for a wrong last turn) when it is unusable."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("field 'messages' must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"each message needs a role in {list(ROLES)} and a string content")
+    if messages[-1]["role"] != last_role:
+        raise ValueError(last_reason)
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
 class TemplateError(ValueError):
     """A conversation or tokenizer the template cannot render (one line)."""
 

@@ -39,7 +39,7 @@ from jaxllm.post import rewards
 from jaxllm.post.losses import group_advantages, grpo_loss, kl_penalty, ppo_policy_loss
 from jaxllm.post.pairs import masked_mean
 from jaxllm.post.rollout import response_logits, response_logps, rollout, sequence_layout, token_entropy
-from jaxllm.sample import left_pad
+from jaxllm.sample import bucket, left_pad
 from jaxllm.train.dpo import reference_model
 from jaxllm.train.finetune import data_errors, locate_base, tokenizer_path
 from jaxllm.train.objective import BatchRequest, Objective
@@ -256,10 +256,6 @@ class GRPOBatches:
         self.samples.close()
 
 
-def _bucket_len(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def grpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
     """(cfg with the base's architecture, the GRPO objective), reading the prompts first."""
     cfg, base = locate_base(cfg, num_devices, "grpo")
@@ -287,7 +283,7 @@ def grpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Ob
     policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora if cfg.lora.rank else None,
                           rope_scaling=rope)
     sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, g,
-                      _bucket_len(g.max_prompt_tokens))
+                      bucket(g.max_prompt_tokens, 1))
     held_out = prompts["eval"][: g.eval_prompts]
 
     def report(graphdef, variables, mesh):
