@@ -2,6 +2,10 @@
 # `make sft`:   after `make train`, LoRA-fine-tune its model on the shipped SFT task (configs/sft_lora.py).
 # `make reward`: after `make train`, train a reward model from its model on the shipped preference pairs.
 # `make dpo`:   after `make sft`, DPO on the same pairs with new adapters on the merged SFT model.
+# `make grpo`:  after `make sft`, GRPO with new adapters on the merged SFT model, rewarded by fn:ends_sentence.
+# `make ppo`:   after `make sft`, PPO (policy and critic adapters on the merged SFT model), same reward; add
+#               ARGS=--config.ppo.reward=rm:runs/reward (after `make reward`) to be rewarded by the reward model.
+# `make pipeline`: the whole life of a model from nothing: prepare, pretrain, SFT, reward model, PPO (~35 min).
 # `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices).
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +15,7 @@ SFT_TASK := build/data/sft_task
 PAIRS := build/data/preference
 CPU_DEVICES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=180" JAX_PLATFORMS=cpu
 
-.PHONY: install data train sft reward dpo test test-smoke bench clean
+.PHONY: install data train sft reward dpo grpo ppo pipeline test test-smoke bench clean
 
 install: $(VENV)/.installed
 
@@ -46,6 +50,17 @@ reward: $(PAIRS)/train.jsonl
 dpo: $(PAIRS)/train.jsonl
 	@test -d runs/sft_lora/checkpoints || { echo "error: make dpo starts from the model of make sft: run make sft first" >&2; exit 2; }
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/dpo.py --config.checkpoint.restore_from=runs/sft_lora $(ARGS)
+
+grpo: $(SFT_TASK)/train.jsonl
+	@test -d runs/sft_lora/checkpoints || { echo "error: make grpo starts from the model of make sft: run make sft first" >&2; exit 2; }
+	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/grpo.py --config.checkpoint.restore_from=runs/sft_lora $(ARGS)
+
+ppo: $(SFT_TASK)/train.jsonl
+	@test -d runs/sft_lora/checkpoints || { echo "error: make ppo starts from the model of make sft: run make sft first" >&2; exit 2; }
+	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/ppo.py --config.checkpoint.restore_from=runs/sft_lora $(ARGS)
+
+pipeline: install
+	$(CPU_DEVICES) $(BIN)/python scripts/pipeline.py $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)

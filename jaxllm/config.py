@@ -21,10 +21,11 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
-OBJECTIVES = ("pretrain", "sft", "reward", "dpo", "grpo")
+OBJECTIVES = ("pretrain", "sft", "reward", "dpo", "grpo", "ppo")
 DPO_LOSSES = ("sigmoid", "ipo", "robust")
 DPO_REFERENCES = ("shared", "precomputed")
-GRPO_LOSS_AGGS = ("dapo", "grpo", "bnpo", "dr_grpo")  # jaxllm.post.losses.GRPO_LOSS_AGGS
+GRPO_LOSS_AGGS = ("dapo", "grpo", "bnpo", "dr_grpo")  # GRPO's loss aggregations (jaxllm.post.losses)
+KL_ESTIMATORS = ("k1", "k2", "k3")  # per-token KL estimators (jaxllm.post.losses.kl_penalty)
 SFT_TEMPLATES = ("alpaca", "chatml", "model")
 OVERLONG_RULES = ("truncate", "drop")
 
@@ -127,8 +128,9 @@ class OptimConfig:
 class TrainConfig:
     """Length and shape of the run, and what it trains: `objective` "pretrain" (next-token prediction on a token
     store), "sft" (supervised fine-tuning, see SFTConfig), "reward" (a reward model on preference pairs, see
-    PreferenceConfig and RewardConfig), "dpo" (direct preference optimisation, see DPOConfig) or "grpo" (group
-    relative policy optimisation on the policy's own rollouts, see GRPOConfig). The end-of-run
+    PreferenceConfig and RewardConfig), "dpo" (direct preference optimisation, see DPOConfig), "grpo" (group
+    relative policy optimisation on the policy's own rollouts, see GRPOConfig) or "ppo" (proximal policy
+    optimisation with a critic, see PPOConfig). The end-of-run
     greedy sample continues `sample_prompt` (empty: the objective's own prompt) by `sample_tokens` tokens."""
 
     objective: str = "pretrain"
@@ -299,20 +301,19 @@ class DPOConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-    """Group relative policy optimisation (train.objective="grpo", jaxllm/train/grpo.py).
+class RolloutConfig:
+    """What PPO and GRPO share: prompts, sampling, and the held-out report.
 
     Prompts: `train_file` / `eval_file` JSON lines of {"prompt"} or {"messages"} ending with a user turn
     (jaxllm/data/prompts.py; no `eval_file`: a seeded `eval_fraction` is held out), rendered with `template`,
     at most `max_prompt_tokens` tokens (longer ones are left out and counted); `tokenizer` as in SFTConfig.
-    Each iteration takes `prompts_per_iteration` prompts, samples `num_generations` responses to each (up to
-    `max_new_tokens`, at `temperature`, stopping at EOS), scores them with `reward` ("fn:<name>",
-    jaxllm/post/rewards.py; "rm:<checkpoint>" of a reward-model run), and trains `epochs` passes over them in minibatches of train.batch_size rows: an
-    iteration is epochs * prompts_per_iteration * num_generations / train.batch_size optimizer steps. Loss:
-    jaxllm.post.losses.grpo_loss with `beta` (the k3 KL to the reference, the base with the adapters off), `clip`
-    and `loss_agg`. `eval_prompts` held-out prompts are answered (same sampling, fixed seed) and scored before
-    and after training. Every `samples_every` iterations (0: never) `samples` of the iteration's prompts with
-    their responses and rewards are appended to <workdir>/samples.jsonl."""
+    Each iteration takes `prompts_per_iteration` prompts and samples responses to them with the current policy
+    (up to `max_new_tokens`, at `temperature`, stopping at EOS), scored by `reward` ("fn:<name>",
+    jaxllm/post/rewards.py; "rm:<checkpoint>" of a reward-model run); it then trains `epochs` passes over them
+    in minibatches of train.batch_size rows, one optimizer step each. `clip` is the policy ratio's clip range.
+    `eval_prompts` held-out prompts are answered (same sampling, fixed seed) and scored before and after
+    training. Every `samples_every` iterations (0: never) `samples` of the iteration's prompts with their
+    responses and rewards are appended to <workdir>/samples.jsonl."""
 
     train_file: str = ""
     eval_file: str = ""
@@ -323,15 +324,52 @@ class GRPOConfig:
     max_prompt_tokens: int = 64
     max_new_tokens: int = 32
     prompts_per_iteration: int = 8
-    num_generations: int = 4
     epochs: int = 1
     temperature: float = 1.0
-    beta: float = 0.04
     clip: float = 0.2
-    loss_agg: str = "dapo"
     eval_prompts: int = 32
     samples_every: int = 10
     samples: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(RolloutConfig):
+    """Group relative policy optimisation (train.objective="grpo", jaxllm/train/grpo.py), with the rollout
+    settings of RolloutConfig: `num_generations` responses to each prompt, so an iteration is
+    epochs * prompts_per_iteration * num_generations / train.batch_size optimizer steps. Loss:
+    jaxllm.post.losses.grpo_loss with `beta` (the k3 KL to the reference, the base with the adapters off), `clip`
+    and `loss_agg`."""
+
+    num_generations: int = 4
+    beta: float = 0.04
+    loss_agg: str = "dapo"
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig(RolloutConfig):
+    """Proximal policy optimisation with a critic (train.objective="ppo", jaxllm/train/ppo.py), with the rollout
+    settings of RolloutConfig: one response to each prompt, so an iteration is
+    epochs * prompts_per_iteration / train.batch_size optimizer steps.
+
+    Per-token rewards: -kl_coef * kl_t (`kl_estimator` k1, k2 or k3 of the sampler's against the reference's
+    log-probs), plus the score at the response's last token, less `missing_eos_penalty` when it has no EOS.
+    `target_kl` > 0 adapts kl_coef toward that per-response KL (Ziegler et al.'s proportional controller, over
+    `kl_horizon` responses); 0 keeps it fixed. Advantages: GAE with `gamma` and `lam`, whitened over valid
+    tokens. Loss: the clipped policy loss (`clip`), `vf_coef` x the clipped value loss (`value_clip`), less
+    `entropy_coef` x the mean entropy. An update whose minibatch's approximate KL to the sampling policy passes
+    `max_approx_kl` (0: never) is skipped, which stops the iteration's updates while the policy is that far."""
+
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    target_kl: float = 0.0
+    kl_horizon: int = 10000
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
+    vf_coef: float = 0.1
+    entropy_coef: float = 0.0
+    missing_eos_penalty: float = 0.0
+    max_approx_kl: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +403,7 @@ class Config:
     reward: RewardConfig = RewardConfig()
     dpo: DPOConfig = DPOConfig()
     grpo: GRPOConfig = GRPOConfig()
+    ppo: PPOConfig = PPOConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
 
@@ -517,6 +556,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     reward = _build(RewardConfig, cd.get("reward", {}), "reward.")
     dpo = _build(DPOConfig, cd.get("dpo", {}), "dpo.")
     grpo = _build(GRPOConfig, cd.get("grpo", {}), "grpo.")
+    ppo = _build(PPOConfig, cd.get("ppo", {}), "ppo.")
 
     for key in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
         _positive(f"model.{key}", getattr(model, key))
@@ -621,6 +661,8 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         _check_dpo(dpo, lora)
     if train.objective == "grpo":
         _check_grpo(grpo, lora, train.batch_size)
+    if train.objective == "ppo":
+        _check_ppo(ppo, lora, train.batch_size)
     if data.num_workers < 0:
         raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
     if not str(cd.get("workdir", "")):
@@ -643,6 +685,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         reward=reward,
         dpo=dpo,
         grpo=grpo,
+        ppo=ppo,
         workdir=str(cd.get("workdir", Config.workdir)),
         peak_flops=float(cd.get("peak_flops", 0.0)),
     )
@@ -695,37 +738,52 @@ def _check_dpo(cfg: DPOConfig, lora: LoRAConfig) -> None:
                                            "(lora.rank > 0)")
 
 
-def _check_grpo(cfg: GRPOConfig, lora: LoRAConfig, batch_size: int) -> None:
+def _check_rollout(cfg: RolloutConfig, section: str, lora: LoRAConfig, batch_size: int, rows: int) -> None:
+    """The checks PPO and GRPO share; `rows` are an iteration's responses."""
     if not cfg.train_file:
-        raise ConfigError("grpo.train_file", "must name a JSON-lines file of prompts")
+        raise ConfigError(f"{section}.train_file", "must name a JSON-lines file of prompts")
     if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
-        raise ConfigError("grpo.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
-    _choice("grpo.template", cfg.template, SFT_TEMPLATES)
+        raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
+    _choice(f"{section}.template", cfg.template, SFT_TEMPLATES)
     kind, _, name = cfg.reward.partition(":")
     if kind not in ("fn", "rm") or not name:
-        raise ConfigError("grpo.reward", f"expected fn:<name> (jaxllm/post/rewards.py) or rm:<reward-model "
-                                         f"checkpoint>, got {cfg.reward!r}")
+        raise ConfigError(f"{section}.reward", f"expected fn:<name> (jaxllm/post/rewards.py) or rm:<reward-model "
+                                               f"checkpoint>, got {cfg.reward!r}")
     if kind == "rm" and not Path(name).exists():
-        raise ConfigError("grpo.reward", f"no reward-model checkpoint at {name}")
-    for key in ("max_prompt_tokens", "max_new_tokens", "prompts_per_iteration", "epochs", "temperature"):
-        _positive(f"grpo.{key}", getattr(cfg, key))
+        raise ConfigError(f"{section}.reward", f"no reward-model checkpoint at {name}")
+    for key in ("max_prompt_tokens", "max_new_tokens", "prompts_per_iteration", "epochs", "temperature", "clip"):
+        _positive(f"{section}.{key}", getattr(cfg, key))
+    if rows % batch_size:
+        raise ConfigError("train.batch_size", f"{batch_size} does not divide an iteration's {rows} responses")
+    if not lora.rank:
+        raise ConfigError("lora.rank", f"{section.upper()} trains LoRA adapters (its reference is the base with "
+                                       "adapters off); full fine-tuning is not supported yet")
+    for key in ("eval_prompts", "samples_every", "samples"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{section}.{key}", f"must be >= 0, got {getattr(cfg, key)}")
+
+
+def _check_grpo(cfg: GRPOConfig, lora: LoRAConfig, batch_size: int) -> None:
     if cfg.num_generations < 2:
         raise ConfigError("grpo.num_generations", f"must be >= 2 (advantages compare a group), got "
                                                   f"{cfg.num_generations}")
-    rows = cfg.prompts_per_iteration * cfg.num_generations
-    if rows % batch_size:
-        raise ConfigError("train.batch_size", f"{batch_size} does not divide an iteration's {rows} responses "
-                                              "(grpo.prompts_per_iteration * grpo.num_generations)")
+    _check_rollout(cfg, "grpo", lora, batch_size, cfg.prompts_per_iteration * cfg.num_generations)
     if cfg.beta < 0:
         raise ConfigError("grpo.beta", f"must be >= 0, got {cfg.beta}")
-    if not lora.rank:
-        raise ConfigError("lora.rank", "GRPO trains LoRA adapters (its reference is the base with adapters off); "
-                                       "full fine-tuning is not supported yet")
-    _positive("grpo.clip", cfg.clip)
     _choice("grpo.loss_agg", cfg.loss_agg, GRPO_LOSS_AGGS)
-    for key in ("eval_prompts", "samples_every", "samples"):
+
+
+def _check_ppo(cfg: PPOConfig, lora: LoRAConfig, batch_size: int) -> None:
+    _check_rollout(cfg, "ppo", lora, batch_size, cfg.prompts_per_iteration)
+    _choice("ppo.kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
+    for key in ("kl_coef", "target_kl", "vf_coef", "entropy_coef", "missing_eos_penalty", "max_approx_kl"):
         if getattr(cfg, key) < 0:
-            raise ConfigError(f"grpo.{key}", f"must be >= 0, got {getattr(cfg, key)}")
+            raise ConfigError(f"ppo.{key}", f"must be >= 0, got {getattr(cfg, key)}")
+    for key in ("kl_horizon", "value_clip"):
+        _positive(f"ppo.{key}", getattr(cfg, key))
+    for key in ("gamma", "lam"):
+        if not 0.0 <= getattr(cfg, key) <= 1.0:
+            raise ConfigError(f"ppo.{key}", f"must be in [0, 1], got {getattr(cfg, key)}")
 
 
 def default_config_dict() -> ml_collections.ConfigDict:
@@ -733,7 +791,8 @@ def default_config_dict() -> ml_collections.ConfigDict:
     sections = dict(mesh=MeshConfig, model=ModelConfig, precision=PrecisionConfig, optim=OptimConfig,
                     train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
                     anomaly=AnomalyConfig, debug=DebugConfig, lora=LoRAConfig, sft=SFTConfig,
-                    preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig)
+                    preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig,
+                    ppo=PPOConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

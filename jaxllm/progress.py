@@ -14,7 +14,8 @@ def format_duration(seconds: float) -> str:
 
 
 class ProgressBar:
-    """Shows step, bar, loss, tokens/s, MFU and ETA. `update` is cheap; output is throttled."""
+    """Shows step, bar, loss, an objective's own metrics (`extra`, e.g. RL's reward and KL), tokens/s, MFU and
+    ETA. `update` is cheap; output is throttled."""
 
     def __init__(self, total: int, start: int = 0, stream=None, width: int = 24, min_interval: float | None = None):
         self.total, self.start, self.width = total, start, width
@@ -24,7 +25,8 @@ class ProgressBar:
         self._t0 = time.perf_counter()
         self._last = 0.0
 
-    def update(self, step: int, loss: float, tokens_per_sec: float, mfu: float, force: bool = False) -> None:
+    def update(self, step: int, loss: float, tokens_per_sec: float, mfu: float, force: bool = False,
+               extra: dict[str, float] | None = None) -> None:
         now = time.perf_counter()
         if not force and now - self._last < self.min_interval and step < self.total:
             return
@@ -35,7 +37,9 @@ class ProgressBar:
         filled = int(self.width * step / max(self.total, 1))
         bar = "#" * filled + "." * (self.width - filled)
         line = (
-            f"step {step:>6}/{self.total} [{bar}] loss {loss:7.4f} | {tokens_per_sec:>9,.0f} tok/s"
+            f"step {step:>6}/{self.total} [{bar}] loss {loss:7.4f}"
+            + "".join(f" {name} {value:.3g}" for name, value in (extra or {}).items())
+            + f" | {tokens_per_sec:>9,.0f} tok/s"
             f" | MFU {100 * mfu:5.2f}% | ETA {format_duration(eta)}"
         )
         if self.tty:

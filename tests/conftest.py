@@ -69,3 +69,16 @@ def lora_run(bases, sft_task, tmp_path_factory):
     proc = run_sft(bases[0], sft_task, workdir, "--config.train.steps=6")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
+
+
+@pytest.fixture(scope="session")
+def rl_prompts(tmp_path_factory, sft_task):
+    """RL prompts: short prompts of the SFT task slice (one of every line whose prompt has at most 40 characters)."""
+    import json
+
+    out = tmp_path_factory.mktemp("prompts")
+    for name in ("train", "eval"):
+        rows = [json.loads(x) for x in (sft_task / f"{name}.jsonl").read_text().splitlines()]
+        short = [{"prompt": r["prompt"][:40]} for r in rows]
+        (out / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in short) + "\n")
+    return out

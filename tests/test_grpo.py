@@ -10,17 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config import GRPOConfig, LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, PrecisionConfig
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
+from jaxllm.config import GRPOConfig, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.post.losses import grpo_loss
 from jaxllm.post.rollout import response_logps, sequence_layout
 from jaxllm.train.dpo import reference_model
 from jaxllm.train.grpo import grpo_loss_fn
-from jaxllm.train.loop import to_global
 from jaxllm.train.pretrain import lm_objective
-from jaxllm.train.state import build_model, init_objective_state
-from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
+from jaxllm.train.state import build_model
+
+from layout_steps import first_updates
 
 MODEL = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
@@ -43,7 +41,7 @@ def _rollout_batch(seed=0) -> dict[str, np.ndarray]:
     return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions, "mask": mask,
             "old_logps": logps, "ref_logps": (logps + rng.normal(0, 0.1, (B, N)).astype(np.float32)) * mask,
             "advantages": rng.normal(0, 1, (B, 1)).astype(np.float32),
-            "rewards": rng.uniform(0, 1, (B, 1)).astype(np.float32), "stopped": np.ones((B, 1), np.float32)}
+            "scores": rng.uniform(0, 1, (B, 1)).astype(np.float32), "stopped": np.ones((B, 1), np.float32)}
 
 
 def _objective(pipeline=PipelineConfig()):
@@ -52,19 +50,8 @@ def _objective(pipeline=PipelineConfig()):
 
 
 @functools.cache
-def _losses(layout, steps=3):
-    mesh = make_mesh(MeshConfig(*layout))
-    objective = _objective(PipelineConfig(microbatches=2) if layout[3] > 1 else PipelineConfig())
-    tx = make_optimizer(OptimConfig(lr=3e-2, warmup_steps=0), 10)
-    with jax.set_mesh(mesh):
-        state, frozen, shardings, frozen_shardings = init_objective_state(objective, tx, mesh, seed=0)
-        step = jit_train_step(make_train_step(objective, tx, grad_accum=2), shardings, mesh, frozen_shardings)
-        batch = to_global(_rollout_batch(), batch_sharding(mesh), B)
-        out = []
-        for _ in range(steps):
-            state, metrics = step(state, batch, frozen)
-            out.append(float(metrics["loss"]))
-    return tuple(out)
+def _losses(layout):
+    return first_updates(_objective, layout, _rollout_batch())
 
 
 def test_first_updates_agree_across_layouts_and_stages():
@@ -111,7 +98,7 @@ def test_reward_model_scores_each_rollout_row_at_its_last_response_token():
     """rm:<checkpoint> rewards: the left-padded rollout row scored at its last response token equals the reward
     model on that row's own tokens alone (no padding, positions from 0), at their last token."""
     from jaxllm.model.reward import RewardModel
-    from jaxllm.train.grpo import RewardModelScorer
+    from jaxllm.train.rl import RewardModelScorer
 
     graphdef, variables = nnx.split(build_model(MODEL, F32, jax.random.key(3), model_class=RewardModel))
     batch = _rollout_batch(seed=1)

@@ -6,13 +6,11 @@ import json
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
-from train_runs import ROOT, losses, metrics, preempt_at, train_env
+from train_runs import ROOT, checkpoint_leaves, losses, metrics, preempt_at, rl_command, run_command, train_env
 
-from jaxllm.evaluate import load_checkpoint
 from jaxllm.post.rewards import single_line
 
 # 4 prompts x 4 responses = 16 rows an iteration, 2 epochs of 2 minibatches of 8: 4 steps an iteration.
@@ -22,29 +20,16 @@ SMALL = ("--config.train.batch_size=8", "--config.checkpoint.every=2", "--config
 
 
 @pytest.fixture(scope="module")
-def prompts(tmp_path_factory, sft_task):
-    """Short prompts of the SFT task slice (one of every line whose prompt has at most 40 characters)."""
-    out = tmp_path_factory.mktemp("prompts")
-    for name in ("train", "eval"):
-        rows = [json.loads(x) for x in (sft_task / f"{name}.jsonl").read_text().splitlines()]
-        short = [{"prompt": r["prompt"][:40]} for r in rows]
-        (out / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in short) + "\n")
-    return out
+def prompts(rl_prompts):
+    return rl_prompts
 
 
 def _command(base, prompts, workdir, *args):
-    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "grpo.py"),
-            "--workdir", str(workdir), f"--config.checkpoint.restore_from={base}",
-            f"--config.grpo.train_file={prompts / 'train.jsonl'}", f"--config.grpo.eval_file={prompts / 'eval.jsonl'}",
-            *SMALL, *args]
+    return rl_command("grpo", base, prompts, workdir, *SMALL, *args)
 
 
-def _run(*command_args, timeout=600):
-    return subprocess.run(_command(*command_args), capture_output=True, text=True, env=train_env(), timeout=timeout)
-
-
-def _leaves(workdir):
-    return [np.asarray(x) for x in jax.tree.leaves(load_checkpoint(str(workdir)).params)]
+def _run(*command_args):
+    return run_command(_command(*command_args))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +67,7 @@ def test_resumes_bitwise_after_sigterm_mid_iteration(grpo_run, lora_run, prompts
     assert "resuming from checkpoint step 3" in again.stdout
     full, resumed = losses(grpo_run), losses(tmp_path)
     assert all(resumed[s] == full[s] for s in range(1, 7)), (resumed, full)
-    for a, b in zip(_leaves(tmp_path), _leaves(grpo_run)):
+    for a, b in zip(checkpoint_leaves(tmp_path), checkpoint_leaves(grpo_run)):
         assert np.array_equal(a, b)
 
 
@@ -138,3 +123,4 @@ def test_a_reward_model_scores_the_rollouts(lora_run, prompts, reward_checkpoint
     assert len(set(rewards)) == len(rewards) == 3 and all(np.isfinite(rewards))  # real-valued scores
     bad = _run(lora_run, prompts, tmp_path / "bad", "--config.train.steps=2", f"--config.grpo.reward=rm:{lora_run}")
     assert bad.returncode == 2 and "is not a reward model" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+

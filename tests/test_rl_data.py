@@ -78,3 +78,8 @@ def test_registry_resolves_registered_functions_and_names_the_others():
         rewards.resolve("fn:nope")
     with pytest.raises(ValueError, match="expected fn:<name>"):
         rewards.resolve("ends_sentence")
+    assert rewards.resolve("fn:jaxllm.post.rewards:single_line") is rewards.single_line  # a module's function
+    with pytest.raises(ValueError, match="cannot import reward module 'no_such_module'"):
+        rewards.resolve("fn:no_such_module:f")
+    with pytest.raises(ValueError, match="module 'jaxllm.post.rewards' has no reward function 'nope'"):
+        rewards.resolve("fn:jaxllm.post.rewards:nope")

@@ -121,3 +121,26 @@ def sft_command(base, task, workdir, *args):
 def run_sft(base, task, workdir, *args):
     return subprocess.run(sft_command(base, task, workdir, *args), capture_output=True, text=True, env=train_env(),
                           timeout=600)
+
+
+def rl_command(objective: str, base, prompts, workdir, *args: str) -> list[str]:
+    """`python scripts/train.py` on configs/<objective>.py (ppo or grpo) from `base`, with the prompts in
+    `prompts` (train.jsonl, eval.jsonl); later `args` override earlier ones."""
+    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / f"{objective}.py"),
+            "--workdir", str(workdir), f"--config.checkpoint.restore_from={base}",
+            f"--config.{objective}.train_file={prompts / 'train.jsonl'}",
+            f"--config.{objective}.eval_file={prompts / 'eval.jsonl'}", *args]
+
+
+def run_command(command: list[str], timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, env=train_env(), timeout=timeout)
+
+
+def checkpoint_leaves(workdir) -> list:
+    """The trained arrays of a run's latest checkpoint, as numpy, in tree order."""
+    import jax
+    import numpy as np
+
+    from jaxllm.evaluate import load_checkpoint
+
+    return [np.asarray(x) for x in jax.tree.leaves(load_checkpoint(str(workdir)).params)]

@@ -13,11 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.config import GRPO_LOSS_AGGS, KL_ESTIMATORS  # the names the config accepts, defined once there
 from jaxllm.post.pairs import masked_mean
 
 DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-GRPO_LOSS_AGGS = ("dapo", "grpo", "bnpo", "dr_grpo")
 
 
 def _f32(x):

@@ -11,6 +11,9 @@ the run imports:
     def mentions_rome(prompt: str, response: str) -> float:
         return float("Rome" in response)
 
+or name a function of an importable module directly: `fn:my_project.rewards:mentions_rome` imports the module
+(installed, or on PYTHONPATH) and calls that function.
+
 Built in:
 - `ends_sentence`: 1 when the response's last line ends a sentence (".", "!" or "?", before closing quotes).
 - `single_line`: 1 when the response is one non-empty line.
@@ -18,6 +21,7 @@ Built in:
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -35,13 +39,27 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def resolve(spec: str) -> RewardFn:
-    """The function of `fn:<name>`; ValueError (one line) naming the registered ones otherwise."""
+    """The function of `fn:<name>` (registered) or `fn:<module>:<function>`; ValueError (one line) otherwise."""
     kind, _, name = spec.partition(":")
     if kind != "fn" or not name:
-        raise ValueError(f"expected fn:<name>, got {spec!r}")
+        raise ValueError(f"expected fn:<name> or fn:<module>:<function>, got {spec!r}")
+    if ":" in name:
+        return _imported(name)
     if name not in REWARDS:
         raise ValueError(f"no reward function {name!r}; registered: {', '.join(sorted(REWARDS)) or 'none'}")
     return REWARDS[name]
+
+
+def _imported(name: str) -> RewardFn:
+    module_name, _, function = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import reward module {module_name!r}: {exc}") from None
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise ValueError(f"module {module_name!r} has no reward function {function!r}")
+    return fn
 
 
 def ends_a_sentence(line: str) -> bool:

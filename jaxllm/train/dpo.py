@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxllm.config import Config, ConfigError, DPOConfig
 from jaxllm.data.tokenizer import load_tokenizer
+from jaxllm.model.actor_critic import VALUE
 from jaxllm.post import pair_eval
 from jaxllm.post.losses import dpo_loss
 from jaxllm.post.pairs import masked_mean, pair_mask, per_sequence_sums
@@ -36,8 +37,9 @@ from jaxllm.train.reward import held_out_rows, load_pairs
 
 
 def reference_model(model, plain_graphdef):
-    """The model with its adapters off: its non-adapter variables (the same arrays) in the plain model's graph."""
-    return nnx.merge(plain_graphdef, nnx.state(model, nnx.Not(nnx.LoRAParam)))
+    """The model with its adapters off: its non-adapter variables (the same arrays) in the plain model's graph
+    (a PPO actor-critic's critic left out)."""
+    return nnx.merge(plain_graphdef, nnx.state(model, nnx.All(nnx.Not(nnx.LoRAParam), nnx.Not(VALUE))))
 
 
 def sequence_logps(model, batch, pairs_per_row: int, rng=None):

@@ -133,7 +133,8 @@ class StepRunner:
 class MetricsLog:
     """Per-step records (metrics.jsonl), the progress bar and step timing, written by process 0."""
 
-    def __init__(self, cfg: Config, mesh, workdir: Path, start_step: int, is_main: bool, stream):
+    def __init__(self, cfg: Config, mesh, workdir: Path, start_step: int, is_main: bool, stream,
+                 progress_metrics: tuple[str, ...] = ()):
         tc = cfg.train
         self.tokens_per_step = tc.batch_size * tc.seq_len
         self.flops = train_flops_per_token(cfg.model, tc.seq_len)
@@ -141,6 +142,7 @@ class MetricsLog:
         self.peak, self.devices = peak_flops_per_device(cfg.peak_flops), mesh.size
         self.writer = JsonlWriter(workdir / "metrics.jsonl", enabled=is_main)
         self.bar = ProgressBar(tc.steps, start=start_step, stream=stream) if is_main else None
+        self.shown = progress_metrics
         self.log_every, self.total = tc.log_every, tc.steps
         self.step_times: list[float] = []
         self.losses: list[float] = []
@@ -166,7 +168,8 @@ class MetricsLog:
         self.step_times.append(step_time)
         self.losses.append(values["loss"])
         if self.bar is not None and (step % self.log_every == 0 or step == self.total):
-            self.bar.update(step, values["loss"], tps, record["mfu"], force=step == self.total)
+            self.bar.update(step, values["loss"], tps, record["mfu"], force=step == self.total,
+                            extra={name: record[name] for name in self.shown if name in record})
         return record
 
     def steady_tokens_per_sec(self) -> float:
@@ -211,6 +214,10 @@ def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
         from jaxllm.train.grpo import grpo_objective
 
         return grpo_objective(cfg, jax.device_count(), log)
+    if cfg.train.objective == "ppo":
+        from jaxllm.train.ppo import ppo_objective
+
+        return ppo_objective(cfg, jax.device_count(), log)
     from jaxllm.train.pretrain import pretrain_objective
 
     return cfg, pretrain_objective(cfg)
@@ -269,7 +276,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     log(f"compiled train+eval steps in {compile_s:.1f}s on mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}, "
         f"attention {resolve_attention(cfg.model.attention, cfg.precision.compute)}")
 
-    metrics_log = MetricsLog(cfg, mesh, workdir, start_step, is_main, stream)
+    metrics_log = MetricsLog(cfg, mesh, workdir, start_step, is_main, stream, objective.progress_metrics)
     summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak}
     if start.base is not None:
         summary["base"] = start.base

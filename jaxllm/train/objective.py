@@ -70,7 +70,7 @@ class Objective:
     fine-tuning); `fresh` filters the trainable variables a base does not have (a reward model's score head),
     which are initialised from the seed instead. `report(graphdef, variables, mesh)` gives task metrics of a
     model ({"scores": {group: {"examples": n, metric: value}}, "samples": [...]}), taken before and after
-    training.
+    training. `progress_metrics` name the loss_fn metrics the progress line shows beside the loss.
     """
 
     name: str
@@ -84,6 +84,7 @@ class Objective:
     base: Any = None
     fresh: Any = None
     report: Callable[[nnx.GraphDef, Any, Any], dict] | None = None
+    progress_metrics: tuple[str, ...] = ()
 
     @functools.cached_property
     def graphdef(self) -> nnx.GraphDef:

@@ -24,6 +24,9 @@ from jaxllm.train.pretrain import next_token_loss
 from jaxllm.train.state import TrainState
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+# A loss_fn metric > 0 under this name vetoes the step's update (PPO's approximate-KL early stop): parameters
+# and optimizer state stay as they were, decided inside the compiled step like a skipped anomaly.
+SKIP_UPDATE = "skip_update"
 NO_FROZEN = nnx.State({})  # the frozen input of objectives whose every variable trains
 
 
@@ -123,8 +126,11 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         updates = jax.tree.map(lambda u: u * state.lr_scale, updates)
         params = optax.apply_updates(state.params, updates)
-        if skip_anomalies:
-            keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(is_anomaly, o, n), new, old)
+        keep = is_anomaly if skip_anomalies else jnp.zeros((), bool)
+        if SKIP_UPDATE in extra:
+            keep = keep | (extra[SKIP_UPDATE] > 0)
+        if skip_anomalies or SKIP_UPDATE in extra:
+            keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(keep, o, n), new, old)
             params = keep_old(params, state.params)
             opt_state = keep_old(opt_state, state.opt_state)
         metrics = {

@@ -1,0 +1,49 @@
+"""PPO's actor and critic in one module over one frozen base: the language model with LoRA adapters (the policy)
+and, as its attribute `value`, a reward-model-shaped critic (jaxllm/model/reward.py: the decoder and a scalar
+head) with adapters of its own.
+
+The critic's base variables are the policy's own Variable objects (tied after construction), so the module's
+state holds the base once, at the language model's paths: the frozen tree is exactly a plain LM's (the base
+checkpoint loads into it unchanged) and the critic adds only its adapters and head. Calling the module is the
+policy's forward; `module.value(tokens, ...)` gives per-position values [B, T].
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from jaxllm.config import LoRAConfig, ModelConfig, PrecisionConfig
+from jaxllm.model.layers import RopeScaling
+from jaxllm.model.reward import RewardModel
+from jaxllm.model.transformer import Transformer
+
+VALUE = nnx.PathContains("value")  # the critic's own variables (adapters and head)
+
+
+class ActorCritic(Transformer):
+    """The policy (this Transformer) and its critic `value` sharing one base."""
+
+    def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
+                 rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1,
+                 lora: LoRAConfig | None = None):
+        if lora is None or not lora.rank:
+            raise ValueError("ActorCritic shares a frozen base between policy and critic: it needs LoRA adapters")
+        shape = dict(rope_scaling=rope_scaling, pipeline_microbatches=pipeline_microbatches,
+                     pipeline_repeats=pipeline_repeats, lora=lora)
+        super().__init__(cfg, precision, rngs=rngs, **shape)
+        self.value = RewardModel(cfg, precision, rngs=rngs, **shape)
+        _tie_base(self.value, self)
+
+
+def _tie_base(critic: nnx.Module, policy: nnx.Module) -> None:
+    """Replace each plain Param of `critic` (its base; not its adapters, not the head the policy lacks) by the
+    policy's Variable at the same path. The critic's own copies, initialised and then dropped, cost nothing under
+    jit: XLA removes what no output uses."""
+    policy_nodes = dict(nnx.iter_graph(policy))
+    for path, node in list(nnx.iter_graph(critic)):
+        if not isinstance(node, nnx.Module):
+            continue
+        for name, variable in list(vars(node).items()):
+            shared = policy_nodes.get(tuple(path) + (name,))
+            if type(variable) is nnx.Param and type(shared) is nnx.Param:
+                setattr(node, name, shared)

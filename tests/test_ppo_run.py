@@ -1,0 +1,87 @@
+"""PPO as real `scripts/train.py` processes on the tiny LoRA SFT run: rollouts, critic values and GAE inside the
+training program, the ratio at 1 at each iteration's first update, every PPO metric in metrics.jsonl, an
+adaptive KL coefficient carried across iterations, bitwise resume after SIGTERM in the middle of an iteration's
+updates, and bad settings as one-line errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from train_runs import checkpoint_leaves, losses, metrics, preempt_at, rl_command, run_command
+
+
+# 16 prompts, one response each, 2 epochs of 2 minibatches of 8: 4 steps an iteration. target_kl adapts kl_coef.
+SMALL = ("--config.train.batch_size=8", "--config.checkpoint.every=2", "--config.ppo.prompts_per_iteration=16",
+         "--config.ppo.epochs=2", "--config.ppo.max_prompt_tokens=64", "--config.ppo.max_new_tokens=8",
+         "--config.ppo.eval_prompts=8", "--config.ppo.reward=fn:single_line", "--config.ppo.target_kl=0.01",
+         "--config.ppo.kl_horizon=16", "--config.ppo.missing_eos_penalty=0.5", "--config.ppo.kl_coef=0.05")
+METRICS = ("policy_loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "explained_variance", "score",
+           "reward", "kl", "kl_coef", "response_length", "eos_rate", "rollout_s", "scoring_s",
+           "tokens_per_sec")
+
+
+def _command(base, prompts, workdir, *args):
+    return rl_command("ppo", base, prompts, workdir, *SMALL, *args)
+
+
+def _run(*command_args):
+    return run_command(_command(*command_args))
+
+
+@pytest.fixture(scope="module")
+def ppo_run(lora_run, rl_prompts, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("ppo")
+    proc = _run(lora_run, rl_prompts, workdir, "--config.train.steps=6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "critic: LoRA adapters and a value head on the policy's frozen base (shared, no second copy)" in proc.stdout
+    last = [line for line in proc.stdout.splitlines() if line.startswith("step      6/6")][-1]
+    assert all(f" {name} " in last for name in ("score", "kl", "approx_kl", "value_loss")), last  # progress line
+    return workdir
+
+
+def test_each_iteration_starts_at_ratio_1_and_logs_every_ppo_metric(ppo_run):
+    steps = {r["step"]: r for r in metrics(ppo_run) if "loss" in r}
+    assert sorted(steps) == list(range(1, 7))
+    assert all(name in r for r in steps.values() for name in METRICS), sorted(steps[1])
+    for first in (1, 5):  # the first minibatch of iterations 0 and 1: the policy is the one that sampled
+        assert steps[first]["clip_fraction"] == 0.0 and steps[first]["approx_kl"] < 1e-9, steps[first]
+        assert steps[first]["rollout_s"] > 0 and steps[first]["scoring_s"] > 0
+        assert steps[first]["rollout_tokens_per_sec"] > 0
+    assert max(steps[s]["approx_kl"] for s in (2, 3, 4)) > 1e-7  # later minibatches follow updates
+    # Iteration 0's policy is its reference (KL ~0, far below target_kl): the coefficient shrinks by the most
+    # one update allows, 1 - 0.2 x 16 responses / kl_horizon 16.
+    assert steps[1]["kl_coef"] == pytest.approx(0.05) and steps[5]["kl_coef"] == pytest.approx(0.04)
+    for r in steps.values():
+        assert 0.0 <= r["score"] <= 1.0 and 0.0 <= r["eos_rate"] <= 1.0 and 0 < r["response_length"] <= 8
+        assert r["entropy"] > 0 and r["value_loss"] > 0
+        # The per-response reward is the score less the KL penalty and, without an EOS, the penalty of 0.5.
+        assert r["reward"] == pytest.approx(r["score"] - r["kl_coef"] * r["kl"] - 0.5 * (1 - r["eos_rate"]),
+                                            abs=1e-5)
+    summary = json.loads((ppo_run / "summary.json").read_text())
+    assert {"reward", "kl", "eos_rate", "length"} <= set(summary["task"]["tuned"]["all"])
+
+
+def test_resumes_bitwise_after_sigterm_mid_iteration(ppo_run, lora_run, rl_prompts, tmp_path):
+    """Preempted after step 3 (iteration 0 has one minibatch left): the resumed run trains on the saved rollout,
+    with the saved KL coefficient for iteration 1, and ends with the uninterrupted run's parameters (policy and
+    critic adapters, critic head) and optimizer state, bit for bit."""
+    assert preempt_at(_command(lora_run, rl_prompts, tmp_path, "--config.train.steps=6"), tmp_path, 3) == 3
+    again = _run(lora_run, rl_prompts, tmp_path, "--config.train.steps=6")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from checkpoint step 3" in again.stdout
+    full, resumed = losses(ppo_run), losses(tmp_path)
+    assert all(resumed[s] == full[s] for s in range(1, 7)), (resumed, full)
+    for a, b in zip(checkpoint_leaves(tmp_path), checkpoint_leaves(ppo_run)):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("--config.ppo.kl_estimator=k4", "ppo.kl_estimator: 'k4' is not one of"),
+    ("--config.ppo.lam=1.5", "ppo.lam: must be in [0, 1]"),
+    ("--config.ppo.prompts_per_iteration=12", "train.batch_size: 8 does not divide an iteration's 12 responses"),
+    ("--config.lora.rank=0", "lora.rank: PPO trains LoRA adapters"),
+])
+def test_bad_settings_are_one_line_errors(lora_run, rl_prompts, tmp_path, setting, message):
+    proc = _run(lora_run, rl_prompts, tmp_path, "--config.train.steps=2", setting)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
