@@ -5,7 +5,7 @@
 # `make grpo`:  after `make sft`, GRPO with new adapters on the merged SFT model, rewarded by fn:ends_sentence.
 # `make ppo`:   after `make sft`, PPO (policy and critic adapters on the merged SFT model), same reward; add
 #               ARGS=--config.ppo.reward=rm:runs/reward (after `make reward`) to be rewarded by the reward model.
-# `make pipeline`: the whole life of a model from nothing: prepare, pretrain, SFT, reward model, PPO (~35 min).
+# `make pipeline`: the whole life of a model from nothing: prepare, pretrain, SFT, reward model, PPO (~31 min).
 # `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices).
 PYTHON ?= python3
 VENV ?= .venv
@@ -63,7 +63,7 @@ pipeline: install
 	$(CPU_DEVICES) $(BIN)/python scripts/pipeline.py $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
 
 # The short subset that CI also runs under Python 3.12 with current JAX, to catch API drift early.
 test-smoke: install

@@ -44,7 +44,7 @@ def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
                           tc.batch_size)
     runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh)  # the very step the loop runs
     compile_s = runner.compile(state, batch, frozen)
-    compiled = runner.compiled
+    compiled = runner.compiled_for(batch)
     for _ in range(2):  # warm up
         state, metrics = compiled(state, batch, frozen)
     jax.block_until_ready(metrics)

@@ -6,7 +6,7 @@ Prints one summary table (each stage's figure and wall time) and writes it to OU
 
 Each stage is the same `scripts/train.py --config configs/<stage>.py` command a user would run (`make train`,
 `make sft`, `make reward`, `make ppo`), with its data and run directories under OUT. On 8 fake CPU devices
-(set here when no XLA_FLAGS are given) it takes about 35 minutes on a 2-core CPU; `--steps N` trains every stage
+(set here when no XLA_FLAGS are given) it takes about 31 minutes on a 2-core CPU; `--steps N` trains every stage
 for N steps only, a quick check of the wiring. A stage that fails stops the
 pipeline with its exit code; the stages before it stay on disk.
 """

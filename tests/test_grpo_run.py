@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from train_runs import ROOT, checkpoint_leaves, losses, metrics, preempt_at, rl_command, run_command, train_env
+from train_runs import (ROOT, checkpoint_leaves, losses, metrics, preempt_at, rl_command, run_command, train_command,
+                        train_env)
 
 from jaxllm.post.rewards import single_line
 
@@ -124,3 +125,30 @@ def test_a_reward_model_scores_the_rollouts(lora_run, prompts, reward_checkpoint
     bad = _run(lora_run, prompts, tmp_path / "bad", "--config.train.steps=2", f"--config.grpo.reward=rm:{lora_run}")
     assert bad.returncode == 2 and "is not a reward model" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
+
+
+@pytest.fixture(scope="module")
+def trained_base(shakespeare_store, tmp_path_factory):
+    """The tiny model pretrained for 60 steps: unlike the 2-step bases, whose output is near uniform, its head
+    tells tokens apart, so a few policy-gradient updates can move the response distribution."""
+    workdir = tmp_path_factory.mktemp("trained_base")
+    proc = run_command(train_command(shakespeare_store, workdir, "--config.train.steps=60", "--config.optim.lr=3e-2",
+                                     "--config.checkpoint.every=60", "--config.train.eval_every=1000"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_the_reward_rises(trained_base, prompts, tmp_path):
+    """10 iterations of 16 prompts x 4 responses, rewarded by the vowel share of each response: the mean reward
+    of the last 3 iterations clearly beats the first 2's (measured: 0.35 -> 0.52; iteration means vary by about
+    0.02). Adapters on the attention and MLP outputs as well, so that a 60-step base can shift its logits."""
+    command = _command(trained_base, prompts, tmp_path, "--config.train.steps=40", "--config.optim.lr=6e-2",
+                       "--config.grpo.reward=fn:rl_test_rewards:vowel_fraction", "--config.grpo.beta=0",
+                       "--config.grpo.prompts_per_iteration=16", "--config.train.batch_size=32",
+                       "--config.lora.targets=q_proj,v_proj,o_proj,down_proj", "--config.checkpoint.every=100")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=train_env(PYTHONPATH=str(ROOT / "tests")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in metrics(tmp_path) if "loss" in r]
+    by_iteration = [np.mean([r["reward"] for r in rows if 4 * i < r["step"] <= 4 * i + 4]) for i in range(10)]
+    assert np.mean(by_iteration[-3:]) > np.mean(by_iteration[:2]) + 0.05, by_iteration

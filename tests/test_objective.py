@@ -134,25 +134,48 @@ def _config(store, workdir, *overrides):
     return validate(build_config(str(ROOT / "configs" / "pretrain.py"), pairs, str(workdir)), 8)
 
 
-def test_drills_run_outside_the_production_step(shakespeare_store, tmp_path):
-    cfg = _config(shakespeare_store, tmp_path)
-    drill = dataclasses.replace(cfg, debug=dataclasses.replace(cfg.debug, inject_nan_at_step=2))
+def _step_runners(cfg, *configs, seq_len=None):
+    """StepRunners of `configs` for cfg's tiny LM, its fresh state and a synthetic batch of `seq_len` tokens."""
     objective = lm_objective(cfg.model, cfg.precision)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     mesh = make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         state, frozen, shardings, frozen_shardings = init_objective_state(objective, tx, mesh, 0)
-        local = synthetic_batch(0, cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size)
-        batch = to_global(local, batch_sharding(mesh), cfg.train.batch_size)
-    runners = [StepRunner(objective, tx, c, shardings, frozen_shardings, mesh) for c in (cfg, drill)]
+    batch_of = lambda seed, T: to_global(synthetic_batch(seed, cfg.train.batch_size, T, cfg.model.vocab_size),
+                                         batch_sharding(mesh), cfg.train.batch_size)
+    runners = [StepRunner(objective, tx, c, shardings, frozen_shardings, mesh, log=print) for c in configs]
+    return runners, state, frozen, batch_of
+
+
+def test_drills_run_outside_the_production_step(shakespeare_store, tmp_path):
+    cfg = _config(shakespeare_store, tmp_path)
+    drill = dataclasses.replace(cfg, debug=dataclasses.replace(cfg.debug, inject_nan_at_step=2))
+    runners, state, frozen, batch_of = _step_runners(cfg, cfg, drill)
+    batch = batch_of(0, cfg.train.seq_len)
     for runner in runners:
         runner.compile(state, batch, frozen)
-    assert runners[0].compiled.as_text() == runners[1].compiled.as_text()  # no trace of injection in it
+    assert runners[0].compiled_for(batch).as_text() == runners[1].compiled_for(batch).as_text()  # no injection in it
     flags = []
     for step in (1, 2, 3):
         state, metrics = runners[1](step, state, batch, frozen)
         flags.append(bool(metrics["nonfinite"]))
     assert flags == [False, True, False]  # only step 2 ran the drill variant, once
+
+
+def test_a_batch_of_a_new_shape_gets_its_own_compiled_step(shakespeare_store, tmp_path):
+    """RL rows are as long as their iteration's prompt bucket: a shorter batch compiles once more, then reuses."""
+    cfg = _config(shakespeare_store, tmp_path)
+    (runner,), state, frozen, batch_of = _step_runners(cfg, cfg)
+    logged = []
+    runner.log = logged.append
+    long, short = batch_of(0, cfg.train.seq_len), batch_of(1, cfg.train.seq_len // 2)
+    runner.compile(state, long, frozen)
+    for step, batch in enumerate((long, short, short, long), start=1):
+        state, metrics = runner(step, state, batch, frozen)
+        assert np.isfinite(float(metrics["loss"]))
+    shape = (cfg.train.batch_size, cfg.train.seq_len // 2)
+    assert len(runner.compiled) == 2 and len(logged) == 1
+    assert logged[0].startswith(f"compiled the train step for batches of shape {shape} in "), logged
 
 
 @pytest.fixture(scope="module")

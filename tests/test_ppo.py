@@ -134,22 +134,30 @@ def test_at_an_iterations_first_update_the_ratio_is_1_and_the_loss_is_the_pure_l
     assert float(metrics["entropy"]) > 4.0  # a near-uniform tiny model: close to log 128 = 4.85
 
 
-@pytest.mark.parametrize("max_approx_kl, moves", [(0.0, True), (1e-6, False)])
-def test_an_update_past_max_approx_kl_is_skipped(max_approx_kl, moves):
-    ppo = dataclasses.replace(PPO, max_approx_kl=max_approx_kl)
-    objective, model, batch, _ = _policy_and_batch(ppo)
-    batch["old_logps"] = batch["old_logps"] - 0.1 * batch["mask"]  # the policy has moved since it sampled
+def test_an_update_past_max_approx_kl_is_skipped():
+    """One compiled step, two minibatches: one sampled by a policy that has since moved (approx KL past the
+    limit: parameters, optimizer state untouched), then one of the current policy's own (it updates)."""
+    ppo = dataclasses.replace(PPO, max_approx_kl=1e-6)
+    objective, model, batch, layout = _policy_and_batch(ppo)
+    moved = dict(batch, old_logps=batch["old_logps"] - 0.1 * batch["mask"])
     mesh = make_mesh(MeshConfig(8, 1, 1, 1))
     tx = make_optimizer(OptimConfig(lr=3e-2, warmup_steps=0), 10)
+    leaves = lambda state: [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))]
     with jax.set_mesh(mesh):
         state, frozen, shardings, frozen_shardings = init_objective_state(objective, tx, mesh, seed=0)
-        before = [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))]
+        before = leaves(state)
         step = jit_train_step(make_train_step(objective, tx), shardings, mesh, frozen_shardings)
-        state, metrics = step(state, to_global(batch, batch_sharding(mesh), B), frozen)
-    after = [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))]
-    assert float(metrics["approx_kl"]) > 1e-6 and int(state.step) == 1
-    assert ("skip_update" in metrics) == bool(max_approx_kl)
-    assert any(not np.array_equal(a, b) for a, b in zip(before, after)) == moves
+        state, skipped = step(state, to_global(moved, batch_sharding(mesh), B), frozen)
+        assert float(skipped["approx_kl"]) > 1e-6 and int(state.step) == 1
+        assert all(np.array_equal(a, b) for a, b in zip(before, leaves(state)))
+        policy = nnx.merge(objective.graphdef, state.params, frozen)  # the step's policy, its sampler log-probs
+        own = dict(batch, old_logps=np.asarray(response_logps(policy, *layout, P)) * batch["mask"])
+        state, updated = step(state, to_global(own, batch_sharding(mesh), B), frozen)
+        assert float(updated["approx_kl"]) < 1e-12
+        assert any(not np.array_equal(a, b) for a, b in zip(before, leaves(state)))
+    # Without a limit the loss has no veto metric: the step compiles as every other objective's.
+    assert "skip_update" in skipped and "skip_update" not in jax.eval_shape(
+        lambda: ppo_loss_fn(model, batch, ppo=PPO)[2])
 
 
 def _trl_token_rewards(scores, stopped, kl, mask, kl_coef, penalty):

@@ -1,4 +1,5 @@
-"""RL prompt data (jaxllm/data/prompts.py) and the reward-function registry (jaxllm/post/rewards.py)."""
+"""RL prompt data (jaxllm/data/prompts.py), its length buckets (jaxllm/train/rl.py) and the reward-function
+registry (jaxllm/post/rewards.py)."""
 
 import json
 
@@ -9,6 +10,7 @@ from jaxllm.data.sft import encode_examples
 from jaxllm.data.sft_template import encode, prompt_pieces, render
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.post import rewards
+from jaxllm.train.rl import prompt_bucket
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +85,10 @@ def test_registry_resolves_registered_functions_and_names_the_others():
         rewards.resolve("fn:no_such_module:f")
     with pytest.raises(ValueError, match="module 'jaxllm.post.rewards' has no reward function 'nope'"):
         rewards.resolve("fn:jaxllm.post.rewards:nope")
+
+
+def test_an_iterations_prompts_pad_to_its_bucket():
+    """Rows are as long as the iteration's longest prompt rounded up to 32 tokens, never past max_prompt_tokens
+    rounded up: short prompts cost short rows."""
+    assert [prompt_bucket(n, 128) for n in (1, 31, 32, 33, 65, 96, 97, 128)] == [32, 32, 32, 64, 96, 96, 128, 128]
+    assert prompt_bucket(90, 80) == 96 and prompt_bucket(20, 80) == 32 and prompt_bucket(20, 20) == 32

@@ -22,7 +22,7 @@ from jaxllm.post.pairs import masked_mean
 from jaxllm.post.rollout import response_logits, token_entropy
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.pretrain import token_logps
-from jaxllm.train.rl import RolloutBatches, rl_objective, rl_setup
+from jaxllm.train.rl import RolloutBatches, rl_objective, rl_setup, rows_prompt_len
 
 # Token-mean aggregations count tokens; the others average over sequences.
 _PER_TOKEN = ("dapo", "bnpo")
@@ -31,7 +31,7 @@ _PER_TOKEN = ("dapo", "bnpo")
 def grpo_loss_fn(model, batch, rng=None, *, grpo: GRPOConfig):
     """`loss_fn` of GRPO on a minibatch of rollout rows; `rng` is unused (no dropout: see the module doc)."""
     mask = batch["mask"]
-    prompt_len = batch["tokens"].shape[1] - mask.shape[1]
+    prompt_len = rows_prompt_len(batch)
     logits = response_logits(model, batch["tokens"], batch["segment_ids"], batch["positions"], prompt_len,
                              grpo.temperature)
     logps = token_logps(logits, batch["tokens"][:, prompt_len:])

@@ -102,32 +102,44 @@ class Run:
 
 
 class StepRunner:
-    """The compiled train step, and for drills (debug.inject_*) a variant with a scaled loss that runs once at
-    its step, compiled when first needed."""
+    """The compiled train step, one per batch shape (RL rows are as long as their iteration's prompt bucket;
+    every other objective has one shape), and for drills (debug.inject_*) a variant with a scaled loss that
+    runs once at its step, compiled when first needed."""
 
-    def __init__(self, objective: Objective, tx, cfg: Config, shardings, frozen_shardings, mesh):
+    def __init__(self, objective: Objective, tx, cfg: Config, shardings, frozen_shardings, mesh, log=print):
         skip = cfg.train.on_anomaly in ("skip", "rollback")
         # Under `rollback` too an anomalous update is skipped inside the step: the next step, already dispatched
         # when the anomaly is seen, then starts from a healthy state, which is the fallback with no checkpoint.
         self._jit = lambda obj: jit_train_step(
             make_train_step(obj, tx, cfg.optim.grad_accum, cfg.anomaly, skip_anomalies=skip),
             shardings, mesh, frozen_shardings)
-        self.objective, self.mesh = objective, mesh
-        self.compiled = None
+        self.objective, self.mesh, self.log = objective, mesh, log
+        self.compiled: dict = {}  # batch shapes -> compiled step
         self.faults = planned_faults(cfg.debug)
 
     def compile(self, state, batch, frozen) -> float:
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            self.compiled = self._jit(self.objective).lower(state, batch, frozen).compile()
+            self.compiled[_shapes(batch)] = self._jit(self.objective).lower(state, batch, frozen).compile()
         return time.perf_counter() - start
+
+    def compiled_for(self, batch):
+        """The compiled step of batches shaped like `batch` (`compile` made it)."""
+        return self.compiled[_shapes(batch)]
 
     def __call__(self, step: int, state, batch, frozen):
         factor = self.faults.pop(step, None)
         if factor is None:
-            return self.compiled(state, batch, frozen)
+            if _shapes(batch) not in self.compiled:
+                seconds = self.compile(state, batch, frozen)
+                self.log(f"compiled the train step for batches of shape {batch['tokens'].shape} in {seconds:.1f}s")
+            return self.compiled_for(batch)(state, batch, frozen)
         with jax.set_mesh(self.mesh):
             return self._jit(with_scaled_loss(self.objective, factor))(state, batch, frozen)
+
+
+def _shapes(batch: dict) -> tuple:
+    return tuple((k, v.shape) for k, v in sorted(batch.items()))
 
 
 class MetricsLog:
@@ -136,7 +148,7 @@ class MetricsLog:
     def __init__(self, cfg: Config, mesh, workdir: Path, start_step: int, is_main: bool, stream,
                  progress_metrics: tuple[str, ...] = ()):
         tc = cfg.train
-        self.tokens_per_step = tc.batch_size * tc.seq_len
+        # FLOPs per token at the longest rows (RL rows shorter than train.seq_len overstate the attention part).
         self.flops = train_flops_per_token(cfg.model, tc.seq_len)
         self.flops_causal = train_flops_per_token(cfg.model, tc.seq_len, causal=True)
         self.peak, self.devices = peak_flops_per_device(cfg.peak_flops), mesh.size
@@ -145,6 +157,7 @@ class MetricsLog:
         self.shown = progress_metrics
         self.log_every, self.total = tc.log_every, tc.steps
         self.step_times: list[float] = []
+        self.step_tokens: list[int] = []
         self.losses: list[float] = []
         self.restart_clock()
 
@@ -155,17 +168,18 @@ class MetricsLog:
     def mfu(self, tokens_per_sec: float, causal: bool = False) -> float:
         return mfu(tokens_per_sec, self.flops_causal if causal else self.flops, self.devices, self.peak)
 
-    def report(self, step: int, metrics, host: dict) -> dict:
+    def report(self, step: int, metrics, host: dict, tokens: int) -> dict:
         """Fetch one step's metrics (blocks on that step only), log them with the `host` ones of its batch (see
-        `host_metrics`), return them."""
+        `host_metrics`) and its throughput (`tokens` slots in the batch), return them."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         step_time, self.last_ready = now - self.last_ready, now
-        tps = self.tokens_per_step / step_time
+        tps = tokens / step_time
         record = dict(values, step=step, step_time_s=step_time, tokens_per_sec=tps, mfu=self.mfu(tps),
                       mfu_causal=self.mfu(tps, causal=True), **host)
         self.writer.write(record)
         self.step_times.append(step_time)
+        self.step_tokens.append(tokens)
         self.losses.append(values["loss"])
         if self.bar is not None and (step % self.log_every == 0 or step == self.total):
             self.bar.update(step, values["loss"], tps, record["mfu"], force=step == self.total,
@@ -173,8 +187,10 @@ class MetricsLog:
         return record
 
     def steady_tokens_per_sec(self) -> float:
-        steady = self.step_times[min(2, len(self.step_times) - 1):] if self.step_times else [float("nan")]
-        return self.tokens_per_step * len(steady) / float(np.sum(steady))
+        if not self.step_times:
+            return float("nan")
+        first = min(2, len(self.step_times) - 1)
+        return float(np.sum(self.step_tokens[first:]) / np.sum(self.step_times[first:]))
 
     def close_bar(self) -> None:
         if self.bar is not None:
@@ -263,7 +279,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     host = host_metrics(local, run.batches)
     batch = to_global(local, rows_sharding, tc.batch_size)
     t0 = time.perf_counter()
-    runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh)
+    runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh, log)
     runner.compile(run.state, batch, run.frozen)
     eval_step = None
     if eval_batches:
@@ -302,7 +318,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
             checkpointer.check_for_errors()  # a failed background save stops training here
             step += 1
             run.state, metrics = runner(step, run.state, batch, run.frozen)  # dispatch this step ...
-            current = (step, metrics, host)
+            current = (step, metrics, host, batch["tokens"].size)
             rolled_back = pending is not None and recover(run, metrics_log.report(*pending))  # ... read the last
             pending = None
             if not rolled_back:

@@ -31,7 +31,7 @@ from jaxllm.post.pairs import masked_mean
 from jaxllm.post.rollout import response_logits, token_entropy
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.pretrain import next_token_loss, token_logps
-from jaxllm.train.rl import RolloutBatches, response_kl, rl_objective, rl_setup
+from jaxllm.train.rl import RolloutBatches, response_kl, rl_objective, rl_setup, rows_prompt_len
 from jaxllm.train.state import build_model
 from jaxllm.train.step import SKIP_UPDATE
 
@@ -59,7 +59,7 @@ def ppo_loss_fn(model, batch, rng=None, *, ppo: PPOConfig):
     """`loss_fn` of PPO on a minibatch of rollout rows (no dropout: see jaxllm/train/rl.py): the clipped policy
     loss + vf_coef x the clipped value loss - entropy_coef x the entropy, each a mean over valid tokens."""
     mask = batch["mask"]
-    prompt_len = batch["tokens"].shape[1] - mask.shape[1]
+    prompt_len = rows_prompt_len(batch)
     layout = batch["tokens"], batch["segment_ids"], batch["positions"]
     logits = response_logits(model, *layout, prompt_len, ppo.temperature)
     logps = token_logps(logits, batch["tokens"][:, prompt_len:])
@@ -125,7 +125,7 @@ class PPOBatches(RolloutBatches):
         layout = rows["tokens"], rows["segment_ids"], rows["positions"]
         with jax.set_mesh(self.sampler.mesh):
             values = np.asarray(_values(self.sampler.graphdef, variables, *layout,
-                                        prompt_len=self.sampler.prompt_len)) * mask
+                                        prompt_len=rows_prompt_len(rows))) * mask
         kl = np.asarray(kl_penalty(rows["old_logps"], rows["ref_logps"], p.kl_estimator)) * mask
         rewards = token_rewards(rows["scores"][:, 0], rows["stopped"][:, 0], kl, mask, self.kl_coef,
                                 p.missing_eos_penalty)

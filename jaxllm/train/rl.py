@@ -11,8 +11,10 @@ its loss needs (GRPO: group advantages; PPO: values, per-token rewards, GAE), an
 Everything an iteration made travels in the batch source's state, saved with every checkpoint: a run resumed in
 the middle of an iteration trains on the very rollouts it had, and resumes bitwise. The policy's forward pass
 uses no dropout, so that at an iteration's first update the ratio is 1 (TRL's PPO and GRPO disable dropout
-too). Prompts are padded to one length (the bucket of max_prompt_tokens) and responses to max_new_tokens, so
-the step compiles once. One process per run for now: the rollout is read back whole on the host.
+too). Prompts are bucketed by length: an iteration's prompts are left-padded to its longest one rounded up to a
+multiple of PROMPT_BUCKET tokens (at most max_prompt_tokens rounded up), its responses to max_new_tokens, so
+short prompts cost short rows and the step compiles once per bucket (jaxllm.train.loop.StepRunner). One
+process per run for now: the rollout is read back whole on the host.
 """
 
 from __future__ import annotations
@@ -36,11 +38,27 @@ from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter
 from jaxllm.post import rewards
 from jaxllm.post.rollout import response_logps, rollout, sequence_layout
-from jaxllm.sample import bucket, left_pad
+from jaxllm.sample import left_pad
 from jaxllm.train.dpo import reference_model
 from jaxllm.train.finetune import data_errors, locate_base, tokenizer_path
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.pretrain import lm_objective
+
+
+# Prompt buckets are multiples of this many tokens: finer than the sampler's powers of two (prompts of 65 tokens
+# cost rows of 96 + max_new_tokens, not 128 + max_new_tokens), with a few compiled shapes.
+PROMPT_BUCKET = 32
+
+
+def prompt_bucket(longest: int, max_prompt_tokens: int) -> int:
+    """The padded prompt length of an iteration whose longest prompt has `longest` tokens."""
+    round_up = lambda n: PROMPT_BUCKET * max(1, -(-n // PROMPT_BUCKET))
+    return min(round_up(longest), round_up(max_prompt_tokens))
+
+
+def rows_prompt_len(rows: dict[str, np.ndarray]) -> int:
+    """The prompt length of rollout rows: their slots less the response slots."""
+    return rows["tokens"].shape[1] - rows["mask"].shape[1]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "temperature"))
@@ -100,7 +118,6 @@ class Sampler:
     tokenizer: object
     reward_fn: object  # fn(prompt, response) -> float, or a RewardModelScorer
     settings: RolloutConfig
-    prompt_len: int
 
     def respond(self, variables, prompts: list[dict], key, timings: dict | None = None) -> dict[str, np.ndarray]:
         """One sampled response to each prompt, scored: host arrays of the rows (tokens, layout, mask, the
@@ -109,19 +126,20 @@ class Sampler:
         sampling ("rollout_s") and scoring: the reference's log-probs and the scores ("scoring_s")."""
         jax.block_until_ready(variables)  # the update that made them is not the rollout's time
         s, started = self.settings, time.perf_counter()
-        tokens_BP, start_B = left_pad([p["prompt_ids"] for p in prompts], len(prompts), self.prompt_len)
+        P = prompt_bucket(max(len(p["prompt_ids"]) for p in prompts), s.max_prompt_tokens)
+        tokens_BP, start_B = left_pad([p["prompt_ids"] for p in prompts], len(prompts), P)
         with jax.set_mesh(self.mesh):
             out = rollout(self.graphdef, variables, tokens_BP, start_B, max_new_tokens=s.max_new_tokens,
                           temperature=s.temperature, stop_ids=(self.tokenizer.eos_id,), key=key)
             N = s.max_new_tokens  # the sampler's cache bucket may hold more slots: never filled
             mask = np.asarray(out.mask[:, :N])  # waits for the sampler
             sampled = time.perf_counter()
-            tokens = out.tokens[:, : self.prompt_len + N]
+            tokens = out.tokens[:, : P + N]
             segment_ids, positions = sequence_layout(tokens, out.start)
             reference = reference_model(nnx.merge(self.graphdef, variables), self.plain_graphdef)
             ref_logps = _logps(self.plain_graphdef, nnx.state(reference), tokens, segment_ids, positions,
-                               prompt_len=self.prompt_len, temperature=s.temperature)
-            model_scores = (self.reward_fn(tokens, segment_ids, positions, mask, self.prompt_len)
+                               prompt_len=P, temperature=s.temperature)
+            model_scores = (self.reward_fn(tokens, segment_ids, positions, mask, P)
                             if isinstance(self.reward_fn, RewardModelScorer) else None)
         rows = {"tokens": np.asarray(tokens), "segment_ids": np.asarray(segment_ids),
                 "positions": np.asarray(positions), "mask": mask, "old_logps": np.asarray(out.logps[:, :N]),
@@ -136,7 +154,7 @@ class Sampler:
 
     def response_text(self, row_tokens: np.ndarray, mask: np.ndarray) -> str:
         """A rollout row's response as text, without its EOS."""
-        ids = row_tokens[self.prompt_len:][: int(mask.sum())]
+        ids = row_tokens[len(row_tokens) - len(mask):][: int(mask.sum())]
         return self.tokenizer.decode([int(t) for t in ids if t != self.tokenizer.eos_id])
 
     def score(self, prompt: dict, row_tokens: np.ndarray, mask: np.ndarray) -> float:
@@ -290,14 +308,13 @@ def rl_setup(cfg: Config, num_devices: int, section: str, log, build_policy=lm_o
                                tokenizer, settings.template, settings.max_prompt_tokens, log)
     if not prompts["train"]:
         raise ConfigError(f"{section}.train_file", f"no usable prompts in {settings.train_file}")
-    prompt_len = bucket(settings.max_prompt_tokens, 1)
-    # A step's rows are prompt_len + max_new_tokens long: the throughput and MFU of the loop count those.
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
-                                                             seq_len=prompt_len + settings.max_new_tokens))
+    # train.seq_len is the longest rows' length (the largest bucket): what the loop plans memory and FLOPs for.
+    longest = prompt_bucket(settings.max_prompt_tokens, settings.max_prompt_tokens) + settings.max_new_tokens
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=longest))
     rope = base.rope_scaling
     plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope)
     policy = build_policy(cfg.model, cfg.precision, cfg.pipeline, cfg.lora, rope_scaling=rope)
-    sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, settings, prompt_len)
+    sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, settings)
     held_out = prompts["eval"][: settings.eval_prompts]
 
     def report(graphdef, variables, mesh):
