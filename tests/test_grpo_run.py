@@ -126,7 +126,6 @@ def test_a_reward_model_scores_the_rollouts(lora_run, prompts, reward_checkpoint
     assert bad.returncode == 2 and "is not a reward model" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
 
-
 @pytest.fixture(scope="module")
 def trained_base(shakespeare_store, tmp_path_factory):
     """The tiny model pretrained for 60 steps: unlike the 2-step bases, whose output is near uniform, its head

@@ -134,8 +134,9 @@ def _config(store, workdir, *overrides):
     return validate(build_config(str(ROOT / "configs" / "pretrain.py"), pairs, str(workdir)), 8)
 
 
-def _step_runners(cfg, *configs, seq_len=None):
-    """StepRunners of `configs` for cfg's tiny LM, its fresh state and a synthetic batch of `seq_len` tokens."""
+def _step_runners(cfg, *configs):
+    """StepRunners of `configs` for cfg's tiny LM, its fresh state and `batch_of(seed, T)`: synthetic global
+    batches of T tokens a row."""
     objective = lm_objective(cfg.model, cfg.precision)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     mesh = make_mesh(cfg.mesh)

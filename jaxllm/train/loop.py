@@ -130,10 +130,12 @@ class StepRunner:
     def __call__(self, step: int, state, batch, frozen):
         factor = self.faults.pop(step, None)
         if factor is None:
-            if _shapes(batch) not in self.compiled:
+            compiled = self.compiled.get(_shapes(batch))
+            if compiled is None:
                 seconds = self.compile(state, batch, frozen)
                 self.log(f"compiled the train step for batches of shape {batch['tokens'].shape} in {seconds:.1f}s")
-            return self.compiled_for(batch)(state, batch, frozen)
+                compiled = self.compiled_for(batch)
+            return compiled(state, batch, frozen)
         with jax.set_mesh(self.mesh):
             return self._jit(with_scaled_loss(self.objective, factor))(state, batch, frozen)
 
