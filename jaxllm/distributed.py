@@ -192,6 +192,11 @@ def _join_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout:
     while True:
         try:
             conn = socket.create_connection((host, port), timeout=max(min(5.0, deadline - time.monotonic()), 0.1))
+            if conn.getsockname() == conn.getpeername():
+                # Linux TCP "simultaneous open": retrying a connect to a local port nobody listens on can pick that
+                # very port as its source and connect to itself, so our own hello would come back as the answer.
+                conn.close()
+                raise ConnectionRefusedError
             break
         except OSError:
             if time.monotonic() >= deadline:

@@ -92,3 +92,32 @@ def test_bad_host_layouts_name_the_key():
 def test_a_single_process_reads_every_row():
     mesh = make_mesh(MeshConfig(2, 2, 2, 1))
     assert process_rows(batch_sharding(mesh), 16) == (0, 1)
+
+
+def test_a_connect_that_reaches_itself_is_not_taken_for_process_0(monkeypatch):
+    """Retrying a connect to a local port nobody listens on can pick that port as its own source (TCP
+    simultaneous open): the socket then talks to itself. Seen in CI; it must read as "process 0 did not arrive"."""
+    import socket
+
+    from jaxllm import distributed
+    from jaxllm.distributed import ProcessLayout, rendezvous
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    real_connect, calls = socket.create_connection, []
+
+    def connect_to_itself_once(address, timeout=None):
+        calls.append(address)
+        if len(calls) > 1:
+            return real_connect(address, timeout=timeout)
+        sock = socket.socket()
+        sock.bind(address)
+        sock.connect(address)  # bound to the port it connects to: Linux connects the socket to itself
+        return sock
+
+    monkeypatch.setattr(distributed.socket, "create_connection", connect_to_itself_once)
+    layout = ProcessLayout(f"127.0.0.1:{port - 1}", 2, 1, "flags")
+    with pytest.raises(DistributedError, match="process 0 \\(the coordinator.*did not arrive within 1s"):
+        rendezvous(layout, timeout=1)
+    assert len(calls) > 1
