@@ -17,7 +17,7 @@ from jaxllm.model.presets import GPU_PRESETS, PRESETS
 
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_POLICIES = ("none", "full", "save_dots", "minimal_with_context", "save_qkv_proj")
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
@@ -92,6 +92,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     remat: str = "none"
+    # Sequence positions per chunk of the output head's loss (jaxllm/model/head.py); 0: the whole sequence at once.
+    loss_chunk: int = 0
     # auto: cudnn on GPUs when computing in bf16/fp16, else xla (see jaxllm.model.visibility.resolve_attention)
     attention: str = "auto"
     preset: str = ""
@@ -99,7 +101,8 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-    """Mixed-precision policy: storage of parameters/optimizer state, matmul compute, and logits."""
+    """Mixed-precision policy: storage of parameters/optimizer state, matmul compute, and logits. `compute`
+    "auto" picks bfloat16 where the hardware computes it natively, else float32 (jaxllm/auto_precision.py)."""
 
     params: str = "float32"
     compute: str = "bfloat16"
@@ -543,6 +546,10 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         mesh = resolve_dcn(mesh, num_processes)
     model = _build(ModelConfig, cd.model, "model.")
     precision = _build(PrecisionConfig, cd.precision, "precision.")
+    if precision.compute == "auto":  # resolved here, so everything downstream sees a real dtype
+        from jaxllm.auto_precision import resolve_compute
+
+        precision = dataclasses.replace(precision, compute=resolve_compute()[0])
     optim = _build(OptimConfig, cd.optim, "optim.")
     train = _build(TrainConfig, cd.train, "train.")
     data = _build(DataConfig, cd.data, "data.")
@@ -563,6 +570,8 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     _positive("model.rope_theta", model.rope_theta)
     _positive("model.norm_eps", model.norm_eps)
     _choice("model.remat", model.remat, REMAT_POLICIES)
+    if model.loss_chunk < 0:
+        raise ConfigError("model.loss_chunk", f"must be >= 0 (0: no chunking), got {model.loss_chunk}")
     _choice("model.attention", model.attention, ATTENTION_IMPLS)
     if model.attention == "cudnn" and precision.compute not in ("bfloat16", "float16"):
         raise ConfigError("model.attention", f"'cudnn' needs precision.compute bfloat16 or float16, got "

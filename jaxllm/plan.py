@@ -1,7 +1,8 @@
 """Plan a run without allocating it: parameter counts (all, trainable) and per-device bytes of the frozen and
 trainable parameters and the optimizer state for any mesh, including meshes far larger than this machine (an
 AbstractMesh has no devices). A LoRA fine-tuning config (train.objective="sft", lora.rank > 0) plans the base
-frozen and the adapters trainable."""
+frozen and the adapters trainable. `compiled_step_memory` adds what only a compile knows (activations and
+temporaries), from an ahead-of-time compile of the real train step on this machine's devices."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import math
 
 import jax
 
+from jaxllm.activation_memory import step_temp_bytes
 from jaxllm.config import Config
-from jaxllm.mesh import abstract_mesh
+from jaxllm.data.synthetic import synthetic_batch
+from jaxllm.mesh import abstract_mesh, make_mesh
+from jaxllm.model.visibility import gpu_attention
 from jaxllm.optim import make_optimizer
-from jaxllm.sharding import bytes_per_device
+from jaxllm.sharding import bytes_per_device, sharding_tree
+from jaxllm.train.loop import StepRunner
 from jaxllm.train.pretrain import lm_objective
 from jaxllm.train.state import abstract_objective_state
 
@@ -21,16 +26,27 @@ def _count(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-def memory_plan(cfg: Config) -> dict:
-    """Parameter counts, and bytes per device of parameters (frozen, trainable) and optimizer state, on
-    `cfg.mesh`."""
-    mesh = abstract_mesh(cfg.mesh)
+# Memory a GPU shows to CUDA (nvidia-smi's total), by the name the plan prints.
+GPUS = {"H100 80 GB": 81559 * 1024**2, "H200 141 GB": 143771 * 1024**2}
+# JAX preallocates this share of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
+JAX_MEM_FRACTION = 0.75
+
+
+def _objective(cfg: Config):
     lora = cfg.lora if cfg.train.objective == "sft" and cfg.lora.rank else None
-    objective = lm_objective(cfg.model, cfg.precision, lora=lora)
-    state, frozen = abstract_objective_state(objective, make_optimizer(cfg.optim, cfg.train.steps))
+    return lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora=lora)
+
+
+def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
+    """Parameter counts, and bytes per device of parameters (frozen, trainable), optimizer state and the train
+    step's temporaries on `cfg.mesh`, with a verdict per GPU in `GPUS`. Temporaries come from an ahead-of-time
+    compile on this machine when `compiled` (None: when the backend is not the CPU and has the mesh's devices),
+    else from `jaxllm.activation_memory`'s formula, with the attention a GPU would run."""
+    mesh = abstract_mesh(cfg.mesh)
+    state, frozen = abstract_objective_state(_objective(cfg), make_optimizer(cfg.optim, cfg.train.steps))
     trainable = _count(state.params)
     every = jax.tree.leaves((state.params, frozen))
-    return dict(
+    plan = dict(
         preset=cfg.model.preset or "custom",
         mesh=dict(zip(mesh.axis_names, mesh.axis_sizes)),
         num_params=trainable + _count(frozen),
@@ -40,6 +56,45 @@ def memory_plan(cfg: Config) -> dict:
         opt_bytes_per_device=bytes_per_device(state.opt_state, mesh),
         param_bytes_total=sum(math.prod(x.shape) * x.dtype.itemsize for x in every),
     )
+    if compiled is None:
+        compiled = jax.default_backend() != "cpu" and cfg.mesh.num_devices <= jax.device_count()
+    if compiled:
+        plan.update(temp_bytes_per_device=compiled_step_memory(cfg)["temp"],
+                    temp_source=f"compiled on {jax.default_backend()}")
+    else:
+        attention = gpu_attention(cfg.model.attention, cfg.precision.compute)
+        parts = step_temp_bytes(cfg, attention, plan["param_bytes_per_device"])
+        plan.update(temp_bytes_per_device=int(sum(parts.values())), temp_parts={k: int(v) for k, v in parts.items()},
+                    temp_source=f"formula, attention {attention} as on a GPU")
+    total = sum(plan[k] for k in ("frozen_bytes_per_device", "param_bytes_per_device", "opt_bytes_per_device",
+                                  "temp_bytes_per_device"))
+    plan.update(total_bytes_per_device=total, fits={name: fit_verdict(total, size) for name, size in GPUS.items()})
+    return plan
+
+
+def fit_verdict(total: int, capacity: int) -> str:
+    """"fits", "fits with XLA_PYTHON_CLIENT_MEM_FRACTION >= f" or "does not fit", for `total` bytes per device."""
+    if total <= JAX_MEM_FRACTION * capacity:
+        return "fits"
+    if total <= 0.98 * capacity:  # a little stays with CUDA's own context
+        return f"fits with XLA_PYTHON_CLIENT_MEM_FRACTION >= {math.ceil(100 * total / capacity) / 100:.2f}"
+    return "does not fit"
+
+
+def compiled_step_memory(cfg: Config) -> dict:
+    """Bytes per device of the train step compiled ahead of time for `cfg` on the first `cfg.mesh.num_devices`
+    devices of this machine (nothing allocated): `memory_analysis()`'s argument, output, alias (donated) and
+    temp (activations, gradients, temporaries) sizes."""
+    mesh = make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    objective = _objective(cfg)
+    state, frozen = abstract_objective_state(objective, tx, cfg.anomaly.window)
+    shape = (cfg.train.batch_size, cfg.train.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, v.dtype) for k, v in synthetic_batch(0, 1, 2, 8).items()}
+    runner = StepRunner(objective, tx, cfg, sharding_tree(state, mesh), sharding_tree(frozen, mesh), mesh)
+    runner.compile(state, batch, frozen)
+    memory = runner.compiled_for(batch).memory_analysis()
+    return {k: int(getattr(memory, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
 
 
 def _size(n: int) -> str:
@@ -47,16 +102,21 @@ def _size(n: int) -> str:
 
 
 def format_plan(plan: dict) -> str:
-    frozen, trainable, opt = (plan[k] for k in ("frozen_bytes_per_device", "param_bytes_per_device",
-                                                "opt_bytes_per_device"))
+    frozen, trainable, opt, temp = (plan[k] for k in ("frozen_bytes_per_device", "param_bytes_per_device",
+                                                      "opt_bytes_per_device", "temp_bytes_per_device"))
     mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items())
     share = plan["trainable_params"] / plan["num_params"]
     params = (f"frozen parameters {_size(frozen)} + trainable parameters {_size(trainable)}"
               if frozen else f"parameters {_size(trainable)}")
-    return (
+    parts = plan.get("temp_parts")
+    temp_detail = " (" + " + ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in parts.items()) + ")" if parts else ""
+    lines = [
         f"model {plan['preset']}: {plan['num_params']:,} parameters ({plan['num_params'] / 1e9:.2f} B), "
-        f"{plan['trainable_params']:,} trainable ({100 * share:.3g}%)\n"
-        f"mesh {mesh} ({math.prod(plan['mesh'].values())} devices)\n"
-        f"per device: {params} + optimizer state {_size(opt)} = {_size(frozen + trainable + opt)} "
-        f"(activations not included)"
-    )
+        f"{plan['trainable_params']:,} trainable ({100 * share:.3g}%)",
+        f"mesh {mesh} ({math.prod(plan['mesh'].values())} devices)",
+        f"per device: {params} + optimizer state {_size(opt)} = {_size(frozen + trainable + opt)}",
+        f"temporaries per device ({plan['temp_source']}): {_size(temp)}{temp_detail}",
+        f"total per device: {_size(plan['total_bytes_per_device'])}",
+    ]
+    lines += [f"{name} ({_size(GPUS[name])}): {verdict}" for name, verdict in plan["fits"].items()]
+    return "\n".join(lines)

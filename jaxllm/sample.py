@@ -58,7 +58,7 @@ def _pick(logits_BV, key, step, temperature, top_k, top_p, sampling: bool):
 
 
 def _logp_of(logits_BV, token_B):
-    # The arithmetic of jaxllm.train.pretrain.token_logps (target logit - logsumexp), so that a forward pass
+    # The arithmetic of jaxllm.model.head.token_logps (target logit - logsumexp), so that a forward pass
     # over the sampled tokens rounds the same way.
     target_B = jnp.take_along_axis(logits_BV, token_B[:, None], axis=-1)[:, 0]
     return target_B - jax.nn.logsumexp(logits_BV, axis=-1)

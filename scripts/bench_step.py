@@ -4,7 +4,12 @@ Prints a table of compile time, step time, tokens/s, MFU and per-device memory (
 memory_analysis), for the same train step run two ways in one process:
   bare  the compiled step called back to back on one device-resident batch, nothing around it;
   loop  jaxllm.train.loop.train: real data pipeline, host->device transfer, metrics one step late, JSONL, progress.
-The loop/bare tokens/s ratio is the loop's overhead (target >= 0.95). Ends with one JSON line of the figures.
+  plain an independent step of the same network in plain jax.numpy + optax (scripts/plain_step.py), data-parallel
+        over the same devices: the yardstick of the bare step.
+bare and plain run 3 times interleaved and report the median run; loop runs once. The loop/bare tokens/s ratio
+is the loop's overhead (target >= 0.95), bare/plain jaxllm's cost over a minimal step (target >= 0.95; compare
+on a data-only mesh, --config.mesh.data=N --config.mesh.fsdp=1 --config.mesh.tensor=1, for like with like).
+Ends with one JSON line of the figures.
 
 With a LoRA fine-tuning config (train.objective="sft", lora.rank > 0, e.g. configs/sft_lora.py) it times instead
 the bare step of the adapters (base frozen) against full fine-tuning of the same model, interleaved (lora, full,
@@ -130,6 +135,11 @@ def lora_vs_full(cfg, steps: int) -> int:
     return 0
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s."""
+    return sorted(runs, key=lambda r: r["tokens_per_sec"])[len(runs) // 2]
+
+
 def main(argv):
     args_list, overrides = split_overrides(argv)
     p = parser(__doc__.splitlines()[0])
@@ -153,12 +163,20 @@ def main(argv):
     except (ConfigError, UsageError) as exc:
         fail(str(exc))
 
-    bare_a = bare_step_throughput(cfg, args.steps)
-    loop = loop_throughput(cfg, args.steps)
-    bare_b = bare_step_throughput(cfg, args.steps)  # bare measured before and after: machine noise shows
-    bare = dict(bare_a, tokens_per_sec=(bare_a["tokens_per_sec"] + bare_b["tokens_per_sec"]) / 2,
-                step_s=(bare_a["step_s"] + bare_b["step_s"]) / 2, mfu=(bare_a["mfu"] + bare_b["mfu"]) / 2)
+    from jaxllm.data.synthetic import synthetic_batch
+    from plain_step import plain_step_throughput
+
+    batch = synthetic_batch(0, cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size)
+    devices = jax.devices()[:cfg.mesh.num_devices]
+    bare_runs, plain_runs = [], []
+    for i in range(3):  # interleaved: single runs here vary by 10-15%, so medians of three
+        bare_runs.append(bare_step_throughput(cfg, args.steps))
+        plain_runs.append(plain_step_throughput(cfg, batch, args.steps, devices))
+        if i == 0:
+            loop = loop_throughput(cfg, args.steps)
+    bare, plain = _median_run(bare_runs), _median_run(plain_runs)
     ratio = loop["tokens_per_sec"] / bare["tokens_per_sec"]
+    plain_ratio = bare["tokens_per_sec"] / plain["tokens_per_sec"]
 
     mesh = "x".join(str(s) for s in cfg.mesh.shape)
     m = cfg.model
@@ -171,9 +189,15 @@ def main(argv):
           f"{100 * bare['mfu']:>7.2f} {bare['argument_mb']:>12.2f} {bare['temp_mb']:>12.2f}")
     print(f"{'loop':<6} {loop['compile_s']:>10.2f} {loop['step_s']:>9.4f} {loop['tokens_per_sec']:>11,.0f} "
           f"{100 * loop['mfu']:>7.2f} {'':>12} {'':>12}")
-    print(f"loop / bare tokens/s = {ratio:.3f} (target >= 0.95); bare runs: {bare_a['tokens_per_sec']:,.0f} "
-          f"and {bare_b['tokens_per_sec']:,.0f} tokens/s")
-    report = {"bench": "step", "mesh": mesh, "bare": bare, "loop": loop, "loop_over_bare": ratio}
+    print(f"{'plain':<6} {plain['compile_s']:>10.2f} {plain['step_s']:>9.4f} {plain['tokens_per_sec']:>11,.0f} "
+          f"{100 * bare['mfu'] / plain_ratio:>7.2f} {'':>12} {plain['temp_mb']:>12.2f}")
+    print(f"loop / bare tokens/s = {ratio:.3f} (target >= 0.95)")
+    print(f"bare / plain tokens/s = {plain_ratio:.3f} (target >= 0.95; plain: scripts/plain_step.py, data-parallel "
+          f"over {len(devices)} device(s){'' if cfg.mesh.shape[1:] == (1, 1, 1) else ', bare on the mesh above'})")
+    print("tokens/s of the 3 interleaved runs: bare " + ", ".join(f"{r['tokens_per_sec']:,.0f}" for r in bare_runs)
+          + "; plain " + ", ".join(f"{r['tokens_per_sec']:,.0f}" for r in plain_runs))
+    report = {"bench": "step", "mesh": mesh, "bare": bare, "loop": loop, "plain": plain, "loop_over_bare": ratio,
+              "bare_over_plain": plain_ratio}
     if cfg.mesh.stage > 1:
         pp = pipeline_report(cfg)
         print(f"pipeline p={pp['stages']} m={pp['microbatches']} r={pp['repeats']} "

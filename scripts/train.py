@@ -1,7 +1,9 @@
 """Train a language model: `python scripts/train.py --config configs/pretrain.py [--config.a.b=v ...]`.
 
---dry_run      build the model abstractly and report parameters and per-device bytes for the mesh (no devices
-               needed: the mesh may be larger than this machine)
+--dry_run      build the model abstractly and report parameters, optimizer state and the step's temporaries in
+               bytes per device for the mesh, and whether that fits an H100 / H200 (no devices needed: the mesh
+               may be larger than this machine; temporaries come from a compile on a GPU host that has the
+               mesh's devices, else from a formula, see jaxllm/activation_memory.py)
 --print_sharding  print every parameter's path, shape, PartitionSpec and bytes per device, then exit
 
 Multi-process (one process per host): under SLURM (and Open MPI) the processes find each other by themselves;
@@ -64,6 +66,10 @@ def main(argv):
                        num_processes=None if planning else jax.process_count())
     except (ConfigError, UsageError) as exc:
         fail(str(exc))
+    if cd.precision.compute == "auto":
+        from jaxllm.auto_precision import resolve_compute
+
+        print(f"precision.compute=auto: {cfg.precision.compute}, {resolve_compute()[1]}", flush=True)
 
     if args.dry_run:
         from jaxllm.plan import format_plan, memory_plan

@@ -85,3 +85,27 @@ def test_dry_run_plans_lora_fine_tuning_of_llama_8b():
     assert ("frozen parameters 3.740 GiB + trainable parameters 12.000 MiB + optimizer state 24.000 MiB"
             in plans[16])
     assert "8,030,261,248 trainable (100%)" in plans[0] and "optimizer state 7.480 GiB" in plans[0]
+
+
+@pytest.mark.parametrize("platform,flags,want", [
+    ("gpu", set(), "bfloat16"),
+    ("cpu", {"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+    ("cpu", {"asimd", "bf16"}, "bfloat16"),  # Arm's BF16 extension
+    ("cpu", {"avx2", "avx512f"}, "float32"),
+], ids=["gpu", "x86-avx512-bf16", "arm-bf16", "x86-avx512-without-bf16"])
+def test_auto_compute_picks_bfloat16_only_where_it_is_native(platform, flags, want):
+    from jaxllm.auto_precision import auto_compute
+
+    dtype, reason = auto_compute(platform, flags)
+    assert dtype == want and reason
+
+
+def test_auto_compute_resolves_for_this_machine_and_says_why(capsys, tmp_path):
+    from jaxllm.auto_precision import cpu_flags, resolve_compute
+
+    native = bool({"avx512_bf16", "amx_bf16", "bf16"} & cpu_flags())
+    assert resolve_compute()[0] == ("bfloat16" if native else "float32")
+    assert train_script.main(["--config", CONFIG, "--config.precision.compute=auto", "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"precision.compute=auto: {resolve_compute()[0]}, "), out
+    assert cpu_flags(tmp_path / "absent") == set()

@@ -77,7 +77,7 @@ def test_dot_product_attention_matches_xla(model):
                                np.asarray(model(tokens, segments, positions)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots"])
+@pytest.mark.parametrize("remat", ["full", "save_dots", "minimal_with_context", "save_qkv_proj"])
 def test_remat_policies_give_identical_gradients(model, remat):
     tokens = np.random.default_rng(2).integers(4, CFG.vocab_size, (2, 8)).astype(np.int32)
     other = build_model(ModelConfig(**{**CFG.__dict__, "remat": remat}), F32, jax.random.key(0))
@@ -88,6 +88,22 @@ def test_remat_policies_give_identical_gradients(model, remat):
 
     for got, want in zip(jax.tree.leaves(grads(other)), jax.tree.leaves(grads(model))):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_named_remat_policies_keep_what_they_name():
+    """Compiled temp bytes of one layer's gradient, B2 T256: each policy keeps the residuals it names, so memory
+    orders full < save_qkv_proj < minimal_with_context < none (a name lost from the layers would collapse a
+    policy onto `full`)."""
+    cfg = ModelConfig(**{**CFG.__dict__, "num_layers": 3, "dim": 64, "mlp_dim": 256, "num_heads": 8,
+                         "num_kv_heads": 4})
+    tokens = np.zeros((2, 256), np.int32)
+    temp = {}
+    for remat in ("full", "save_qkv_proj", "minimal_with_context", "none"):
+        graphdef, params = nnx.split(build_model(ModelConfig(**{**cfg.__dict__, "remat": remat}), F32,
+                                                 jax.random.key(0)))
+        grad = jax.jit(jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p).hidden_states(tokens) ** 2)))
+        temp[remat] = grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+    assert temp["full"] < temp["save_qkv_proj"] < temp["minimal_with_context"] < temp["none"], temp
 
 
 def test_bfloat16_compute_policy_keeps_float32_params_and_logits():

@@ -90,8 +90,7 @@ def token_dropout_loss(model, batch, rng):
     mask = batch["loss_mask"]
     if rng is not None:
         mask = mask * jax.random.bernoulli(rng, 0.5, mask.shape)
-    logits = model(batch["tokens"], batch["segment_ids"], batch["positions"])
-    loss_sum, count = cross_entropy_sum(logits, batch["targets"], mask)
+    loss_sum, count = cross_entropy_sum(model, batch, mask)
     return loss_sum, count, {"kept_fraction": count / jnp.maximum(jnp.sum(batch["loss_mask"]), 1)}
 
 

@@ -8,6 +8,10 @@ Dimension letters (shape suffixes and einsum strings):
 Parameters carry logical axis names in `out_sharding` metadata; `jaxllm.sharding.RULES` maps them to mesh
 axes. Blocks that are stacked over layers take `stack=(L,)`: their parameters get a leading `layers` dimension
 and their `__call__` sees one layer's slice (inside `lax.scan`).
+
+Intermediates that a remat policy may keep carry `checkpoint_name`s (see REMAT_POLICIES in
+jaxllm/model/transformer.py): query_proj, key_proj, value_proj (after the rotation), context (the attention
+output before o_proj), out_proj, mlp_gate, mlp_up, mlp_out. Outside `jax.checkpoint` the names do nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.lora import adapter, project
 from jaxllm.model.cudnn_attention import cudnn_attention
@@ -159,7 +164,8 @@ class Attention(nnx.Module):
         q_BTNH = constrain(apply_rope(q_BTNH, sin_BTh, cos_BTh), ("batch", "seq", "heads", "head_dim"))
         k_BSKH = constrain(apply_rope(k_BSKH, sin_BTh, cos_BTh), ("batch", "seq", "kv_heads", "head_dim"))
         v_BSKH = constrain(v_BSKH, ("batch", "seq", "kv_heads", "head_dim"))
-        return q_BTNH, k_BSKH, v_BSKH
+        return (checkpoint_name(q_BTNH, "query_proj"), checkpoint_name(k_BSKH, "key_proj"),
+                checkpoint_name(v_BSKH, "value_proj"))
 
     def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None):
         """Self-attention of `x_BTD`; `visible` comes from `attention_visibility(self.impl, segment_ids)`; `rng`
@@ -171,8 +177,9 @@ class Attention(nnx.Module):
             out_BTNH = cudnn_attention(q_BTNH, k_BSKH, v_BSKH, visible)
         else:  # jax.nn's XLA implementation (it handles grouped-query heads itself)
             out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible[:, None])
-        out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))
-        return project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora, _fold(rng, 3))
+        out_BTNH = checkpoint_name(constrain(out_BTNH, ("batch", "seq", "heads", "head_dim")), "context")
+        out_BTD = project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora, _fold(rng, 3))
+        return checkpoint_name(out_BTD, "out_proj")
 
     def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
         """Attend from T new tokens to a KV cache of S slots (the new tokens' keys written at slot `index`).
@@ -209,8 +216,10 @@ class MLP(nnx.Module):
     def __call__(self, x_BTD, rng=None):
         gate_BTF = project("BTD,DF->BTF", x_BTD, self.gate_proj, self.gate_proj_lora, _fold(rng, 4))
         up_BTF = project("BTD,DF->BTF", x_BTD, self.up_proj, self.up_proj_lora, _fold(rng, 5))
+        gate_BTF, up_BTF = checkpoint_name(gate_BTF, "mlp_gate"), checkpoint_name(up_BTF, "mlp_up")
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
-        return project("BTF,FD->BTD", h_BTF, self.down_proj, self.down_proj_lora, _fold(rng, 6))
+        out_BTD = project("BTF,FD->BTD", h_BTF, self.down_proj, self.down_proj_lora, _fold(rng, 6))
+        return checkpoint_name(out_BTD, "mlp_out")
 
 
 def _fold(rng, i: int):

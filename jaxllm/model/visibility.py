@@ -56,14 +56,22 @@ def packed_segments(segment_ids_BT: jax.Array, max_runs: int = PACKED_DOCUMENTS)
     )
 
 
-def resolve_attention(impl: str, compute_dtype) -> str:
-    """The attention implementation `model.attention=impl` means on this run's backend: 'auto' is cuDNN's fused
-    kernel on GPUs when computing in bf16/fp16 (the einsum path materialises [B, K, G, T, S] float32 scores per
-    layer: llama_1b at 8 x 2048 asked for 64 GiB more than an H200 holds), else the einsum path."""
+def gpu_attention(impl: str, compute_dtype) -> str:
+    """The attention implementation `model.attention=impl` means on a GPU: 'auto' is cuDNN's fused kernel when
+    computing in bf16/fp16 (the einsum path materialises [B, K, G, T, S] float32 scores per layer: llama_1b at
+    8 x 2048 asked for 64 GiB more than an H200 holds), else the einsum path."""
     if impl != "auto":
         return impl
     half = jnp.dtype(compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+    return "cudnn" if half else "xla"
+
+
+def resolve_attention(impl: str, compute_dtype) -> str:
+    """The attention implementation `model.attention=impl` means on this run's backend: `gpu_attention` on GPUs,
+    the einsum path elsewhere."""
+    if impl != "auto" or jax.default_backend() == "gpu":
+        return gpu_attention(impl, compute_dtype)
+    return "xla"
 
 
 def attention_visibility(impl: str, segment_ids_BT: jax.Array):

@@ -14,8 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxllm.model.head import head_stats
 from jaxllm.sample import NO_TOKEN, decode
-from jaxllm.train.pretrain import token_logps
 
 
 class Rollout(NamedTuple):
@@ -58,25 +58,19 @@ def sequence_layout(tokens_BS, start_B):
     return real_BS.astype(jnp.int32), jnp.maximum(slots_S[None, :] - start_B[:, None], 0)
 
 
-def response_logits(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: int, temperature: float = 1.0,
-                    rng=None):
-    """Logits / temperature [B, N, V] (float32) that predict each response slot, from one forward pass over
-    rows laid out by `sequence_layout`."""
-    logits_BSV = model(tokens_BS, segment_ids_BS, positions_BS, rng=rng)
-    # Slot s's logits predict slot s + 1: response slot n (sequence slot P + n) is predicted from P + n - 1.
-    return logits_BSV[:, prompt_len - 1:-1].astype(jnp.float32) / temperature
-
-
-def token_entropy(logits_BNV):
-    """Entropy [B, N] of each slot's distribution softmax(logits), float32: logsumexp - E_p[logit]."""
-    logits_BNV = logits_BNV.astype(jnp.float32)
-    probs_BNV = jax.nn.softmax(logits_BNV, axis=-1)
-    return jax.nn.logsumexp(logits_BNV, axis=-1) - jnp.sum(probs_BNV * logits_BNV, axis=-1)
+def response_stats(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: int, temperature: float = 1.0,
+                   rng=None, entropy: bool = False):
+    """(log-probability [B, N] of each response token, entropy [B, N] or None) under softmax(logits /
+    temperature), float32, from one forward pass over rows laid out by `sequence_layout`; the head runs chunk by
+    chunk when `model.loss_chunk` is set (jaxllm/model/head.py)."""
+    x_BSD = model.hidden_states(tokens_BS, segment_ids_BS, positions_BS, rng=rng)
+    # Slot s predicts slot s + 1: response slot n (sequence slot P + n) is predicted from P + n - 1.
+    return head_stats(model, x_BSD[:, prompt_len - 1:-1], tokens_BS[:, prompt_len:], temperature=temperature,
+                      entropy=entropy)
 
 
 def response_logps(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: int, temperature: float = 1.0,
                    rng=None):
     """Each response token's log-probability [B, N] under the model (float32): what `rollout` recorded for
     the policy that sampled, and the reference's and the updated policy's log-probs of the same tokens."""
-    logits_BNV = response_logits(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len, temperature, rng)
-    return token_logps(logits_BNV, tokens_BS[:, prompt_len:])
+    return response_stats(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len, temperature, rng)[0]

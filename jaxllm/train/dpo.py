@@ -26,12 +26,13 @@ from flax import nnx
 from jaxllm.config import Config, ConfigError, DPOConfig
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.model.actor_critic import VALUE
+from jaxllm.model.head import head_stats
 from jaxllm.post import pair_eval
 from jaxllm.post.losses import dpo_loss
 from jaxllm.post.pairs import masked_mean, pair_mask, per_sequence_sums
 from jaxllm.train.finetune import row_batches
 from jaxllm.train.objective import Objective
-from jaxllm.train.pretrain import lm_objective, token_logps
+from jaxllm.train.pretrain import lm_objective
 from jaxllm.train.reference import FIELD, reference_logps
 from jaxllm.train.reward import held_out_rows, load_pairs
 
@@ -44,8 +45,8 @@ def reference_model(model, plain_graphdef):
 
 def sequence_logps(model, batch, pairs_per_row: int, rng=None):
     """(chosen [B, K], rejected [B, K]): each response's log-probability, summed over its tokens."""
-    logits_BTV = model(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
-    logps_BT = token_logps(logits_BTV, batch["targets"]) * batch["loss_mask"]
+    x_BTD = model.hidden_states(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
+    logps_BT = head_stats(model, x_BTD, batch["targets"])[0] * batch["loss_mask"]
     return per_sequence_sums(logps_BT, batch["segment_ids"], pairs_per_row)
 
 

@@ -19,9 +19,8 @@ import numpy as np
 from jaxllm.config import Config, GRPOConfig
 from jaxllm.post.losses import group_advantages, grpo_loss, kl_penalty, ppo_policy_loss
 from jaxllm.post.pairs import masked_mean
-from jaxllm.post.rollout import response_logits, token_entropy
+from jaxllm.post.rollout import response_stats
 from jaxllm.train.objective import BatchRequest, Objective
-from jaxllm.train.pretrain import token_logps
 from jaxllm.train.rl import RolloutBatches, rl_objective, rl_setup, rows_prompt_len
 
 # Token-mean aggregations count tokens; the others average over sequences.
@@ -32,9 +31,8 @@ def grpo_loss_fn(model, batch, rng=None, *, grpo: GRPOConfig):
     """`loss_fn` of GRPO on a minibatch of rollout rows; `rng` is unused (no dropout: see the module doc)."""
     mask = batch["mask"]
     prompt_len = rows_prompt_len(batch)
-    logits = response_logits(model, batch["tokens"], batch["segment_ids"], batch["positions"], prompt_len,
-                             grpo.temperature)
-    logps = token_logps(logits, batch["tokens"][:, prompt_len:])
+    logps, entropy = response_stats(model, batch["tokens"], batch["segment_ids"], batch["positions"], prompt_len,
+                                    grpo.temperature, entropy=True)
     advantages = batch["advantages"]
     loss = grpo_loss(logps, batch["old_logps"], batch["ref_logps"] if grpo.beta else None, advantages, mask,
                      beta=grpo.beta, clip=grpo.clip, loss_agg=grpo.loss_agg, max_completion_length=mask.shape[1])
@@ -44,7 +42,7 @@ def grpo_loss_fn(model, batch, rng=None, *, grpo: GRPOConfig):
     metrics = {"reward": jnp.mean(batch["scores"]), "kl": masked_mean(kl_penalty(logps, batch["ref_logps"], "k3"),
                                                                         mask),
                "clip_fraction": clip_fraction, "approx_kl": approx_kl,
-               "entropy": masked_mean(jax.lax.stop_gradient(token_entropy(logits)), mask),
+               "entropy": masked_mean(jax.lax.stop_gradient(entropy), mask),
                "response_length": jnp.mean(jnp.sum(mask, axis=1)), "eos_rate": jnp.mean(batch["stopped"])}
     return loss * count, count, metrics
 

@@ -28,9 +28,9 @@ from jaxllm.config import Config, LoRAConfig, ModelConfig, PipelineConfig, PPOCo
 from jaxllm.model.actor_critic import VALUE, ActorCritic
 from jaxllm.post.losses import gae, kl_penalty, ppo_policy_loss, ppo_value_loss, whiten
 from jaxllm.post.pairs import masked_mean
-from jaxllm.post.rollout import response_logits, token_entropy
+from jaxllm.post.rollout import response_stats
 from jaxllm.train.objective import BatchRequest, Objective
-from jaxllm.train.pretrain import next_token_loss, token_logps
+from jaxllm.train.pretrain import next_token_loss
 from jaxllm.train.rl import RolloutBatches, response_kl, rl_objective, rl_setup, rows_prompt_len
 from jaxllm.train.state import build_model
 from jaxllm.train.step import SKIP_UPDATE
@@ -61,13 +61,12 @@ def ppo_loss_fn(model, batch, rng=None, *, ppo: PPOConfig):
     mask = batch["mask"]
     prompt_len = rows_prompt_len(batch)
     layout = batch["tokens"], batch["segment_ids"], batch["positions"]
-    logits = response_logits(model, *layout, prompt_len, ppo.temperature)
-    logps = token_logps(logits, batch["tokens"][:, prompt_len:])
+    logps, entropy_BN = response_stats(model, *layout, prompt_len, ppo.temperature, entropy=True)
     values = ppo_values(model, *layout, prompt_len)
     policy_loss, clip_fraction, approx_kl = ppo_policy_loss(logps, batch["old_logps"], batch["advantages"], mask,
                                                             ppo.clip)
     value_loss = ppo_value_loss(values, batch["old_values"], batch["returns"], mask, ppo.value_clip)
-    entropy = masked_mean(token_entropy(logits), mask)
+    entropy = masked_mean(entropy_BN, mask)
     loss = policy_loss + ppo.vf_coef * value_loss
     if ppo.entropy_coef:
         loss = loss - ppo.entropy_coef * entropy

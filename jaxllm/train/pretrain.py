@@ -11,7 +11,6 @@ import dataclasses
 import functools
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
@@ -19,33 +18,23 @@ from jaxllm.data.pipeline import make_eval_batches, make_train_iterator
 from jaxllm.data.token_store import TokenStore
 from jaxllm.data.tokenizer import Tokenizer, load_tokenizer
 from jaxllm.lora import trainable as lora_trainable
+from jaxllm.model.head import head_stats
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.state import build_model
 
 
-def token_logps(logits_BTV, targets_BT):
-    """log p(target) at every position [B, T], in float32.
-
-    The target logit is picked with a one-hot product rather than a gather: with the vocabulary split over
-    `tensor`, that is an elementwise product and a sharded reduction, with no gather across devices. No
-    [B, T, V] log-softmax is kept: the logsumexp reduces it at once.
-    """
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_logit_BT = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32), -1)
-    return target_logit_BT - lse_BT
-
-
-def cross_entropy_sum(logits_BTV, targets_BT, mask_BT):
-    """(sum of token losses, number of counted tokens), in float32."""
+def cross_entropy_sum(model, batch, mask_BT, rng=None):
+    """(sum of the token losses of `batch["targets"]` where `mask_BT` is 1, number of counted tokens), float32;
+    the head runs chunk by chunk when `model.loss_chunk` is set (jaxllm/model/head.py)."""
+    x_BTD = model.hidden_states(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
+    logps_BT, _ = head_stats(model, x_BTD, batch["targets"])
     mask_BT = mask_BT.astype(jnp.float32)
-    return -jnp.sum(token_logps(logits_BTV, targets_BT) * mask_BT), jnp.sum(mask_BT)
+    return -jnp.sum(logps_BT * mask_BT), jnp.sum(mask_BT)
 
 
 def next_token_loss(model, batch, rng=None):
     """`loss_fn` of language modelling: summed cross-entropy over the masked targets of packed rows."""
-    logits_BTV = model(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
-    loss_sum, count = cross_entropy_sum(logits_BTV, batch["targets"], batch["loss_mask"])
+    loss_sum, count = cross_entropy_sum(model, batch, batch["loss_mask"], rng)
     return loss_sum, count, {}
 
 

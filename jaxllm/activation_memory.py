@@ -1,0 +1,71 @@
+"""Temporary bytes per device of the train step by formula: what `memory_analysis()` calls temp (saved
+activations, gradients, the output head's logits, one layer's backward working set), for meshes and machines
+that are not here.
+
+Every term counts one device's share: rows split over data x fsdp, heads / MLP / vocabulary over tensor,
+layers over stage. What a layer keeps for its backward pass follows `model.remat` (the names are
+jaxllm/model/layers.py's checkpoint names). The einsum attention (`xla`, `dot_product`) keeps its [T, S] scores
+in float32; cuDNN's fused kernel keeps only per-row softmax statistics. `scripts/bench_memory.py --tables
+planner` prints this formula against compiled `memory_analysis()` figures.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxllm.config import Config
+
+FLOAT32 = 4
+
+
+def _layer_terms(cfg: Config, rows: int, attention: str) -> dict[str, float]:
+    """Bytes of each intermediate of one layer on one device, by checkpoint name (and the unnamed rest)."""
+    m, mesh, T = cfg.model, cfg.mesh, cfg.train.seq_len
+    c = jnp.dtype(cfg.precision.compute).itemsize
+    n = rows * T  # tokens on this device
+    heads, kv, mlp = m.num_heads / mesh.tensor, m.num_kv_heads / mesh.tensor, m.mlp_dim / mesh.tensor
+    if attention == "cudnn":
+        scores = rows * heads * T * FLOAT32  # softmax statistics only
+    else:
+        scores = rows * heads * T * T * (FLOAT32 + c)  # float32 scores and the probabilities
+    return {
+        "input": n * m.dim * c,  # the layer's input: the scan keeps it whatever the policy
+        "query_proj": n * heads * m.head_dim * c, "key_proj": n * kv * m.head_dim * c,
+        "value_proj": n * kv * m.head_dim * c,
+        "context": n * heads * m.head_dim * c, "out_proj": n * m.dim * c,
+        "mlp_gate": n * mlp * c, "mlp_up": n * mlp * c, "mlp_out": n * m.dim * c,
+        # scores; two norms and a residual; sigmoid(gate), silu(gate) and their product with up
+        "unnamed": scores + 3 * n * m.dim * c + 3 * n * mlp * c,
+    }
+
+
+_SAVED = {
+    "none": None,  # everything
+    "full": ("input",),
+    "save_qkv_proj": ("input", "query_proj", "key_proj", "value_proj"),
+    "minimal_with_context": ("input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlp_gate",
+                             "mlp_up", "mlp_out"),
+    # every matmul without batch dimensions: the projections, not attention's own einsums
+    "save_dots": ("input", "query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_out"),
+}
+
+
+def step_temp_bytes(cfg: Config, attention: str, trainable_bytes: int) -> dict[str, float]:
+    """Estimated temp bytes per device of `cfg`'s train step, by part; `attention` is the implementation the
+    target runs (jaxllm.model.visibility.resolve_attention), `trainable_bytes` the trainable parameters' bytes
+    per device (their gradients and the update are temporaries of the same size)."""
+    m, mesh = cfg.model, cfg.mesh
+    rows = cfg.train.batch_size / (mesh.data * mesh.fsdp) / cfg.optim.grad_accum
+    terms = _layer_terms(cfg, rows, attention)
+    whole_layer = sum(terms.values())
+    saved = _SAVED[m.remat]
+    kept = whole_layer if saved is None else sum(terms[k] for k in saved)
+    head_positions = min(m.loss_chunk or cfg.train.seq_len, cfg.train.seq_len)
+    head = 2 * rows * head_positions * m.vocab_size / mesh.tensor * FLOAT32  # logits and their gradient
+    return {
+        "saved_activations": kept * m.num_layers / mesh.stage,
+        # a layer's backward working set: its recomputed forward (under remat none, its gradients instead)
+        "layer_backward": whole_layer,
+        "head": head,
+        "gradients_and_update": 2 * trainable_bytes,
+    }

@@ -1,0 +1,68 @@
+"""Per-token statistics of the output head, log p(target) and the entropy, over the whole sequence at once or
+chunk by chunk.
+
+With `model.loss_chunk` = C > 0, the head matmul, log-sum-exp and target logit run over C sequence positions
+at a time inside a `lax.scan`, each chunk under `jax.checkpoint`. A chunk's [B, C, V] logits are the only ones
+that exist at any moment: the forward keeps its per-token results, and the backward recomputes one chunk's
+logits to get its gradient. At V = 128k and T = 4096 the full float32 logits of one row are 2 GiB, larger
+than the rest of a small model's step. The chunks run along the sequence, so the batch keeps its data/fsdp
+sharding and the vocabulary its `tensor` split: the target logit stays a one-hot product, with no gather
+across devices. The arithmetic per token is that of the unchunked path, so the two agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def token_logps(logits_BTV, targets_BT):
+    """log p(target) at every position [B, T], in float32.
+
+    The target logit is picked with a one-hot product rather than a gather: with the vocabulary split over
+    `tensor`, that is an elementwise product and a sharded reduction, with no gather across devices. No
+    [B, T, V] log-softmax is kept: the logsumexp reduces it at once.
+    """
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_logit_BT = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32), -1)
+    return target_logit_BT - lse_BT
+
+
+def token_entropy(logits_BTV):
+    """Entropy [B, T] of each position's distribution softmax(logits), float32: logsumexp - E_p[logit]."""
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    probs_BTV = jax.nn.softmax(logits_BTV, axis=-1)
+    return jax.nn.logsumexp(logits_BTV, axis=-1) - jnp.sum(probs_BTV * logits_BTV, axis=-1)
+
+
+def head_stats(model, x_BTD, targets_BT, *, temperature: float = 1.0, entropy: bool = False):
+    """(log p(target) [B, T], entropy [B, T] or None) under softmax(logits / temperature) of `model`'s head
+    (a `Transformer`: its `logits` and `cfg.loss_chunk`) over final hidden states `x_BTD`, in float32."""
+
+    def stats(x_BCD, targets_BC):
+        logits_BCV = model.logits(x_BCD).astype(jnp.float32)
+        if temperature != 1.0:
+            logits_BCV = logits_BCV / temperature
+        logps_BC = token_logps(logits_BCV, targets_BC)
+        return (logps_BC, token_entropy(logits_BCV)) if entropy else (logps_BC,)
+
+    B, T = targets_BT.shape
+    chunk = model.cfg.loss_chunk
+    if not chunk or chunk >= T:
+        out = stats(x_BTD, targets_BT)
+    else:
+        out = _chunked(stats, x_BTD, targets_BT, chunk)
+    return out[0], out[1] if entropy else None
+
+
+def _chunked(stats, x_BTD, targets_BT, chunk: int):
+    """`stats` over the sequence in chunks of `chunk` positions (the last one padded), scanned with remat."""
+    B, T, D = x_BTD.shape
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    x_nBCD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, D).swapaxes(0, 1)
+    targets_nBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+    body = jax.checkpoint(lambda _, xs: (None, stats(*xs)), prevent_cse=False)
+    _, out = jax.lax.scan(body, None, (x_nBCD, targets_nBC))
+    return tuple(o_nBC.swapaxes(0, 1).reshape(B, n * chunk)[:, :T] for o_nBC in out)

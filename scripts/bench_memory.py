@@ -1,0 +1,167 @@
+"""Memory levers, measured: `python scripts/bench_memory.py [--tables chunk,remat,remat_1b] [--steps N]`.
+
+Prints one table per lever, each against its baseline in the same run, from the compiled train step's
+`memory_analysis()` (bytes per device; an ahead-of-time compile, nothing allocated) and, where the job fits
+this machine, its step time:
+  chunk     model.loss_chunk on a Llama-3 vocabulary (V 128256) and T 4096, on a 2-layer D512 model: one device,
+            and 4 devices with the vocabulary (and heads, MLP) split over tensor=4.
+  remat     model.remat policies on the default job (configs/pretrain.py, 8 devices): temp bytes and the median
+            bare step time of 3 interleaved runs (scripts/bench_step.py's bare step).
+  remat_1b  model.remat policies on the llama_1b shape, batch 4 x 2048 on one device, bfloat16 compute: bytes only.
+  planner   the --dry_run formula for temporaries (jaxllm/activation_memory.py) against compiled figures.
+Run it with 8 devices (make's CPU_DEVICES or XLA_FLAGS=--xla_force_host_platform_device_count=8). Ends with one
+JSON line of the figures.
+"""
+
+import json
+import statistics
+import sys
+
+from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
+from jaxllm.config import ConfigError, validate
+
+POLICIES = ("none", "save_qkv_proj", "minimal_with_context", "save_dots", "full")
+TABLES = ("chunk", "remat", "remat_1b", "planner")
+LLAMA3_HEAD = ["--config.model.vocab_size=128256", "--config.model.num_layers=2", "--config.model.dim=512",
+               "--config.model.num_heads=8", "--config.model.num_kv_heads=4", "--config.model.head_dim=64",
+               "--config.model.mlp_dim=1536", "--config.train.batch_size=1", "--config.train.seq_len=4096"]
+LLAMA_1B = ["--config.model.preset=llama_1b", "--config.train.batch_size=4", "--config.train.seq_len=2048",
+            "--config.precision.compute=bfloat16"]
+
+
+def _config(overrides: list[str]):
+    """configs/pretrain.py with `overrides`, validated for the device count of its mesh."""
+    cd = build_config("configs/pretrain.py", split_overrides(overrides)[1])
+    return validate(cd, cd.mesh.data * cd.mesh.fsdp * cd.mesh.tensor * cd.mesh.stage)
+
+
+def _one_device(tensor: int = 1) -> list[str]:
+    return ["--config.mesh.data=1", "--config.mesh.fsdp=1", f"--config.mesh.tensor={tensor}", "--config.mesh.stage=1"]
+
+
+def _mib(n: int) -> float:
+    return n / 1024**2
+
+
+def chunk_table() -> list[dict]:
+    from jaxllm.plan import compiled_step_memory
+
+    rows = []
+    for tensor in (1, 4):
+        base = None
+        for chunk in (0, 1024, 512, 256):
+            cfg = _config(LLAMA3_HEAD + _one_device(tensor) + [f"--config.model.loss_chunk={chunk}"])
+            temp = compiled_step_memory(cfg)["temp"]
+            base = base or temp
+            rows.append(dict(tensor=tensor, loss_chunk=chunk, temp_mib=_mib(temp), ratio=temp / base))
+    logits = 4096 * 128256 * 4
+    print(f"chunked cross-entropy: L2 D512 V128256, batch 1 x 4096, float32; temp MiB per device (the whole "
+          f"logits are {_mib(logits):.0f} MiB, and their gradient as much, split over tensor)")
+    print(f"{'tensor':>6} {'loss_chunk':>10} {'temp MiB':>10} {'vs 0':>6}")
+    for r in rows:
+        print(f"{r['tensor']:>6} {r['loss_chunk']:>10} {r['temp_mib']:>10.1f} {r['ratio']:>6.3f}")
+    return rows
+
+
+def remat_table(steps: int) -> list[dict]:
+    from bench_step import bare_step_throughput
+
+    times = {p: [] for p in POLICIES}
+    temp = {}
+    for round_ in range(3):  # interleaved, each round in another order: drift and position hit every policy alike
+        for policy in POLICIES[round_:] + POLICIES[:round_]:
+            result = bare_step_throughput(_config([f"--config.model.remat={policy}"]), steps)
+            times[policy].append(result["step_s"])
+            temp[policy] = result["temp_mb"]
+    rows = [dict(remat=p, temp_mib=temp[p], step_s=statistics.median(times[p])) for p in POLICIES]
+    cfg = _config([])
+    m = cfg.model
+    print(f"remat policies: default job L{m.num_layers} D{m.dim} V{m.vocab_size}, batch {cfg.train.batch_size} x "
+          f"{cfg.train.seq_len}, mesh {'x'.join(map(str, cfg.mesh.shape))}; median of 3 interleaved runs")
+    _print_remat(rows, with_time=True)
+    return rows
+
+
+def remat_1b_table() -> list[dict]:
+    from jaxllm.plan import compiled_step_memory
+
+    rows = []
+    for policy in POLICIES:
+        memory = compiled_step_memory(_config(LLAMA_1B + _one_device() + [f"--config.model.remat={policy}"]))
+        rows.append(dict(remat=policy, temp_mib=_mib(memory["temp"]), argument_mib=_mib(memory["argument"])))
+    print("remat policies: llama_1b, batch 4 x 2048, bfloat16 compute, one device (AOT compile on this backend)")
+    _print_remat(rows, with_time=False)
+    return rows
+
+
+PLANNER_CASES = [
+    ("default job, 8 devices", []),
+    ("default job, remat full", ["--config.model.remat=full"]),
+    ("default job, minimal_with_context", ["--config.model.remat=minimal_with_context"]),
+    ("default job, 1 device", _one_device()),
+    ("default job, 1 device, T 512", _one_device() + ["--config.train.seq_len=512", "--config.train.batch_size=4"]),
+    ("V128256 T4096 head", LLAMA3_HEAD + _one_device()),
+    ("V128256 T4096 head, loss_chunk 512", LLAMA3_HEAD + _one_device() + ["--config.model.loss_chunk=512"]),
+    ("llama_1b 4x2048, remat full", LLAMA_1B + _one_device() + ["--config.model.remat=full"]),
+    ("llama_1b 4x2048, save_qkv_proj", LLAMA_1B + _one_device() + ["--config.model.remat=save_qkv_proj"]),
+]
+
+
+def planner_table() -> list[dict]:
+    from jaxllm.activation_memory import step_temp_bytes
+    from jaxllm.model.visibility import resolve_attention
+    from jaxllm.plan import compiled_step_memory, memory_plan
+
+    rows = []
+    for name, overrides in PLANNER_CASES:
+        cfg = _config(overrides)
+        attention = resolve_attention(cfg.model.attention, cfg.precision.compute)
+        formula = sum(step_temp_bytes(cfg, attention, memory_plan(cfg)["param_bytes_per_device"]).values())
+        compiled = compiled_step_memory(cfg)["temp"]
+        rows.append(dict(case=name, formula_mib=_mib(formula), compiled_mib=_mib(compiled),
+                         error=formula / compiled - 1))
+    print("memory planner: temp MiB per device, formula (jaxllm/activation_memory.py) vs memory_analysis()")
+    print(f"{'case':<38} {'formula':>10} {'compiled':>10} {'error':>7}")
+    for r in rows:
+        print(f"{r['case']:<38} {r['formula_mib']:>10.1f} {r['compiled_mib']:>10.1f} {100 * r['error']:>+6.0f}%")
+    return rows
+
+
+def _print_remat(rows: list[dict], with_time: bool) -> None:
+    base = rows[0]
+    print(f"{'remat':<22} {'temp MiB':>10} {'vs none':>8}" + (f" {'step s':>8} {'vs none':>8}" if with_time else ""))
+    for r in rows:
+        line = f"{r['remat']:<22} {r['temp_mib']:>10.1f} {r['temp_mib'] / base['temp_mib']:>8.3f}"
+        if with_time:
+            line += f" {r['step_s']:>8.4f} {r['step_s'] / base['step_s']:>8.3f}"
+        print(line)
+
+
+def main(argv) -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--tables", default=",".join(TABLES), help=f"comma-separated, of {', '.join(TABLES)}")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run of the remat table")
+    args = p.parse_args(argv)
+    tables = [t for t in args.tables.split(",") if t]
+    try:
+        unknown = [t for t in tables if t not in TABLES]
+        if unknown:
+            raise UsageError(f"--tables: unknown {unknown}, expected some of {list(TABLES)}")
+        import jax
+
+        if jax.device_count() < 8:
+            raise UsageError(f"needs 8 devices, got {jax.device_count()} (set "
+                             f"XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    except (ConfigError, UsageError) as exc:
+        fail(str(exc))
+    report = {"bench": "memory"}
+    for table in tables:
+        report[table] = {"chunk": chunk_table, "remat": lambda: remat_table(args.steps),
+                         "remat_1b": remat_1b_table, "planner": planner_table}[table]()
+        print()
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
