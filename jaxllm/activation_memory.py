@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxllm.config import Config
+from jaxllm.model.transformer import REMAT_SAVED_NAMES
 
 FLOAT32 = 4
 
@@ -42,11 +43,9 @@ def _layer_terms(cfg: Config, rows: int, attention: str) -> dict[str, float]:
 _SAVED = {
     "none": None,  # everything
     "full": ("input",),
-    "save_qkv_proj": ("input", "query_proj", "key_proj", "value_proj"),
-    "minimal_with_context": ("input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlp_gate",
-                             "mlp_up", "mlp_out"),
     # every matmul without batch dimensions: the projections, not attention's own einsums
     "save_dots": ("input", "query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_out"),
+    **{name: ("input",) + saved for name, saved in REMAT_SAVED_NAMES.items()},
 }
 
 

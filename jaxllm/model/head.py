@@ -47,7 +47,7 @@ def head_stats(model, x_BTD, targets_BT, *, temperature: float = 1.0, entropy: b
         logps_BC = token_logps(logits_BCV, targets_BC)
         return (logps_BC, token_entropy(logits_BCV)) if entropy else (logps_BC,)
 
-    B, T = targets_BT.shape
+    T = targets_BT.shape[1]
     chunk = model.cfg.loss_chunk
     if not chunk or chunk >= T:
         out = stats(x_BTD, targets_BT)

@@ -22,15 +22,17 @@ from jaxllm.pipeline import num_stages, pipeline
 from jaxllm.sharding import constrain
 
 _QKV = ("query_proj", "key_proj", "value_proj")
+# Named intermediates (jaxllm/model/layers.py) each named policy keeps, as MaxText's policies of the same names:
+# the projections and the attention context, recomputing the norms, rotations, softmax and SwiGLU product; or only
+# the q/k/v projections, recomputing attention and the whole MLP. jaxllm/activation_memory.py counts the same.
+REMAT_SAVED_NAMES = {
+    "minimal_with_context": _QKV + ("context", "out_proj", "mlp_gate", "mlp_up", "mlp_out"),
+    "save_qkv_proj": _QKV,
+}
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # Named intermediates (jaxllm/model/layers.py), as MaxText's policies of the same names: keep the projections
-    # and the attention context, recompute the norms, rotations, softmax and SwiGLU product ...
-    "minimal_with_context": jax.checkpoint_policies.save_only_these_names(
-        *_QKV, "context", "out_proj", "mlp_gate", "mlp_up", "mlp_out"),
-    # ... or only the q/k/v projections, recomputing attention and the whole MLP.
-    "save_qkv_proj": jax.checkpoint_policies.save_only_these_names(*_QKV),
+    **{name: jax.checkpoint_policies.save_only_these_names(*saved) for name, saved in REMAT_SAVED_NAMES.items()},
 }
 
 
