@@ -46,6 +46,13 @@ class MeshConfig:
     as `dcn_a` host groups of `a / dcn_a` devices inside a host (a hybrid mesh), so axes with dcn size 1 stay on the
     fast intra-host links. All 0 (the default): the processes go on `data`, then `stage`, then `fsdp`; never on
     `tensor` unless asked for.
+
+    `sequence_parallel` (Megatron-style sequence parallelism): the residual stream between the attention and MLP
+    blocks (embedding output, layer outputs, the norms) is split along the sequence over `tensor` instead of
+    being replicated there, so those activations take 1/tensor of the memory; the sequence is all-gathered
+    before the q/k/v and gate/up projections and reduce-scattered after o_proj and down_proj (in place of the
+    all-reduce). Same losses, same parameters and checkpoints. Needs `train.seq_len` divisible by `tensor`;
+    with tensor = 1 it changes nothing.
     """
 
     data: int = 1
@@ -56,6 +63,7 @@ class MeshConfig:
     dcn_fsdp: int = 0
     dcn_tensor: int = 0
     dcn_stage: int = 0
+    sequence_parallel: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -588,6 +596,9 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         )
     if model.mlp_dim % mesh.tensor:
         raise ConfigError("model.mlp_dim", f"{model.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}")
+    if mesh.sequence_parallel and train.seq_len % mesh.tensor:
+        raise ConfigError("mesh.sequence_parallel", f"splits the sequence over mesh.tensor={mesh.tensor}, which does "
+                                                    f"not divide train.seq_len={train.seq_len}")
     _positive("pipeline.microbatches", pipeline.microbatches)
     _positive("pipeline.repeats", pipeline.repeats)
     if model.num_layers % (mesh.stage * pipeline.repeats):

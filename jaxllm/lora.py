@@ -111,7 +111,8 @@ def merge(model):
             return nnx.split(type(model)(model.cfg, model.precision, rngs=nnx.Rngs(0),
                                          rope_scaling=model.rope_scaling,
                                          pipeline_microbatches=model.pipeline_microbatches,
-                                         pipeline_repeats=model.pipeline_repeats))[0]
+                                         pipeline_repeats=model.pipeline_repeats,
+                                         sequence_parallel=model.sequence_parallel))[0]
 
     # New Variables around the same arrays: the merged model must not share (and so rewrite) `model`'s.
     base = jax.tree.map(lambda x: x, nnx.state(model, nnx.Not(nnx.LoRAParam)))

@@ -129,6 +129,7 @@ def pipeline(
     microbatches: int,
     repeats: int = 1,
     debug_nan_bubbles: bool = False,
+    seq_axis: str = "seq",
 ) -> jax.Array:
     """Run `stage_fn` over a stack of layers as a pipeline over the active mesh's `stage` axis.
 
@@ -136,6 +137,8 @@ def pipeline(
     applies one chunk of Lc = L/(p*r) consecutive layers (leaves [Lc, ...]) to a micro-batch `x` [B/m, T, D]
     with its slice of `aux` (a pytree of per-row arrays [B, ...], e.g. mask and rotary tables). Returns the
     activations after all L layers, [B, T, D], equal to running the L layers in order on the whole batch.
+    `seq_axis` is the logical name of the activations' sequence dimension (`residual_seq` under sequence
+    parallelism), so the buffer and the activations in flight between stages keep the stages' layout.
     """
     mesh = active_mesh()
     p, m, r = num_stages(mesh), microbatches, repeats
@@ -150,7 +153,8 @@ def pipeline(
 
     chunk = num_layers // (p * r)
     rounds = circular_rounds(p, r) if r > 1 else None
-    x_mBTD = constrain(split_microbatches(x_BTD, m), (None, "batch", "seq", "embed"))
+    residual = ("batch", seq_axis, "embed")
+    x_mBTD = constrain(split_microbatches(x_BTD, m), (None, *residual))
     aux_m = jax.tree.map(lambda a: split_microbatches(a, m), aux)
 
     @jax.checkpoint
@@ -179,14 +183,14 @@ def pipeline(
             rep = jnp.clip(k // m, 0, r - 1)
             y = body(w_local, aux_all, x, rep, jnp.mod(k, m))
             y = jnp.where(valid, y, jnp.zeros_like(y))
-            y = constrain(jax.lax.ppermute(y, STAGE, ring), ("batch", "seq", "embed"))
+            y = constrain(jax.lax.ppermute(y, STAGE, ring), residual)
             # Stage 0 receives stage p-1's virtual micro-batch t-(p-1) and files it (next repeat's input / output).
             k_last = t - (p - 1)
             slot = jnp.mod(k_last, m)
             keep = (s == 0) & (k_last >= 0) & (k_last < m * r)
             filed = jnp.where(keep, y, _index(buf, slot))
             buf = jax.lax.dynamic_update_index_in_dim(buf, filed, slot, 0)
-            return (y, constrain(buf, (None, "batch", "seq", "embed"))), None
+            return (y, constrain(buf, (None, *residual))), None
 
         (_, buf), _ = jax.lax.scan(step, (state, buf), jnp.arange(n_iter))
         # Outputs sit on stage 0; hand them to every stage (the head runs outside, replicated over `stage`).
@@ -195,4 +199,4 @@ def pipeline(
     out_mBTD = jax.shard_map(
         per_stage, mesh=mesh, in_specs=(P(STAGE), P(), P()), out_specs=P(), axis_names={STAGE},
     )(weights, x_mBTD, aux_m)
-    return constrain(merge_microbatches(out_mBTD), ("batch", "seq", "embed"))
+    return constrain(merge_microbatches(out_mBTD), residual)

@@ -34,7 +34,8 @@ JAX_MEM_FRACTION = 0.75
 
 def _objective(cfg: Config):
     lora = cfg.lora if cfg.train.objective == "sft" and cfg.lora.rank else None
-    return lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora=lora)
+    return lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora=lora,
+                        sequence_parallel=cfg.mesh.sequence_parallel)
 
 
 def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:

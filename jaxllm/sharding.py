@@ -4,6 +4,12 @@ Model code names dimensions logically (`embed`, `heads`, ...). `RULES` maps each
 once for parameters at rest (and their optimizer state), once for activations in compute. FSDP lives in that
 difference: weights split `embed` over `fsdp`, activations split `batch` over (`data`, `fsdp`), so XLA gathers
 a layer's weights just before it is used and reduce-scatters its gradients (ZeRO-3).
+
+Sequence parallelism (Megatron-SP, `mesh.sequence_parallel`) lives in the table too: the model names the
+sequence dimension of its residual stream (embedding output, layer outputs, norms) `residual_seq` instead of
+`seq`, and `residual_seq` splits over `tensor`. Attention and the MLP keep the whole sequence with heads / hidden
+units over `tensor`, so XLA all-gathers the sequence before the column-parallel projections (q/k/v, gate/up) and
+reduce-scatters after the row-parallel ones (o_proj, down_proj) instead of all-reducing.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ MeshAxes = str | tuple[str, ...] | None
 RULES: dict[str, tuple[MeshAxes, MeshAxes]] = {
     "batch": (None, ("data", "fsdp")),
     "seq": (None, None),
+    "residual_seq": (None, "tensor"),  # the residual stream's sequence under sequence parallelism
     "embed": ("fsdp", None),
     "heads": ("tensor", "tensor"),
     "kv_heads": ("tensor", "tensor"),

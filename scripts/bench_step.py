@@ -41,7 +41,7 @@ def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
     tc = cfg.train
     mesh = make_mesh(cfg.mesh)
     tx = make_optimizer(cfg.optim, tc.steps)
-    objective = lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora)
+    objective = lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora, sequence_parallel=cfg.mesh.sequence_parallel)
     with jax.set_mesh(mesh):
         state, frozen, shardings, frozen_shardings = init_objective_state(objective, tx, mesh, tc.seed,
                                                                           cfg.anomaly.window)

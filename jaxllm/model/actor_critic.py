@@ -25,11 +25,11 @@ class ActorCritic(Transformer):
 
     def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
                  rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1,
-                 lora: LoRAConfig | None = None):
+                 lora: LoRAConfig | None = None, sequence_parallel: bool = False):
         if lora is None or not lora.rank:
             raise ValueError("ActorCritic shares a frozen base between policy and critic: it needs LoRA adapters")
         shape = dict(rope_scaling=rope_scaling, pipeline_microbatches=pipeline_microbatches,
-                     pipeline_repeats=pipeline_repeats, lora=lora)
+                     pipeline_repeats=pipeline_repeats, lora=lora, sequence_parallel=sequence_parallel)
         super().__init__(cfg, precision, rngs=rngs, **shape)
         self.value = RewardModel(cfg, precision, rngs=rngs, **shape)
         _tie_base(self.value, self)

@@ -47,12 +47,15 @@ class Embed(nnx.Module):
     def __init__(self, vocab_size: int, dim: int, *, std: float, dtype, rngs: nnx.Rngs):
         self.embedding = param(rngs, (vocab_size, dim), ("vocab", "embed"), dtype, std)
 
-    def __call__(self, tokens_BT: jax.Array, dtype) -> jax.Array:
+    def __call__(self, tokens_BT: jax.Array, dtype, seq_axis: str = "seq") -> jax.Array:
+        """Embeddings [B, T, D] of `tokens_BT` laid out as the residual stream whose sequence axis is the logical
+        `seq_axis` (`residual_seq` under sequence parallelism)."""
         # Gather from the table laid out as in compute (vocab over `tensor`, embed whole): XLA then looks up
-        # locally and sums over `tensor`, instead of replicating the whole table ("involuntary remat").
+        # locally and sums over `tensor`, instead of replicating the whole table ("involuntary remat"). With the
+        # sequence split over `tensor` that sum becomes a reduce-scatter.
         table_VD = constrain(self.embedding[...], ("vocab", "embed"))
         x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(dtype)
-        return constrain(x_BTD, ("batch", "seq", "embed"))
+        return constrain(x_BTD, ("batch", seq_axis, "embed"))
 
     def attend(self, x_BTD: jax.Array) -> jax.Array:
         return jnp.einsum("BTD,VD->BTV", x_BTD, self.embedding[...].astype(x_BTD.dtype))

@@ -36,10 +36,22 @@ REMAT_POLICIES = {
 }
 
 
-class DecoderLayer(nnx.Module):
-    """One pre-norm decoder block; built with `stack=(L,)` it holds all L layers' parameters."""
+def residual_seq_axis(sequence_parallel: bool) -> str:
+    """The logical name of the residual stream's sequence dimension: `residual_seq` (split over `tensor` by
+    jaxllm.sharding.RULES, Megatron-style sequence parallelism) or the plain, unsplit `seq`."""
+    return "residual_seq" if sequence_parallel else "seq"
 
-    def __init__(self, cfg: ModelConfig, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None):
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm decoder block; built with `stack=(L,)` it holds all L layers' parameters.
+
+    `seq_axis` names the sequence dimension of its residual stream (input, output, the norms): see
+    `residual_seq_axis`. Attention and the MLP constrain their own activations to the whole sequence.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None,
+                 seq_axis: str = "seq"):
+        self.seq_axis = seq_axis  # static: in the graphdef, not a parameter
         self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
         self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora)
         self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
@@ -47,18 +59,20 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None):
         attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
+        residual = ("batch", self.seq_axis, "embed")
         h_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), visible, sin_BTh, cos_BTh, attn_rng)
-        h_BTD = constrain(h_BTD, ("batch", "seq", "embed"))
+        h_BTD = constrain(h_BTD, residual)
         out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD), mlp_rng)
-        return constrain(out_BTD, ("batch", "seq", "embed"))
+        return constrain(out_BTD, residual)
 
     def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
         """The block on T new tokens against one layer's KV cache; returns (out_BTD, k_BTKH, v_BTKH)."""
         attn_BTD, k_BTKH, v_BTKH = self.self_attn.decode(
             self.input_layernorm(x_BTD), k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh)
-        h_BTD = constrain(x_BTD + attn_BTD, ("batch", "seq", "embed"))
+        residual = ("batch", self.seq_axis, "embed")  # one new token (T = 1): replicated, as `seq`
+        h_BTD = constrain(x_BTD + attn_BTD, residual)
         out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
-        return constrain(out_BTD, ("batch", "seq", "embed")), k_BTKH, v_BTKH
+        return constrain(out_BTD, residual), k_BTKH, v_BTKH
 
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
@@ -130,7 +144,7 @@ def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, rema
         return scan_layers(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys)
 
     return pipeline(stage_fn, (stacked, keys_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
-                    repeats=repeats, debug_nan_bubbles=debug_nan_bubbles)
+                    repeats=repeats, debug_nan_bubbles=debug_nan_bubbles, seq_axis=layers.seq_axis)
 
 
 class Transformer(nnx.Module):
@@ -142,7 +156,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
                  rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1,
-                 lora: LoRAConfig | None = None, lm_head: bool = True):
+                 lora: LoRAConfig | None = None, lm_head: bool = True, sequence_parallel: bool = False):
         dtype = jnp.dtype(precision.params)
         cfg = dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, precision.compute))
         self.cfg = cfg
@@ -151,6 +165,10 @@ class Transformer(nnx.Module):
         self.pipeline_microbatches = pipeline_microbatches
         self.pipeline_repeats = pipeline_repeats
         self.pipeline_debug_nan_bubbles = False  # tests: feed NaN into bubble iterations
+        # Megatron-style sequence parallelism (config.MeshConfig.sequence_parallel): the residual stream's
+        # sequence splits over `tensor`. Static too: the parameter tree and checkpoints do not change.
+        self.sequence_parallel = sequence_parallel
+        self.seq_axis = residual_seq_axis(sequence_parallel)
         # Not a ModelConfig field: only imported checkpoints (Llama 3.x) rescale their rotary frequencies.
         self.rope_scaling = rope_scaling
         self.precision = precision
@@ -159,7 +177,8 @@ class Transformer(nnx.Module):
         # Adapters (jaxllm.lora) on the stacked projections; None or rank 0: none. Static, in the graphdef.
         self.lora = lora if lora is not None and lora.rank else None
         self.embed_tokens = Embed(cfg.vocab_size, cfg.dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
-        self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs, lora=self.lora)
+        self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs, lora=self.lora,
+                                   seq_axis=self.seq_axis)
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, rngs=rngs)
         if lm_head and not cfg.tie_embeddings:  # a reward model (jaxllm/model/reward.py) has a score head instead
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, cfg.init_std)
@@ -174,7 +193,7 @@ class Transformer(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
         visible = attention_visibility(self.cfg.attention, segment_ids_BT)
-        x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype)
+        x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
         keys_L = layer_keys(rng if self.lora is not None else None, self.cfg.num_layers)
         if num_stages() > 1:
             x_BTD = pipeline_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat,
@@ -182,6 +201,7 @@ class Transformer(nnx.Module):
                                     debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L)
         else:
             x_BTD = scan_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L)
+        # The final norm runs on the split sequence too; the head's vocabulary-parallel matmul gathers it (`logits`).
         return self.norm(x_BTD)
 
     def logits(self, x_BTD):
@@ -208,7 +228,7 @@ class Transformer(nnx.Module):
         sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
         slots_11S = jnp.arange(S, dtype=jnp.int32)[None, None, :]
         mask_BTS = (slots_11S <= slots_T[None, :, None]) & (slots_11S >= start_B[:, None, None])
-        x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype)
+        x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
         x_BTD, cache = scan_layers_decode(self.layers, x_BTD, cache, index, mask_BTS, sin_BTh, cos_BTh)
         return self.logits(self.norm(x_BTD[:, -1:]))[:, 0], cache
 

@@ -87,9 +87,10 @@ def dpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Obj
                                                      "a Hugging Face model directory")
     K = cfg.preference.pairs_per_row
     rope = base.rope_scaling
-    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope)
+    sp = cfg.mesh.sequence_parallel
+    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
     policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora if cfg.lora.rank else None,
-                          rope_scaling=rope)
+                          rope_scaling=rope, sequence_parallel=sp)
     extra = {}
     if cfg.dpo.reference == "precomputed":
         stored = reference_logps(cfg, base, directory, plain, lambda m, b: sequence_logps(m, b, K), log)

@@ -37,11 +37,13 @@ from jaxllm.train.step import SKIP_UPDATE
 
 
 def actor_critic_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: PipelineConfig = PipelineConfig(),
-                           lora: LoRAConfig | None = None, rope_scaling=None) -> Objective:
-    """The model half of PPO: the actor-critic, whose adapters (both) and critic head train."""
+                           lora: LoRAConfig | None = None, rope_scaling=None, sequence_parallel: bool = False) -> Objective:
+    """The model half of PPO: the actor-critic, whose adapters (both) and critic head train; `sequence_parallel`
+    as `build_model`."""
     return Objective(name="ppo", build_model=functools.partial(build_model, model, precision, pipeline=pipeline,
                                                                 lora=lora, rope_scaling=rope_scaling,
-                                                                model_class=ActorCritic),
+                                                                model_class=ActorCritic,
+                                                                sequence_parallel=sequence_parallel),
                      loss_fn=next_token_loss, trainable=nnx.Any(nnx.LoRAParam, VALUE))
 
 

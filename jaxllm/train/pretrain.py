@@ -39,12 +39,13 @@ def next_token_loss(model, batch, rng=None):
 
 
 def lm_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: PipelineConfig = PipelineConfig(),
-                 lora: LoRAConfig | None = None, rope_scaling=None) -> Objective:
+                 lora: LoRAConfig | None = None, rope_scaling=None, sequence_parallel: bool = False) -> Objective:
     """The model-and-loss half of language modelling (no data): what the train step needs. With `lora` (rank >
-    0) the model carries adapters and only they train."""
+    0) the model carries adapters and only they train; `sequence_parallel` as `build_model`."""
     return Objective(name="pretrain", build_model=functools.partial(build_model, model, precision,
                                                                      pipeline=pipeline, lora=lora,
-                                                                     rope_scaling=rope_scaling),
+                                                                     rope_scaling=rope_scaling,
+                                                                     sequence_parallel=sequence_parallel),
                      loss_fn=next_token_loss, trainable=lora_trainable(lora))
 
 
@@ -82,5 +83,6 @@ def pretrain_objective(cfg: Config) -> Objective:
                                       max_batches=tc.eval_batches or None, process_index=index,
                                       process_count=count))
 
-    return dataclasses.replace(lm_objective(cfg.model, cfg.precision, cfg.pipeline), open_batches=open_batches,
+    return dataclasses.replace(lm_objective(cfg.model, cfg.precision, cfg.pipeline,
+                                            sequence_parallel=cfg.mesh.sequence_parallel), open_batches=open_batches,
                                eval_batches=eval_batches, tokenizer=tokenizer)

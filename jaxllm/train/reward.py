@@ -52,13 +52,14 @@ def reward_loss(model, batch, rng=None, *, pairs_per_row: int, reward: RewardCon
 
 def reward_model_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: PipelineConfig = PipelineConfig(),
                            lora: LoRAConfig | None = None, rope_scaling=None, pairs_per_row: int = 4,
-                           reward: RewardConfig = RewardConfig()) -> Objective:
+                           reward: RewardConfig = RewardConfig(), sequence_parallel: bool = False) -> Objective:
     """The model-and-loss half of the reward model (no data). With `lora` (rank > 0) the adapters and the head
-    train; the head is always new (`fresh`): a base has none."""
+    train; the head is always new (`fresh`): a base has none. `sequence_parallel` as `build_model`."""
     adapters = lora is not None and lora.rank
     return Objective(name="reward", build_model=functools.partial(build_model, model, precision, pipeline=pipeline,
                                                                    lora=lora, rope_scaling=rope_scaling,
-                                                                   model_class=RewardModel),
+                                                                   model_class=RewardModel,
+                                                                   sequence_parallel=sequence_parallel),
                      loss_fn=functools.partial(reward_loss, pairs_per_row=pairs_per_row, reward=reward),
                      trainable=nnx.Any(nnx.LoRAParam, HEAD) if adapters else nnx.Param, fresh=HEAD)
 
@@ -103,7 +104,7 @@ def reward_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, 
 
     lora = cfg.lora if cfg.lora.rank else None
     model = reward_model_objective(cfg.model, cfg.precision, cfg.pipeline, lora, base and base.rope_scaling, K,
-                                   cfg.reward)
+                                   cfg.reward, sequence_parallel=cfg.mesh.sequence_parallel)
     return cfg, dataclasses.replace(model, open_batches=open_batches, eval_batches=eval_batches,
                                     tokenizer=load_tokenizer(directory / manifest["tokenizer"]), sample_prompt=None,
                                     base=base, report=report)

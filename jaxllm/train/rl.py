@@ -287,7 +287,7 @@ class RLSetup:
 
 def rl_setup(cfg: Config, num_devices: int, section: str, log, build_policy=lm_objective) -> RLSetup:
     """Locate the base, resolve the reward, read the prompts and build the sampler of `cfg.<section>`;
-    `build_policy(model, precision, pipeline, lora, rope_scaling=...)` gives the policy's objective."""
+    `build_policy(model, precision, pipeline, lora, rope_scaling=..., sequence_parallel=...)` gives the policy's objective."""
     cfg, base = locate_base(cfg, num_devices, section)
     if base is None:
         raise ConfigError("checkpoint.restore_from", f"{section.upper()} starts from a model, its reference: name "
@@ -312,8 +312,9 @@ def rl_setup(cfg: Config, num_devices: int, section: str, log, build_policy=lm_o
     longest = prompt_bucket(settings.max_prompt_tokens, settings.max_prompt_tokens) + settings.max_new_tokens
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=longest))
     rope = base.rope_scaling
-    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope)
-    policy = build_policy(cfg.model, cfg.precision, cfg.pipeline, cfg.lora, rope_scaling=rope)
+    sp = cfg.mesh.sequence_parallel
+    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
+    policy = build_policy(cfg.model, cfg.precision, cfg.pipeline, cfg.lora, rope_scaling=rope, sequence_parallel=sp)
     sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, settings)
     held_out = prompts["eval"][: settings.eval_prompts]
 

@@ -40,7 +40,8 @@ def sft_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Obj
                              max_len=tc.seq_len)
 
     lora = cfg.lora if cfg.lora.rank else None
-    lm = lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora, rope_scaling=base and base.rope_scaling)
+    lm = lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora, rope_scaling=base and base.rope_scaling,
+                      sequence_parallel=cfg.mesh.sequence_parallel)
     return cfg, dataclasses.replace(lm, name="sft", open_batches=open_batches, eval_batches=eval_batches,
                                     tokenizer=tokenizer, sample_prompt=None, base=base,
                                     report=report if examples else None)

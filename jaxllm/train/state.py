@@ -52,12 +52,14 @@ def new_train_state(params, tx: optax.GradientTransformation, seed, window: int)
 
 def build_model(cfg: ModelConfig, precision: PrecisionConfig, key: jax.Array,
                 pipeline: PipelineConfig = PipelineConfig(), lora: LoRAConfig | None = None,
-                rope_scaling=None, model_class=Transformer) -> Transformer:
+                rope_scaling=None, model_class=Transformer, sequence_parallel: bool = False) -> Transformer:
     """Construct the model (`model_class`: the LM, or jaxllm.model.reward.RewardModel) without flax's eager
-    sharding: placement is decided by `jaxllm.sharding` instead."""
+    sharding: placement is decided by `jaxllm.sharding` instead. `sequence_parallel` is
+    `config.MeshConfig.sequence_parallel`: a static layout choice that leaves the parameters unchanged."""
     with nnx.use_eager_sharding(False):
         return model_class(cfg, precision, rngs=nnx.Rngs(params=key), pipeline_microbatches=pipeline.microbatches,
-                           pipeline_repeats=pipeline.repeats, lora=lora, rope_scaling=rope_scaling)
+                           pipeline_repeats=pipeline.repeats, lora=lora, rope_scaling=rope_scaling,
+                           sequence_parallel=sequence_parallel)
 
 
 def abstract_model(cfg: ModelConfig, precision: PrecisionConfig,
