@@ -23,6 +23,8 @@ BAD = [
     (["--config.model.num_layers=3", "--config.mesh.stage=2", "--config.mesh.data=1"],
      "model.num_layers: 3 layers are not divisible by mesh.stage*pipeline.repeats=2"),
     (["--config.train.batch_size=6"], "train.batch_size: 6 is not divisible by mesh.data*mesh.fsdp=4"),
+    (["--config.mesh.sequence_parallel=true", "--config.train.seq_len=127"],
+     "mesh.sequence_parallel: splits the sequence over mesh.tensor=2, which does not divide train.seq_len=127"),
     (["--config.optim.grad_accum=8"], "optim.grad_accum: train.batch_size=16 does not split into 8 micro-batches"),
     (["--config.train.steps=abc"], "train.steps: expected an integer, got 'abc'"),
     (["--config.model.remat=sometimes"], "model.remat: 'sometimes' is not one of"),
