@@ -9,6 +9,8 @@ this machine, its step time:
             bare step time of 3 interleaved runs (scripts/bench_step.py's bare step).
   remat_1b  model.remat policies on the llama_1b shape, batch 4 x 2048 on one device, bfloat16 compute: bytes only.
   planner   the --dry_run formula for temporaries (jaxllm/activation_memory.py) against compiled figures.
+  sp        mesh.sequence_parallel off and on, on the default job's shape over tensor=4 (data=2; 4 kv heads, so
+            that tensor divides them), T 128 and 1024, remat none and full: bytes only.
 Run it with 8 devices (make's CPU_DEVICES or XLA_FLAGS=--xla_force_host_platform_device_count=8). Ends with one
 JSON line of the figures.
 """
@@ -21,10 +23,12 @@ from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
 from jaxllm.config import ConfigError, validate
 
 POLICIES = ("none", "save_qkv_proj", "minimal_with_context", "save_dots", "full")
-TABLES = ("chunk", "remat", "remat_1b", "planner")
+TABLES = ("chunk", "remat", "remat_1b", "planner", "sp")
 LLAMA3_HEAD = ["--config.model.vocab_size=128256", "--config.model.num_layers=2", "--config.model.dim=512",
                "--config.model.num_heads=8", "--config.model.num_kv_heads=4", "--config.model.head_dim=64",
                "--config.model.mlp_dim=1536", "--config.train.batch_size=1", "--config.train.seq_len=4096"]
+SP_MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=4", "--config.mesh.stage=1",
+           "--config.model.num_kv_heads=4"]
 LLAMA_1B = ["--config.model.preset=llama_1b", "--config.train.batch_size=4", "--config.train.seq_len=2048",
             "--config.precision.compute=bfloat16"]
 
@@ -104,6 +108,10 @@ PLANNER_CASES = [
     ("V128256 T4096 head, loss_chunk 512", LLAMA3_HEAD + _one_device() + ["--config.model.loss_chunk=512"]),
     ("llama_1b 4x2048, remat full", LLAMA_1B + _one_device() + ["--config.model.remat=full"]),
     ("llama_1b 4x2048, save_qkv_proj", LLAMA_1B + _one_device() + ["--config.model.remat=save_qkv_proj"]),
+    ("T1024 tensor 4, remat none", SP_MESH + ["--config.train.seq_len=1024"]),
+    ("T1024 tensor 4, remat none, SP", SP_MESH + ["--config.train.seq_len=1024", "--config.mesh.sequence_parallel=true"]),
+    ("T1024 tensor 4, remat full, SP", SP_MESH + ["--config.train.seq_len=1024", "--config.model.remat=full",
+                                                  "--config.mesh.sequence_parallel=true"]),
 ]
 
 
@@ -124,6 +132,26 @@ def planner_table() -> list[dict]:
     print(f"{'case':<38} {'formula':>10} {'compiled':>10} {'error':>7}")
     for r in rows:
         print(f"{r['case']:<38} {r['formula_mib']:>10.1f} {r['compiled_mib']:>10.1f} {100 * r['error']:>+6.0f}%")
+    return rows
+
+
+def sp_table() -> list[dict]:
+    from jaxllm.plan import compiled_step_memory
+
+    rows = []
+    for seq_len in (128, 1024):
+        for remat in ("none", "full"):
+            shape = SP_MESH + [f"--config.train.seq_len={seq_len}", f"--config.model.remat={remat}"]
+            temp = {sp: compiled_step_memory(_config(shape + [f"--config.mesh.sequence_parallel={sp}"]))["temp"]
+                    for sp in ("false", "true")}
+            rows.append(dict(seq_len=seq_len, remat=remat, off_mib=_mib(temp["false"]), on_mib=_mib(temp["true"]),
+                             ratio=temp["true"] / temp["false"]))
+    m = _config([]).model
+    print(f"sequence parallelism: default job L{m.num_layers} D{m.dim} F{m.mlp_dim} V{m.vocab_size}, 4 heads and kv "
+          f"heads, batch 16, mesh 2x1x4x1 (tensor 4); temp MiB per device")
+    print(f"{'T':>5} {'remat':<6} {'SP off':>10} {'SP on':>10} {'on/off':>7}")
+    for r in rows:
+        print(f"{r['seq_len']:>5} {r['remat']:<6} {r['off_mib']:>10.1f} {r['on_mib']:>10.1f} {r['ratio']:>7.3f}")
     return rows
 
 
@@ -157,7 +185,7 @@ def main(argv) -> int:
     report = {"bench": "memory"}
     for table in tables:
         report[table] = {"chunk": chunk_table, "remat": lambda: remat_table(args.steps),
-                         "remat_1b": remat_1b_table, "planner": planner_table}[table]()
+                         "remat_1b": remat_1b_table, "planner": planner_table, "sp": sp_table}[table]()
         print()
     print(json.dumps(report))
     return 0

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxllm import sharding
+from jaxllm.activation_memory import step_temp_bytes
 from jaxllm.config import (ConfigError, LoRAConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig,
                            default_config_dict, validate)
 from jaxllm.data.synthetic import synthetic_batch
@@ -94,9 +95,9 @@ def test_residual_stream_is_split_along_the_sequence(steps, params):
     assert temp[True] < 0.85 * temp[False], temp
 
 
-def test_pipeline_with_sequence_parallelism_equals_the_plain_layout(params):
-    pipeline = PipelineConfig(microbatches=2)
-    _assert_same(_grads(params, True, (1, 1, 4, 2), pipeline), _grads(params, False, (1, 1, 4, 2), pipeline))
+def test_pipeline_with_sequence_parallelism_equals_the_plain_layout(params, steps):
+    """Two stages carrying the split residual stream between them (pipelined == sequential is test_pipeline's)."""
+    _assert_same(_grads(params, True, (1, 1, 4, 2), PipelineConfig(microbatches=2)), steps[False])
 
 
 def test_sampling_with_sequence_parallelism_is_unchanged(params):
@@ -155,3 +156,19 @@ def test_config_accepts_tensor_1_and_pipeline_stages():
     cd = _config(stage=2)
     cd.pipeline.microbatches = 2
     assert validate(cd, 4).mesh.shape == (1, 1, 2, 2)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_planner_splits_what_a_layer_keeps(remat):
+    """The --dry_run formula: the residual-stream part of the saved activations shrinks by tensor (all of them
+    under remat full, where the scan keeps only each layer's input); one layer's backward working set does not."""
+    parts = {}
+    for sp in (False, True):
+        cd = _config(sequence_parallel=sp)
+        cd.model.remat = remat
+        parts[sp] = step_temp_bytes(validate(cd, 2), "xla", trainable_bytes=0)
+    assert parts[True]["layer_backward"] == parts[False]["layer_backward"]
+    if remat == "full":
+        assert parts[True]["saved_activations"] == parts[False]["saved_activations"] / 2
+    else:
+        assert parts[False]["saved_activations"] / 2 < parts[True]["saved_activations"] < parts[False]["saved_activations"]
