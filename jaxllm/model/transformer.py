@@ -69,7 +69,8 @@ class DecoderLayer(nnx.Module):
         """The block on T new tokens against one layer's KV cache; returns (out_BTD, k_BTKH, v_BTKH)."""
         attn_BTD, k_BTKH, v_BTKH = self.self_attn.decode(
             self.input_layernorm(x_BTD), k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh)
-        residual = ("batch", self.seq_axis, "embed")  # one new token (T = 1): replicated, as `seq`
+        # A prefill splits its prompt like training; one new token (T = 1) cannot be split and stays replicated.
+        residual = ("batch", self.seq_axis, "embed")
         h_BTD = constrain(x_BTD + attn_BTD, residual)
         out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
         return constrain(out_BTD, residual), k_BTKH, v_BTKH
