@@ -18,6 +18,7 @@ from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.mesh import make_mesh
 from jaxllm.offload import HOST, require_host_memory
 from jaxllm.optim import make_optimizer
+from jaxllm.plan import format_plan, memory_plan
 from jaxllm.train.loop import to_global
 from jaxllm.train.pretrain import lm_objective
 from jaxllm.train.recovery import restore_latest
@@ -163,3 +164,16 @@ def test_cli_reports_missing_host_memory_in_one_line(monkeypatch, capsys, tmp_pa
     err = capsys.readouterr().err
     assert err.startswith("error: model.remat_offload: 'host' needs a 'pinned_host' memory space") and err.count("\n") == 1
     assert not (tmp_path / "config.json").exists()  # stopped before anything was written
+
+
+def test_planner_counts_offloaded_bytes_in_host_memory():
+    plans = {overrides: memory_plan(validate(_config(*overrides), 8), compiled=False) for overrides in [
+        (), ("optim.offload=host",), ("model.remat=save_qkv_proj",),
+        ("model.remat=save_qkv_proj", "model.remat_offload=host")]}
+    base, opt_host, kept, act_host = plans.values()
+    assert base["host_bytes_per_device"] == kept["host_bytes_per_device"] == 0
+    assert opt_host["host_bytes_per_device"] == base["opt_bytes_per_device"] > 0
+    assert opt_host["total_bytes_per_device"] == base["total_bytes_per_device"] - base["opt_bytes_per_device"]
+    assert "pinned host memory per device (offload)" in format_plan(opt_host)
+    moved = kept["temp_parts"]["saved_activations"] - act_host["temp_parts"]["saved_activations"]
+    assert moved == act_host["host_bytes_per_device"] > 0

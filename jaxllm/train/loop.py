@@ -29,7 +29,7 @@ from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter, mfu, peak_flops_per_device
 from jaxllm.model.transformer import train_flops_per_token
 from jaxllm.model.visibility import resolve_attention
-from jaxllm.offload import require_host_memory
+from jaxllm.offload import HOST, require_host_memory
 from jaxllm.optim import make_optimizer
 from jaxllm.preemption import PreemptionGuard
 from jaxllm.progress import ProgressBar
@@ -52,13 +52,14 @@ def to_global(batch: dict[str, np.ndarray], sharding, global_rows: int) -> dict[
 
 
 def live_bytes() -> int:
-    """Bytes of every live jax array on this process's devices (per shard, so replicas count on each device).
+    """Bytes of every live jax array in this process's device memory (per shard, so replicas count on each
+    device); arrays in host memory (an offloaded optimizer state) are not counted.
 
     Buffers are counted once each: reading a shard makes a single-device array that is itself live and shares
     the shard's buffer.
     """
     buffers = {(shard.device.id, shard.data.unsafe_buffer_pointer()): shard.data.nbytes
-               for x in jax.live_arrays() for shard in x.addressable_shards}
+               for x in jax.live_arrays() if x.sharding.memory_kind != HOST for shard in x.addressable_shards}
     return sum(buffers.values())
 
 
