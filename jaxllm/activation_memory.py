@@ -5,8 +5,9 @@ that are not here.
 Every term counts one device's share: rows split over data x fsdp, heads / MLP / vocabulary over tensor,
 layers over stage. What a layer keeps for its backward pass follows `model.remat` (the names are
 jaxllm/model/layers.py's checkpoint names); with `model.remat_offload=host` the named residuals live in host
-memory instead (`host_activation_bytes`), and the device keeps each layer's input only. The einsum attention (`xla`, `dot_product`) keeps its [T, S] scores
-in float32; cuDNN's fused kernel keeps only per-row softmax statistics. `scripts/bench_memory.py --tables
+memory instead (`host_activation_bytes`), and the device keeps each layer's input only. The einsum attention
+(`xla`, `dot_product`) keeps its [T, S] scores in float32; cuDNN's fused kernel keeps only per-row softmax
+statistics. `scripts/bench_memory.py --tables
 planner` prints this formula against compiled `memory_analysis()` figures.
 """
 

@@ -116,6 +116,7 @@ def format_plan(plan: dict) -> str:
     frozen, trainable, opt, temp = (plan[k] for k in ("frozen_bytes_per_device", "param_bytes_per_device",
                                                       "opt_bytes_per_device", "temp_bytes_per_device"))
     on_device = 0 if plan["opt_on_host"] else opt
+    offloaded = f" (its {_size(opt)} offloaded)" if plan["opt_on_host"] else ""
     mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items())
     share = plan["trainable_params"] / plan["num_params"]
     params = (f"frozen parameters {_size(frozen)} + trainable parameters {_size(trainable)}"
@@ -126,8 +127,8 @@ def format_plan(plan: dict) -> str:
         f"model {plan['preset']}: {plan['num_params']:,} parameters ({plan['num_params'] / 1e9:.2f} B), "
         f"{plan['trainable_params']:,} trainable ({100 * share:.3g}%)",
         f"mesh {mesh} ({math.prod(plan['mesh'].values())} devices)",
-        f"per device: {params} + optimizer state {_size(on_device)}"
-        + (f" (its {_size(opt)} offloaded)" if plan["opt_on_host"] else "") + f" = {_size(frozen + trainable + on_device)}",
+        f"per device: {params} + optimizer state {_size(on_device)}{offloaded} = "
+        f"{_size(frozen + trainable + on_device)}",
         f"temporaries per device ({plan['temp_source']}): {_size(temp)}{temp_detail}",
         f"total per device: {_size(plan['total_bytes_per_device'])}",
     ]

@@ -162,7 +162,8 @@ def test_cli_reports_missing_host_memory_in_one_line(monkeypatch, capsys, tmp_pa
                      "--config.model.remat=save_qkv_proj", "--config.model.remat_offload=host"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: model.remat_offload: 'host' needs a 'pinned_host' memory space") and err.count("\n") == 1
+    assert err.startswith("error: model.remat_offload: 'host' needs a 'pinned_host' memory space")
+    assert err.count("\n") == 1
     assert not (tmp_path / "config.json").exists()  # stopped before anything was written
 
 
