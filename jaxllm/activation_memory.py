@@ -4,8 +4,10 @@ that are not here.
 
 Every term counts one device's share: rows split over data x fsdp, heads / MLP / vocabulary over tensor,
 layers over stage. What a layer keeps for its backward pass follows `model.remat` (the names are
-jaxllm/model/layers.py's checkpoint names). The einsum attention (`xla`, `dot_product`) keeps its [T, S] scores
-in float32; cuDNN's fused kernel keeps only per-row softmax statistics. `scripts/bench_memory.py --tables
+jaxllm/model/layers.py's checkpoint names); with `model.remat_offload=host` the named residuals live in host
+memory instead (`host_activation_bytes`), and the device keeps each layer's input only. The einsum attention
+(`xla`, `dot_product`) keeps its [T, S] scores in float32; cuDNN's fused kernel keeps only per-row softmax
+statistics. `scripts/bench_memory.py --tables
 planner` prints this formula against compiled `memory_analysis()` figures.
 
 With `mesh.sequence_parallel` the residual-stream-shaped [tokens, D] intermediates a layer keeps for its
@@ -57,15 +59,38 @@ _SAVED = {
 }
 
 
+def _rows(cfg: Config) -> float:
+    """Rows of one micro-batch on one device."""
+    return cfg.train.batch_size / (cfg.mesh.data * cfg.mesh.fsdp) / cfg.optim.grad_accum
+
+
+def _residual_split(cfg: Config) -> int:
+    """How many ways the residual stream's sequence is split (`mesh.sequence_parallel`: over tensor)."""
+    return cfg.mesh.tensor if cfg.mesh.sequence_parallel else 1
+
+
+def host_activation_bytes(cfg: Config, attention: str) -> float:
+    """Bytes per device of saved activations in host memory (`model.remat_offload=host`: every residual the
+    policy saves but the layer inputs, which the layer scan keeps on the device); 0 without offload."""
+    m = cfg.model
+    if m.remat_offload != "host" or _SAVED[m.remat] is None:
+        return 0.0
+    terms = _layer_terms(cfg, _rows(cfg), attention, _residual_split(cfg))
+    return sum(terms[k] for k in _SAVED[m.remat] if k != "input") * m.num_layers / cfg.mesh.stage
+
+
 def step_temp_bytes(cfg: Config, attention: str, trainable_bytes: int) -> dict[str, float]:
     """Estimated temp bytes per device of `cfg`'s train step, by part; `attention` is the implementation the
     target runs (jaxllm.model.visibility.resolve_attention), `trainable_bytes` the trainable parameters' bytes
-    per device (their gradients and the update are temporaries of the same size)."""
+    per device (their gradients and the update are temporaries of the same size). Offloaded activations
+    (`host_activation_bytes`) are not counted."""
     m, mesh = cfg.model, cfg.mesh
-    rows = cfg.train.batch_size / (mesh.data * mesh.fsdp) / cfg.optim.grad_accum
-    terms = _layer_terms(cfg, rows, attention, mesh.tensor if mesh.sequence_parallel else 1)
+    rows = _rows(cfg)
+    terms = _layer_terms(cfg, rows, attention, _residual_split(cfg))
     whole_layer = sum(_layer_terms(cfg, rows, attention).values())
     saved = _SAVED[m.remat]
+    if saved is not None and m.remat_offload == "host":
+        saved = ("input",)
     kept = sum(terms.values()) if saved is None else sum(terms[k] for k in saved)
     head_positions = min(m.loss_chunk or cfg.train.seq_len, cfg.train.seq_len)
     head = 2 * rows * head_positions * m.vocab_size / mesh.tensor * FLOAT32  # logits and their gradient

@@ -180,13 +180,17 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {what} into {self.directory} failed: {exc}") from None
         self.check_for_errors()
 
-    def restore(self, step: int, abstract_state: Any, mesh, *, items=("state", "data", "meta")) -> dict:
-        """Restore `step` with every array placed per the sharding rules on `mesh` (resharding on load).
+    def restore(self, step: int, abstract_state: Any, mesh, *, items=("state", "data", "meta"),
+                shardings: Any = None) -> dict:
+        """Restore `step` with every array placed per the sharding rules on `mesh` (resharding on load), or per
+        `shardings` when given (a train state's from `jaxllm.train.state.state_shardings`: an offloaded optimizer
+        state restores straight into pinned host memory, never through the device).
 
         `abstract_state` gives shapes and dtypes (e.g. `abstract_train_state(...)`); a checkpoint written on any
         other mesh or device count restores bit-exactly onto this one.
         """
-        shardings = sharding_tree(abstract_state, mesh)
+        if shardings is None:
+            shardings = sharding_tree(abstract_state, mesh)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_state, shardings)
         available = {"state": ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target)),

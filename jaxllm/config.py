@@ -18,6 +18,7 @@ from jaxllm.model.presets import GPU_PRESETS, PRESETS
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "minimal_with_context", "save_qkv_proj")
+OFFLOADS = ("none", "host")  # optim.offload, model.remat_offload (jaxllm/offload.py)
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
@@ -100,6 +101,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     remat: str = "none"
+    # "host": what `remat` saves for the backward pass (save_dots, minimal_with_context, save_qkv_proj) goes to
+    # pinned host memory instead of staying on the device; "none": it stays (jaxllm/offload.py).
+    remat_offload: str = "none"
     # Sequence positions per chunk of the output head's loss (jaxllm/model/head.py); 0: the whole sequence at once.
     loss_chunk: int = 0
     # auto: cudnn on GPUs when computing in bf16/fp16, else xla (see jaxllm.model.visibility.resolve_attention)
@@ -133,6 +137,9 @@ class OptimConfig:
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     grad_accum: int = 1
+    # "host": the optimizer state lives in pinned host memory and streams to the device for the update inside
+    # the step (jaxllm/offload.py); "none": it stays on the device.
+    offload: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -578,6 +585,11 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     _positive("model.rope_theta", model.rope_theta)
     _positive("model.norm_eps", model.norm_eps)
     _choice("model.remat", model.remat, REMAT_POLICIES)
+    _choice("model.remat_offload", model.remat_offload, OFFLOADS)
+    if model.remat_offload == "host" and model.remat in ("none", "full"):
+        raise ConfigError("model.remat_offload", f"'host' offloads what model.remat saves by name, and "
+                                                 f"model.remat={model.remat!r} saves nothing to offload (use "
+                                                 f"save_dots, minimal_with_context or save_qkv_proj)")
     if model.loss_chunk < 0:
         raise ConfigError("model.loss_chunk", f"must be >= 0 (0: no chunking), got {model.loss_chunk}")
     _choice("model.attention", model.attention, ATTENTION_IMPLS)
@@ -619,6 +631,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
 
     _choice("optim.name", optim.name, OPTIMIZERS)
     _choice("optim.schedule", optim.schedule, SCHEDULES)
+    _choice("optim.offload", optim.offload, OFFLOADS)
     _positive("optim.lr", optim.lr)
     _positive("optim.grad_accum", optim.grad_accum)
     if optim.warmup_steps < 0:

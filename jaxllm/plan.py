@@ -2,7 +2,8 @@
 trainable parameters and the optimizer state for any mesh, including meshes far larger than this machine (an
 AbstractMesh has no devices). A LoRA fine-tuning config (train.objective="sft", lora.rank > 0) plans the base
 frozen and the adapters trainable. `compiled_step_memory` adds what only a compile knows (activations and
-temporaries), from an ahead-of-time compile of the real train step on this machine's devices."""
+temporaries), from an ahead-of-time compile of the real train step on this machine's devices. What host offload
+(`optim.offload`, `model.remat_offload`) keeps in pinned host memory counts as host bytes, not device bytes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 
 import jax
 
-from jaxllm.activation_memory import step_temp_bytes
+from jaxllm.activation_memory import host_activation_bytes, step_temp_bytes
 from jaxllm.config import Config
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.mesh import abstract_mesh, make_mesh
@@ -19,7 +20,7 @@ from jaxllm.optim import make_optimizer
 from jaxllm.sharding import bytes_per_device, sharding_tree
 from jaxllm.train.loop import StepRunner
 from jaxllm.train.pretrain import lm_objective
-from jaxllm.train.state import abstract_objective_state
+from jaxllm.train.state import abstract_objective_state, state_shardings
 
 
 def _count(tree) -> int:
@@ -42,7 +43,9 @@ def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
     """Parameter counts, and bytes per device of parameters (frozen, trainable), optimizer state and the train
     step's temporaries on `cfg.mesh`, with a verdict per GPU in `GPUS`. Temporaries come from an ahead-of-time
     compile on this machine when `compiled` (None: when the backend is not the CPU and has the mesh's devices),
-    else from `jaxllm.activation_memory`'s formula, with the attention a GPU would run."""
+    else from `jaxllm.activation_memory`'s formula, with the attention a GPU would run. `host_bytes_per_device`
+    is what offload keeps in pinned host memory (the optimizer state, offloaded activations); the device total
+    and the verdicts leave it out."""
     mesh = abstract_mesh(cfg.mesh)
     state, frozen = abstract_objective_state(_objective(cfg), make_optimizer(cfg.optim, cfg.train.steps))
     trainable = _count(state.params)
@@ -55,20 +58,25 @@ def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
         frozen_bytes_per_device=bytes_per_device(frozen, mesh) if jax.tree.leaves(frozen) else 0,
         param_bytes_per_device=bytes_per_device(state.params, mesh),
         opt_bytes_per_device=bytes_per_device(state.opt_state, mesh),
+        opt_on_host=cfg.optim.offload == "host",
         param_bytes_total=sum(math.prod(x.shape) * x.dtype.itemsize for x in every),
     )
+    host_activations = host_activation_bytes(cfg, gpu_attention(cfg.model.attention, cfg.precision.compute))
     if compiled is None:
         compiled = jax.default_backend() != "cpu" and cfg.mesh.num_devices <= jax.device_count()
     if compiled:
-        plan.update(temp_bytes_per_device=compiled_step_memory(cfg)["temp"],
-                    temp_source=f"compiled on {jax.default_backend()}")
+        memory = compiled_step_memory(cfg)
+        host_activations = memory["host_temp"]
+        plan.update(temp_bytes_per_device=memory["temp"], temp_source=f"compiled on {jax.default_backend()}")
     else:
         attention = gpu_attention(cfg.model.attention, cfg.precision.compute)
         parts = step_temp_bytes(cfg, attention, plan["param_bytes_per_device"])
         plan.update(temp_bytes_per_device=int(sum(parts.values())), temp_parts={k: int(v) for k, v in parts.items()},
                     temp_source=f"formula, attention {attention} as on a GPU")
+    opt_host = plan["opt_bytes_per_device"] if plan["opt_on_host"] else 0
+    plan.update(host_bytes_per_device=int(opt_host + host_activations))
     total = sum(plan[k] for k in ("frozen_bytes_per_device", "param_bytes_per_device", "opt_bytes_per_device",
-                                  "temp_bytes_per_device"))
+                                  "temp_bytes_per_device")) - opt_host
     plan.update(total_bytes_per_device=total, fits={name: fit_verdict(total, size) for name, size in GPUS.items()})
     return plan
 
@@ -85,17 +93,20 @@ def fit_verdict(total: int, capacity: int) -> str:
 def compiled_step_memory(cfg: Config) -> dict:
     """Bytes per device of the train step compiled ahead of time for `cfg` on the first `cfg.mesh.num_devices`
     devices of this machine (nothing allocated): `memory_analysis()`'s argument, output, alias (donated) and
-    temp (activations, gradients, temporaries) sizes."""
+    temp (activations, gradients, temporaries) sizes, and the same in host memory (`host_argument`, ...: what
+    `optim.offload` and `model.remat_offload` move there)."""
     mesh = make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     objective = _objective(cfg)
     state, frozen = abstract_objective_state(objective, tx, cfg.anomaly.window)
     shape = (cfg.train.batch_size, cfg.train.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, v.dtype) for k, v in synthetic_batch(0, 1, 2, 8).items()}
-    runner = StepRunner(objective, tx, cfg, sharding_tree(state, mesh), sharding_tree(frozen, mesh), mesh)
+    runner = StepRunner(objective, tx, cfg, state_shardings(state, mesh, cfg.optim.offload),
+                        sharding_tree(frozen, mesh), mesh)
     runner.compile(state, batch, frozen)
     memory = runner.compiled_for(batch).memory_analysis()
-    return {k: int(getattr(memory, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+    kinds = [f"{host}{k}" for host in ("", "host_") for k in ("argument", "output", "alias", "temp")]
+    return {k: int(getattr(memory, f"{k}_size_in_bytes")) for k in kinds}
 
 
 def _size(n: int) -> str:
@@ -105,6 +116,8 @@ def _size(n: int) -> str:
 def format_plan(plan: dict) -> str:
     frozen, trainable, opt, temp = (plan[k] for k in ("frozen_bytes_per_device", "param_bytes_per_device",
                                                       "opt_bytes_per_device", "temp_bytes_per_device"))
+    on_device = 0 if plan["opt_on_host"] else opt
+    offloaded = f" (its {_size(opt)} offloaded)" if plan["opt_on_host"] else ""
     mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items())
     share = plan["trainable_params"] / plan["num_params"]
     params = (f"frozen parameters {_size(frozen)} + trainable parameters {_size(trainable)}"
@@ -115,9 +128,12 @@ def format_plan(plan: dict) -> str:
         f"model {plan['preset']}: {plan['num_params']:,} parameters ({plan['num_params'] / 1e9:.2f} B), "
         f"{plan['trainable_params']:,} trainable ({100 * share:.3g}%)",
         f"mesh {mesh} ({math.prod(plan['mesh'].values())} devices)",
-        f"per device: {params} + optimizer state {_size(opt)} = {_size(frozen + trainable + opt)}",
+        f"per device: {params} + optimizer state {_size(on_device)}{offloaded} = "
+        f"{_size(frozen + trainable + on_device)}",
         f"temporaries per device ({plan['temp_source']}): {_size(temp)}{temp_detail}",
         f"total per device: {_size(plan['total_bytes_per_device'])}",
     ]
+    if plan["host_bytes_per_device"]:
+        lines.append(f"pinned host memory per device (offload): {_size(plan['host_bytes_per_device'])}")
     lines += [f"{name} ({_size(GPUS[name])}): {verdict}" for name, verdict in plan["fits"].items()]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Memory levers, measured: `python scripts/bench_memory.py [--tables chunk,remat,remat_1b] [--steps N]`.
+"""Memory levers, measured: `python scripts/bench_memory.py [--tables chunk,remat,remat_1b,planner,offload] [--steps N]`.
 
 Prints one table per lever, each against its baseline in the same run, from the compiled train step's
 `memory_analysis()` (bytes per device; an ahead-of-time compile, nothing allocated) and, where the job fits
@@ -11,6 +11,11 @@ this machine, its step time:
   planner   the --dry_run formula for temporaries (jaxllm/activation_memory.py) against compiled figures.
   sp        mesh.sequence_parallel off and on, on the default job's shape over tensor=4 (data=2; 4 kv heads, so
             that tensor divides them), T 128 and 1024, remat none and full: bytes only.
+  offload   host offload on the default job: optim.offload=host and model.remat_offload=host (under
+            save_qkv_proj) against on-device runs, device and host argument / temp bytes and the median bare
+            step time of 3 interleaved runs; then the optimizer bytes the planner moves off each device for
+            llama_1b and llama_8b (fsdp=8). On the CPU the "transfers" stay in the same RAM: the time is the
+            cost of the extra copies only, real savings and costs show on a GPU.
 Run it with 8 devices (make's CPU_DEVICES or XLA_FLAGS=--xla_force_host_platform_device_count=8). Ends with one
 JSON line of the figures.
 """
@@ -23,7 +28,14 @@ from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
 from jaxllm.config import ConfigError, validate
 
 POLICIES = ("none", "save_qkv_proj", "minimal_with_context", "save_dots", "full")
-TABLES = ("chunk", "remat", "remat_1b", "planner", "sp")
+TABLES = ("chunk", "remat", "remat_1b", "planner", "sp", "offload")
+OFFLOAD_CASES = [  # (name, overrides), each against the one before it that has no offload
+    ("on device", []),
+    ("optim.offload=host", ["--config.optim.offload=host"]),
+    ("save_qkv_proj", ["--config.model.remat=save_qkv_proj"]),
+    ("save_qkv_proj, remat_offload=host", ["--config.model.remat=save_qkv_proj", "--config.model.remat_offload=host"]),
+]
+FSDP_8 = ["--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.mesh.tensor=1", "--config.mesh.stage=1"]
 LLAMA3_HEAD = ["--config.model.vocab_size=128256", "--config.model.num_layers=2", "--config.model.dim=512",
                "--config.model.num_heads=8", "--config.model.num_kv_heads=4", "--config.model.head_dim=64",
                "--config.model.mlp_dim=1536", "--config.train.batch_size=1", "--config.train.seq_len=4096"]
@@ -155,6 +167,40 @@ def sp_table() -> list[dict]:
     return rows
 
 
+def offload_table(steps: int) -> dict:
+    from bench_step import bare_step_throughput
+
+    from jaxllm.plan import compiled_step_memory, memory_plan
+
+    names = [name for name, _ in OFFLOAD_CASES]
+    times = {name: [] for name in names}
+    for round_ in range(3):  # interleaved, as the remat table
+        for name, overrides in OFFLOAD_CASES[round_:] + OFFLOAD_CASES[:round_]:
+            times[name].append(bare_step_throughput(_config(overrides), steps)["step_s"])
+    rows = []
+    for name, overrides in OFFLOAD_CASES:
+        cfg = _config(overrides)
+        memory = compiled_step_memory(cfg)
+        rows.append(dict(case=name, step_s=statistics.median(times[name]), argument_mib=_mib(memory["argument"]),
+                         temp_mib=_mib(memory["temp"]), host_mib=_mib(memory_plan(cfg)["host_bytes_per_device"])))
+    # XLA:CPU's memory_analysis() counts host-memory arguments with the device's: the host column is the planner's.
+    print("host offload: default job, per device: compiled argument and temp bytes (memory_analysis), bytes in "
+          "host memory (planner), median step of 3 interleaved runs")
+    print(f"{'case':<36} {'argument':>9} {'temp':>9} {'host MiB':>9} {'step s':>8} {'vs base':>8}")
+    for i, r in enumerate(rows):
+        base = rows[i - i % 2]  # the on-device row of the pair
+        print(f"{r['case']:<36} {r['argument_mib']:>9.2f} {r['temp_mib']:>9.2f} {r['host_mib']:>9.2f} "
+              f"{r['step_s']:>8.4f} {r['step_s'] / base['step_s']:>8.3f}")
+    planned = {preset: memory_plan(_config([f"--config.model.preset={preset}", "--config.optim.offload=host"]
+                                           + FSDP_8)) for preset in ("llama_1b", "llama_8b")}
+    for preset, plan in planned.items():
+        print(f"{preset}, fsdp=8: optimizer state {plan['opt_bytes_per_device'] / 1024**3:.3f} GiB per device moves "
+              f"to host memory ({plan['total_bytes_per_device'] / 1024**3:.3f} GiB left on the device, planner)")
+    return {"default": rows, **{p: {"opt_gib_per_device_to_host": plan["opt_bytes_per_device"] / 1024**3,
+                                    "device_gib_left": plan["total_bytes_per_device"] / 1024**3}
+                                for p, plan in planned.items()}}
+
+
 def _print_remat(rows: list[dict], with_time: bool) -> None:
     base = rows[0]
     print(f"{'remat':<22} {'temp MiB':>10} {'vs none':>8}" + (f" {'step s':>8} {'vs none':>8}" if with_time else ""))
@@ -168,7 +214,7 @@ def _print_remat(rows: list[dict], with_time: bool) -> None:
 def main(argv) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--tables", default=",".join(TABLES), help=f"comma-separated, of {', '.join(TABLES)}")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per run of the remat table")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run of the remat and offload tables")
     args = p.parse_args(argv)
     tables = [t for t in args.tables.split(",") if t]
     try:
@@ -185,7 +231,8 @@ def main(argv) -> int:
     report = {"bench": "memory"}
     for table in tables:
         report[table] = {"chunk": chunk_table, "remat": lambda: remat_table(args.steps),
-                         "remat_1b": remat_1b_table, "planner": planner_table, "sp": sp_table}[table]()
+                         "remat_1b": remat_1b_table, "planner": planner_table, "sp": sp_table,
+                         "offload": lambda: offload_table(args.steps)}[table]()
         print()
     print(json.dumps(report))
     return 0

@@ -44,7 +44,7 @@ def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
     objective = lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora, sequence_parallel=cfg.mesh.sequence_parallel)
     with jax.set_mesh(mesh):
         state, frozen, shardings, frozen_shardings = init_objective_state(objective, tx, mesh, tc.seed,
-                                                                          cfg.anomaly.window)
+                                                                          cfg.anomaly.window, cfg.optim.offload)
         batch = to_global(synthetic_batch(0, tc.batch_size, tc.seq_len, cfg.model.vocab_size), batch_sharding(mesh),
                           tc.batch_size)
     runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh)  # the very step the loop runs
@@ -71,6 +71,7 @@ def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
         argument_mb=memory.argument_size_in_bytes / 2**20,
         output_mb=memory.output_size_in_bytes / 2**20,
         temp_mb=memory.temp_size_in_bytes / 2**20,
+        host_argument_mb=memory.host_argument_size_in_bytes / 2**20,  # optim.offload=host: the optimizer state
         xla_flops_per_device=float(cost.get("flops", 0.0)) if cost else 0.0,
     )
 

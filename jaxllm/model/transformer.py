@@ -18,6 +18,7 @@ from flax import nnx
 from jaxllm.config import LoRAConfig, ModelConfig, PrecisionConfig
 from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, param, rope_tables
 from jaxllm.model.visibility import attention_visibility, resolve_attention
+from jaxllm.offload import DEVICE, HOST
 from jaxllm.pipeline import num_stages, pipeline
 from jaxllm.sharding import constrain
 
@@ -34,6 +35,20 @@ REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     **{name: jax.checkpoint_policies.save_only_these_names(*saved) for name, saved in REMAT_SAVED_NAMES.items()},
 }
+# model.remat_offload=host: the same residuals, kept in pinned host memory instead of on the device (none and
+# full save nothing to offload; config.validate refuses them).
+REMAT_OFFLOAD_POLICIES = {
+    "save_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims(DEVICE, HOST),
+    **{name: jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(saved), offload_src=DEVICE, offload_dst=HOST)
+       for name, saved in REMAT_SAVED_NAMES.items()},
+}
+
+
+def remat_policy(remat: str, offload: str = "none"):
+    """The jax.checkpoint policy of `model.remat`, offloading what it saves to host memory when `offload` is
+    "host" (`model.remat_offload`)."""
+    return (REMAT_OFFLOAD_POLICIES if offload == "host" else REMAT_POLICIES)[remat]
 
 
 def residual_seq_axis(sequence_parallel: bool) -> str:
@@ -117,9 +132,11 @@ def layer_keys(rng, num_layers: int):
     return None if rng is None else jax.random.key_data(jax.random.split(rng, num_layers))
 
 
-def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", keys_L=None):
-    """Run stacked `layers` over `x_BTD` with `lax.scan`, rematerialising each layer per `remat`; layer l draws
-    its randomness (LoRA dropout) from `keys_L[l]` (None: deterministic)."""
+def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", keys_L=None,
+                remat_offload: str = "none"):
+    """Run stacked `layers` over `x_BTD` with `lax.scan`, rematerialising each layer per `remat` (what it saves
+    offloaded to host memory per `remat_offload`); layer l draws its randomness (LoRA dropout) from `keys_L[l]`
+    (None: deterministic)."""
     graphdef, stacked = nnx.split(layers)
 
     def body(x, xs):
@@ -128,13 +145,14 @@ def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: s
         return layer(x, visible, sin_BTh, cos_BTh, None if key is None else jax.random.wrap_key_data(key)), None
 
     if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        body = jax.checkpoint(body, policy=remat_policy(remat, remat_offload), prevent_cse=False)
     x_BTD, _ = jax.lax.scan(body, x_BTD, (stacked, keys_L))
     return x_BTD
 
 
 def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", *,
-                    microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False, keys_L=None):
+                    microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False, keys_L=None,
+                    remat_offload: str = "none"):
     """`scan_layers` as a pipeline over the active mesh's `stage` axis (see `jaxllm.pipeline`): each stage
     scans its own chunks of the stacked layers; visibility (mask or packed documents) and rotary tables travel
     with their micro-batch. Per-layer keys travel with their layers, so a step's micro-batches share them."""
@@ -142,7 +160,7 @@ def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, rema
 
     def stage_fn(chunk, x_BTD, aux):
         chunk_state, chunk_keys = chunk
-        return scan_layers(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys)
+        return scan_layers(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys, remat_offload)
 
     return pipeline(stage_fn, (stacked, keys_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
                     repeats=repeats, debug_nan_bubbles=debug_nan_bubbles, seq_axis=layers.seq_axis)
@@ -199,9 +217,11 @@ class Transformer(nnx.Module):
         if num_stages() > 1:
             x_BTD = pipeline_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat,
                                     microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
-                                    debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L)
+                                    debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L,
+                                    remat_offload=self.cfg.remat_offload)
         else:
-            x_BTD = scan_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L)
+            x_BTD = scan_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,
+                                self.cfg.remat_offload)
         # The final norm runs on the split sequence too; the head's vocabulary-parallel matmul gathers it (`logits`).
         return self.norm(x_BTD)
 

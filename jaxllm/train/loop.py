@@ -29,6 +29,7 @@ from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter, mfu, peak_flops_per_device
 from jaxllm.model.transformer import train_flops_per_token
 from jaxllm.model.visibility import resolve_attention
+from jaxllm.offload import HOST, require_host_memory
 from jaxllm.optim import make_optimizer
 from jaxllm.preemption import PreemptionGuard
 from jaxllm.progress import ProgressBar
@@ -38,7 +39,7 @@ from jaxllm.task_eval import format_table
 from jaxllm.train.faults import planned_faults, with_scaled_loss
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.recovery import Recovery, restore_start
-from jaxllm.train.state import abstract_objective_state
+from jaxllm.train.state import abstract_objective_state, state_shardings
 from jaxllm.train.step import batch_sharding, jit_eval_step, jit_train_step, make_eval_step, make_train_step, process_rows
 
 HOLD_TIMEOUT_S = 600.0
@@ -51,13 +52,14 @@ def to_global(batch: dict[str, np.ndarray], sharding, global_rows: int) -> dict[
 
 
 def live_bytes() -> int:
-    """Bytes of every live jax array on this process's devices (per shard, so replicas count on each device).
+    """Bytes of every live jax array in this process's device memory (per shard, so replicas count on each
+    device); arrays in host memory (an offloaded optimizer state) are not counted.
 
     Buffers are counted once each: reading a shard makes a single-device array that is itself live and shares
     the shard's buffer.
     """
     buffers = {(shard.device.id, shard.data.unsafe_buffer_pointer()): shard.data.nbytes
-               for x in jax.live_arrays() for shard in x.addressable_shards}
+               for x in jax.live_arrays() if x.sharding.memory_kind != HOST for shard in x.addressable_shards}
     return sum(buffers.values())
 
 
@@ -245,6 +247,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     """Train `cfg` end to end (resuming from `<workdir>/checkpoints` if there are any); returns a summary."""
     is_main = jax.process_index() == 0
     log = (lambda msg: print(msg, file=stream, flush=True)) if is_main else (lambda msg: None)
+    require_host_memory(cfg)  # before anything is built: a backend without host memory is a config error
     if objective is None:
         cfg, objective = objective_for(cfg, log)
     mesh = make_mesh(cfg.mesh)
@@ -256,7 +259,8 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
 
     tx = make_optimizer(cfg.optim, tc.steps)
     abstract = abstract_objective_state(objective, tx, cfg.anomaly.window)
-    shardings, frozen_shardings = (sharding_tree(tree, mesh) for tree in abstract)
+    shardings = state_shardings(abstract[0], mesh, cfg.optim.offload)
+    frozen_shardings = sharding_tree(abstract[1], mesh)
     rows_sharding = batch_sharding(mesh)
     # Each process reads only the block of batch rows its devices hold (one block per host group on `data`).
     rows = process_rows(rows_sharding, tc.batch_size)

@@ -17,24 +17,24 @@ from flax import nnx
 
 from jaxllm.checkpoint import CheckpointError, Checkpointer
 from jaxllm.config import Config, ConfigError
-from jaxllm.sharding import sharding_tree
 from jaxllm.train.anomaly import incident_kind
 from jaxllm.train.base_model import check_same_base, fingerprint
 from jaxllm.train.state import (init_frozen, init_objective_state, init_part, init_trainable_state,
-                               state_from_params)
+                               state_from_params, state_shardings)
 
 
 class AnomalyAbort(RuntimeError):
     """Training stopped on an anomaly (policy `abort`, no checkpoint to roll back to, or too many rollbacks)."""
 
 
-def restore_latest(checkpointer: Checkpointer, abstract, mesh, log, items=("state", "data", "meta")):
-    """(state, meta, data) of the newest checkpoint that restores, trying older ones when one is unreadable;
-    None when there is none."""
+def restore_latest(checkpointer: Checkpointer, abstract, mesh, log, items=("state", "data", "meta"),
+                   shardings=None):
+    """(state, meta, data) of the newest checkpoint that restores (placed per `shardings`, default the rules on
+    `mesh`), trying older ones when one is unreadable; None when there is none."""
     for step in reversed(checkpointer.steps()):
         error = None
         try:
-            restored = checkpointer.restore(step, abstract, mesh, items=items)
+            restored = checkpointer.restore(step, abstract, mesh, items=items, shardings=shardings)
         except CheckpointError as exc:
             error = exc
         if not _everywhere(error is None):  # all processes must fall back together, or none
@@ -93,9 +93,10 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
     the objective's initialiser (pretraining has none). `on_loaded()` is called once the state exists, before
     anything used to make it is released (the loop measures peak live bytes there).
     """
-    seed, window = cfg.train.seed, cfg.anomaly.window
+    seed, window, offload = cfg.train.seed, cfg.anomaly.window, cfg.optim.offload
     abstract_state, _ = abstract
-    restored = restore_latest(checkpointer, abstract_state, mesh, log)
+    shardings = state_shardings(abstract_state, mesh, offload)
+    restored = restore_latest(checkpointer, abstract_state, mesh, log, shardings=shardings)
     if restored is not None:
         state, meta = restored
         step = int(state.step)
@@ -107,9 +108,9 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         return Start(state, frozen, offset, int(meta.get("rollbacks", 0)), base, meta.get("base_report"),
                      meta["data"])
     if objective.base is not None:
-        return _start_from_base(objective, tx, abstract, mesh, seed, window, log, on_loaded)
+        return _start_from_base(objective, tx, abstract, mesh, seed, window, log, on_loaded, offload)
     if not cfg.checkpoint.restore_from:
-        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window)
+        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window, offload)
         on_loaded()
         return Start(state, frozen, 0, 0)
     directory, step = _locate(cfg.checkpoint.restore_from)
@@ -119,11 +120,11 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         if step is None:
             raise CheckpointError(f"no committed checkpoint in {directory}")
         if cfg.checkpoint.restore_all:
-            state = source.restore(step, abstract_state, mesh, items=("state",))["state"]
+            state = source.restore(step, abstract_state, mesh, items=("state",), shardings=shardings)["state"]
             log(f"starting from {directory / str(step)} (everything: parameters, optimizer state, step)")
         else:  # parameters only: the source's optimizer state and windows are never read
             params = source.restore_params(step, abstract_state.params, mesh)
-            state = state_from_params(params, tx, sharding_tree(abstract_state, mesh), seed, window)
+            state = state_from_params(params, tx, shardings, seed, window)
             log(f"starting from the parameters of {directory / str(step)}")
         on_loaded()
     finally:
@@ -131,20 +132,21 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
     return Start(state, _frozen(objective, mesh, cfg, abstract, None)[0], 0, 0)
 
 
-def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log, on_loaded) -> Start:
+def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log, on_loaded, offload: str) -> Start:
     """A fresh fine-tuning run: the base loads into the frozen variables (new adapters train) or, when nothing
     is frozen (full fine-tuning), into the trainable ones; what the base lacks (`objective.fresh`) is initialised
-    from the seed."""
+    from the seed. `offload` is `optim.offload` (where the optimizer state lives)."""
     abstract_state, abstract_frozen = abstract
     base = objective.base
     if jax.tree.leaves(abstract_frozen):
         frozen = base.load(abstract_frozen, mesh)
         record = base.record(fingerprint(frozen))
-        state = init_trainable_state(objective, tx, mesh, seed, window)
+        state = init_trainable_state(objective, tx, mesh, seed, window, offload)
     else:
         params = _base_and_fresh(objective, abstract_state.params, mesh, seed)
         record = base.record(fingerprint(params[0]))
-        state = state_from_params(nnx.merge_state(*params), tx, sharding_tree(abstract_state, mesh), seed, window)
+        state = state_from_params(nnx.merge_state(*params), tx, state_shardings(abstract_state, mesh, offload), seed,
+                                  window)
         frozen = abstract_frozen
     log(f"starting from the base model {base.path} (fingerprint {record['fingerprint']})")
     on_loaded()
@@ -219,6 +221,7 @@ class Recovery:
         self.lr_factor = cfg.anomaly.lr_factor
         self.checkpointer, self.incidents, self.abstract, self.mesh, self.log = (
             checkpointer, incidents, abstract_state, mesh, log)
+        self.shardings = state_shardings(abstract_state, mesh, cfg.optim.offload)
         self.grad_spikes = 0
         self.loss_spikes = 0
 
@@ -257,7 +260,7 @@ class Recovery:
         bad = incident["step"]
         free(run.state)  # never two train states at once
         run.state = None
-        restored = restore_latest(self.checkpointer, self.abstract, self.mesh, self.log)
+        restored = restore_latest(self.checkpointer, self.abstract, self.mesh, self.log, shardings=self.shardings)
         if restored is None:
             raise AnomalyAbort(f"step {bad}: {incident['kind']}; no readable checkpoint left to roll back to")
         healthy, meta = restored

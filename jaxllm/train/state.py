@@ -16,6 +16,7 @@ from flax import nnx, struct
 
 from jaxllm.config import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.model.transformer import Transformer
+from jaxllm.offload import host_shardings
 from jaxllm.sharding import sharding_tree
 from jaxllm.train.anomaly import empty_window
 
@@ -82,11 +83,22 @@ def abstract_objective_state(objective, tx, window: int = 50) -> tuple[TrainStat
     return jax.eval_shape(init)
 
 
-def init_objective_state(objective, tx, mesh, seed: int, window: int = 50):
+def state_shardings(abstract_state: TrainState, mesh, offload: str = "none") -> TrainState:
+    """The train state's shardings on `mesh` (the RULES placement); with `offload="host"` (`optim.offload`) the
+    optimizer state's are in pinned host memory. Every placement of a train state (init, the step, checkpoint
+    restore) takes its shardings from here."""
+    shardings = sharding_tree(abstract_state, mesh)
+    if offload == "host":
+        shardings = shardings.replace(opt_state=host_shardings(shardings.opt_state))
+    return shardings
+
+
+def init_objective_state(objective, tx, mesh, seed: int, window: int = 50, offload: str = "none"):
     """(state, frozen, state shardings, frozen shardings): `objective`'s model initialised from `seed` directly
-    into its shards on `mesh`, with a fresh optimizer state for its trainable variables."""
+    into its shards on `mesh`, with a fresh optimizer state for its trainable variables (in pinned host memory
+    with `offload="host"`)."""
     state, frozen = abstract_objective_state(objective, tx, window)
-    shardings = sharding_tree(state, mesh), sharding_tree(frozen, mesh)
+    shardings = state_shardings(state, mesh, offload), sharding_tree(frozen, mesh)
 
     def init(key):
         _, params, frozen = objective.split(objective.build_model(key))
@@ -108,11 +120,14 @@ def init_frozen(objective, mesh, seed: int):
     return init_part(lambda key: objective.split(objective.build_model(key))[2], mesh, seed)
 
 
-def init_trainable_state(objective, tx, mesh, seed: int, window: int = 50) -> TrainState:
+def init_trainable_state(objective, tx, mesh, seed: int, window: int = 50, offload: str = "none") -> TrainState:
     """`objective`'s train state alone (fresh trainable variables, as `init_objective_state` makes them, and
     their optimizer state); the frozen variables are never materialised (a pretrained base is loaded instead)."""
-    return init_part(lambda key: new_train_state(objective.split(objective.build_model(key))[1], tx, seed, window),
-                      mesh, seed)
+    def init(key):
+        return new_train_state(objective.split(objective.build_model(key))[1], tx, seed, window)
+
+    shardings = state_shardings(jax.eval_shape(init, jax.random.key(0)), mesh, offload)
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
 
 
 def state_from_params(params, tx, shardings: TrainState, seed: int, window: int = 50) -> TrainState:

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config import AnomalyConfig
+from jaxllm.offload import on_host, stream_opt_state
 from jaxllm.optim import current_lr
 from jaxllm.sharding import constrain, logical_to_spec
 from jaxllm.train.anomaly import detect, push
@@ -164,8 +165,11 @@ def make_eval_step(graphdef, loss_fn=next_token_loss) -> Callable:
 
 def jit_train_step(step_fn, state_shardings, mesh, frozen_shardings=None):
     """Compile-once wrapper: state donated (frozen variables never), shardings pinned so every step reuses one
-    executable. Without `frozen_shardings` the step takes (state, batch) only."""
+    executable. Without `frozen_shardings` the step takes (state, batch) only. An optimizer state whose
+    shardings are in host memory (`jaxllm.train.state.state_shardings`) streams to the device for the update."""
     replicated = NamedSharding(mesh, PartitionSpec())
+    if on_host(state_shardings.opt_state):
+        step_fn = stream_opt_state(step_fn, state_shardings)
     ins = (state_shardings, batch_sharding(mesh)) + (() if frozen_shardings is None else (frozen_shardings,))
     return jax.jit(step_fn, in_shardings=ins, out_shardings=(state_shardings, replicated), donate_argnums=(0,))
 
