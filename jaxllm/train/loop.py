@@ -153,7 +153,7 @@ class MetricsLog:
         # FLOPs per token at the longest rows (RL rows shorter than train.seq_len overstate the attention part).
         self.flops = train_flops_per_token(cfg.model, tc.seq_len)
         self.flops_causal = train_flops_per_token(cfg.model, tc.seq_len, causal=True)
-        self.peak, self.devices = peak_flops_per_device(cfg.peak_flops), mesh.size
+        self.peak, self.devices = peak_flops_per_device(cfg.peak_flops, cfg.precision.compute), mesh.size
         self.writer = JsonlWriter(workdir / "metrics.jsonl", enabled=is_main)
         self.bar = ProgressBar(tc.steps, start=start_step, stream=stream) if is_main else None
         self.shown = progress_metrics
