@@ -43,6 +43,21 @@ def test_bad_config_is_one_line_exit_2(overrides, message, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--workdir", "/proc/jaxllm-run"], "workdir: cannot create a run directory at /proc/jaxllm-run"),
+    (["--config.train.seq_len=100000"], "train.seq_len: 100000 is longer than split 'eval'"),
+], ids=["workdir", "seq_len"])
+def test_bad_run_setting_found_at_start_is_one_line_exit_2(args, message, shakespeare_store, tmp_path, capsys):
+    """Settings only the run can check (the file system, the data) fail the same way, before anything compiles."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main(["--config", CONFIG, "--workdir", str(tmp_path / "run"),
+                           f"--config.data.path={shakespeare_store}", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 def test_missing_config_file_and_unknown_flag(capsys):
     for argv, message in ([["--config", "/no/such.py"], "no such file /no/such.py"],
                           [["--config", CONFIG, "--bogus"], "unrecognized arguments: --bogus"]):

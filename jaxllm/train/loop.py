@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.checkpoint import Checkpointer
-from jaxllm.config import Config
+from jaxllm.config import Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
 from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter, mfu, peak_flops_per_device
@@ -213,6 +213,16 @@ def evaluate(eval_step, params, frozen, batches) -> float:
     return float(total / max(count, 1.0))
 
 
+def make_workdir(workdir: Path) -> None:
+    """Create the run directory; one that cannot be created or written is a ConfigError on `workdir`."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / ".write_test").touch()
+        (workdir / ".write_test").unlink()
+    except OSError as exc:
+        raise ConfigError("workdir", f"cannot create a run directory at {workdir}: {exc.strerror or exc}") from None
+
+
 def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
     """The objective `train.objective` names, and the config as it shapes it (fine-tuning adopts the base
     model's architecture)."""
@@ -245,12 +255,13 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     """Train `cfg` end to end (resuming from `<workdir>/checkpoints` if there are any); returns a summary."""
     is_main = jax.process_index() == 0
     log = (lambda msg: print(msg, file=stream, flush=True)) if is_main else (lambda msg: None)
+    workdir = Path(cfg.workdir)
+    if is_main:  # before any work: a run directory that cannot be made is a bad --workdir
+        make_workdir(workdir)
     if objective is None:
         cfg, objective = objective_for(cfg, log)
     mesh = make_mesh(cfg.mesh)
-    workdir = Path(cfg.workdir)
     if is_main:
-        workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     tc = cfg.train
 

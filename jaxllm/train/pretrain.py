@@ -54,6 +54,7 @@ def open_data(cfg: Config) -> tuple[TokenStore, Tokenizer]:
     if not (store_path / "manifest.json").exists():
         raise ConfigError("data.path", f"no token store at {store_path} (run `make data` or scripts/prepare_data.py)")
     store = TokenStore.open(str(store_path))
+    check_rows_fit(store, cfg.train.seq_len)
     tokenizer = load_tokenizer(str(store_path / store.manifest.get("tokenizer", "tokenizer.model")))
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -61,6 +62,17 @@ def open_data(cfg: Config) -> tuple[TokenStore, Tokenizer]:
             f"{cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} tokens in {store_path}",
         )
     return store, tokenizer
+
+
+def check_rows_fit(store: TokenStore, seq_len: int, splits: tuple[str, ...] = ("train", "eval")) -> None:
+    """Each of the run's `splits` (those the store has) holds at least one row of `seq_len` + 1 tokens."""
+    for name in splits:
+        if name not in store.split_names:
+            continue
+        tokens = store.split(name).num_tokens
+        if tokens < seq_len + 1:
+            raise ConfigError("train.seq_len", f"{seq_len} is longer than split {name!r} of {store.root}: a row "
+                                               f"needs seq_len + 1 = {seq_len + 1} tokens, the split has {tokens}")
 
 
 def pretrain_objective(cfg: Config) -> Objective:
