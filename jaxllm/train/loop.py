@@ -429,6 +429,6 @@ def sample(cfg: Config, objective: Objective, run: Run, mesh, summary: dict, log
     with jax.set_mesh(mesh):
         prompt = [tokenizer.bos_id] + tokenizer.encode(prompt_text)
         out = greedy_generate(objective.graphdef, run.variables(), prompt, tc.sample_tokens, eos_id=tokenizer.eos_id,
-                              max_len=tc.seq_len)
+                              max_len=tc.seq_len, vocab_limit=tokenizer.vocab_size)
     summary["sample"] = tokenizer.decode(out)
     log("greedy sample:\n" + prompt_text + summary["sample"])
