@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.checkpoint import Checkpointer
-from jaxllm.config import Config, ConfigError
+from jaxllm.config import AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
 from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter, mfu, peak_flops_per_device
@@ -33,7 +33,7 @@ from jaxllm.optim import make_optimizer
 from jaxllm.preemption import PreemptionGuard
 from jaxllm.progress import ProgressBar
 from jaxllm.sample import greedy_generate
-from jaxllm.sharding import sharding_tree
+from jaxllm.sharding import format_replicated, replicated_rows, sharding_tree
 from jaxllm.task_eval import format_table
 from jaxllm.train.faults import planned_faults, with_scaled_loss
 from jaxllm.train.objective import BatchRequest, Objective
@@ -246,8 +246,9 @@ def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
         from jaxllm.train.ppo import ppo_objective
 
         return ppo_objective(cfg, jax.device_count(), log)
-    from jaxllm.train.pretrain import pretrain_objective
+    from jaxllm.train.pretrain import pretrain_objective, with_store_vocab
 
+    cfg = with_store_vocab(cfg)
     return cfg, pretrain_objective(cfg)
 
 
@@ -260,6 +261,9 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
         make_workdir(workdir)
     if objective is None:
         cfg, objective = objective_for(cfg, log)
+    if cfg.model.vocab_size == AUTO_VOCAB:  # an objective that had no tokenizer to size it from
+        raise ConfigError("model.vocab_size", f"auto needs a tokenizer, and train.objective={cfg.train.objective} "
+                                              "found none (no base model): give a number")
     mesh = make_mesh(cfg.mesh)
     if is_main:
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -268,6 +272,9 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     tx = make_optimizer(cfg.optim, tc.steps)
     abstract = abstract_objective_state(objective, tx, cfg.anomaly.window)
     shardings, frozen_shardings = (sharding_tree(tree, mesh) for tree in abstract)
+    replicated = [row for tree in (abstract[0].params, abstract[1]) for row in replicated_rows(tree, mesh)]
+    if replicated:
+        log(format_replicated(replicated))
     rows_sharding = batch_sharding(mesh)
     # Each process reads only the block of batch rows its devices hold (one block per host group on `data`).
     rows = process_rows(rows_sharding, tc.batch_size)
