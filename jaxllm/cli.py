@@ -12,7 +12,7 @@ from typing import Sequence
 
 import ml_collections
 
-from jaxllm.config import ConfigError, apply_preset
+from jaxllm.config import AUTO_VALUES, ConfigError, apply_preset
 
 USAGE_ERROR = 2
 
@@ -44,7 +44,9 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
 
 
 def _parse_value(key: str, text: str, current):
-    """Parse `text` as the type of the value it replaces."""
+    """Parse `text` as the type of the value it replaces ("auto" where AUTO_VALUES allows it)."""
+    if text == "auto" and key in AUTO_VALUES:
+        return AUTO_VALUES[key]
     if isinstance(current, bool):
         lowered = text.lower()
         if lowered in ("true", "1", "yes"):

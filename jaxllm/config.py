@@ -29,6 +29,9 @@ GRPO_LOSS_AGGS = ("dapo", "grpo", "bnpo", "dr_grpo")  # GRPO's loss aggregations
 KL_ESTIMATORS = ("k1", "k2", "k3")  # per-token KL estimators (jaxllm.post.losses.kl_penalty)
 SFT_TEMPLATES = ("alpaca", "chatml", "model")
 OVERLONG_RULES = ("truncate", "drop")
+AUTO_VOCAB = 0  # model.vocab_size "auto": the tokenizer's size, padded (resolve_vocab_size)
+VOCAB_MULTIPLE = 128  # "auto" pads to a multiple of this times mesh.tensor (Megatron's make-vocab-size-divisible-by)
+AUTO_VALUES = {"model.vocab_size": AUTO_VOCAB}  # keys that accept "auto" on the command line, and what it stores
 
 
 class ConfigError(ValueError):
@@ -87,7 +90,11 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics-independent options of the Llama-style decoder."""
+    """Shape and numerics-independent options of the Llama-style decoder.
+
+    `vocab_size` "auto" (stored as 0) is the tokenizer's size padded up to a multiple of 128 * mesh.tensor,
+    resolved when the run opens its data (or, for a plan, reads the token store's manifest); padding ids are
+    never sampled."""
 
     vocab_size: int = 4096
     dim: int = 256
@@ -483,6 +490,19 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(key, f"must be positive, got {value}")
 
 
+def resolve_vocab_size(cfg: Config, tokenizer_size: int, tokenizer: str) -> Config:
+    """`cfg` with model.vocab_size "auto" set to `tokenizer_size` rounded up to a multiple of VOCAB_MULTIPLE *
+    mesh.tensor; a set vocab_size smaller than the tokenizer's (file `tokenizer`) is a ConfigError."""
+    if cfg.model.vocab_size == AUTO_VOCAB:
+        multiple = VOCAB_MULTIPLE * cfg.mesh.tensor
+        model = dataclasses.replace(cfg.model, vocab_size=-(-tokenizer_size // multiple) * multiple)
+        return dataclasses.replace(cfg, model=model)
+    if tokenizer_size > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the tokenizer's "
+                                              f"{tokenizer_size} tokens ({tokenizer})")
+    return cfg
+
+
 def resolve_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
     """Fill the one axis given as -1 so that the product equals `num_devices`, and check the product."""
     sizes = dict(zip(MESH_AXES, mesh.shape))
@@ -580,8 +600,10 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     grpo = _build(GRPOConfig, cd.get("grpo", {}), "grpo.")
     ppo = _build(PPOConfig, cd.get("ppo", {}), "ppo.")
 
-    for key in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+    for key in ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
         _positive(f"model.{key}", getattr(model, key))
+    if model.vocab_size != AUTO_VOCAB:
+        _positive("model.vocab_size", model.vocab_size)
     _positive("model.rope_theta", model.rope_theta)
     _positive("model.norm_eps", model.norm_eps)
     _choice("model.remat", model.remat, REMAT_POLICIES)
@@ -611,6 +633,11 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     if mesh.sequence_parallel and train.seq_len % mesh.tensor:
         raise ConfigError("mesh.sequence_parallel", f"splits the sequence over mesh.tensor={mesh.tensor}, which does "
                                                     f"not divide train.seq_len={train.seq_len}")
+    if model.vocab_size % mesh.tensor:  # else embeddings and the head would silently stay whole on every device
+        raise ConfigError("model.vocab_size", f"{model.vocab_size} is not divisible by mesh.tensor={mesh.tensor} "
+                                              "(pad it, or use model.vocab_size=auto)")
+    if model.dim % mesh.fsdp:
+        raise ConfigError("model.dim", f"{model.dim} is not divisible by mesh.fsdp={mesh.fsdp}")
     _positive("pipeline.microbatches", pipeline.microbatches)
     _positive("pipeline.repeats", pipeline.repeats)
     if model.num_layers % (mesh.stage * pipeline.repeats):

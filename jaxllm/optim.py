@@ -46,6 +46,20 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def adafactor(cfg: OptimConfig, learning_rate) -> optax.GradientTransformation:
+    """Adafactor with the step sizes AdamW has, so one `optim.lr` means the same for both.
+
+    optax's defaults differ twice: `multiply_by_parameter_scale` makes the step relative to each parameter's RMS
+    (about init_std = 0.02 here, so the same lr stepped ~50x less), and its weight decay is added after the
+    learning rate, so weight_decay=0.1 would shrink every weight by 10% a step. Here the step is absolute and the
+    decay is lr * weight_decay * param, AdamW's decoupled decay. The factored second moments, update clipping
+    at RMS 1 and the decay rate 0.8 stay optax's.
+    """
+    decay = cfg.weight_decay * learning_rate if cfg.weight_decay else None
+    return optax.adafactor(learning_rate, multiply_by_parameter_scale=False, weight_decay_rate=decay,
+                           weight_decay_mask=decay_mask)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     """Clipping followed by the configured optimizer, driven by `learning_rate_schedule`.
 
@@ -62,8 +76,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
             opt = optax.lamb(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                              weight_decay=cfg.weight_decay, mask=decay_mask)
         else:
-            opt = optax.adafactor(learning_rate, weight_decay_rate=cfg.weight_decay or None,
-                                  weight_decay_mask=decay_mask)
+            opt = adafactor(cfg, learning_rate)
         clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity()
         return optax.chain(clip, opt)
 

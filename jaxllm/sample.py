@@ -7,6 +7,9 @@ from there and the slots before it are masked out, so padding changes nothing a 
 The prefill and the whole token loop (a `lax.while_loop` that exits once every row has stopped) run in one
 jitted call. Shapes are bucketed to powers of two (batch, prompt length, cache length) and the sampling knobs
 and `max_new_tokens` are traced values, so new prompt lengths and settings rarely recompile.
+
+A model's vocabulary may be larger than its tokenizer's (padded to a multiple of 128 for speed): `vocab_limit`,
+the tokenizer's size, keeps the padding ids out of every draw, so no id the tokenizer cannot decode comes out.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from jaxllm.model.transformer import KVCache
 MIN_BUCKET = 16
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this (with -1, never sampled) to keep shapes stable
 NO_TOKEN = -1  # output entry of a row that had already stopped
+ALL_IDS = 2**31 - 1  # vocab_limit of None: every id of the model may be drawn
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -31,24 +35,27 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def _pick(logits_BV, key, step, temperature, top_k, top_p, sampling: bool):
-    """Next tokens [B] and their log-probabilities [B] (float32).
+def _pick(logits_BV, key, step, temperature, top_k, top_p, vocab_limit, sampling: bool):
+    """Next tokens [B] and their log-probabilities [B] (float32), drawn from the ids below `vocab_limit` only.
 
     Greedy: the argmax, with its log-probability under softmax(logits). Sampling: a draw from the
     temperature-scaled top-k / top-p (nucleus) distribution, with its log-probability under the whole
     softmax(logits / temperature), not the truncated one: that is what a forward pass over the sampled sequence
-    gives back, the quantity PPO's probability ratio needs (jaxllm.post.rollout).
+    gives back, the quantity PPO's probability ratio needs (jaxllm.post.rollout). The padding ids above
+    `vocab_limit` are one more truncation: they stay in that softmax and out of the draw.
     """
     logits_BV = logits_BV.astype(jnp.float32)
+    rank_V = jnp.arange(logits_BV.shape[-1])
+    drawable_BV = jnp.where(rank_V < vocab_limit, logits_BV, -jnp.inf)
     if not sampling:
-        token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        token_B = jnp.argmax(drawable_BV, axis=-1).astype(jnp.int32)
         return token_B, _logp_of(logits_BV, token_B)
     logits_BV = logits_BV / temperature
-    # Work in sorted order so top-k is exact (ties cannot let extra tokens in) and k may be a traced value.
-    order_BV = jnp.argsort(-logits_BV, axis=-1)
+    # Work in sorted order so top-k is exact (ties cannot let extra tokens in) and k may be a traced value; the
+    # padding ids sort last, so ranks from `vocab_limit` on are exactly them.
+    order_BV = jnp.argsort(-drawable_BV, axis=-1)
     sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
-    rank_V = jnp.arange(logits_BV.shape[-1])
-    keep_BV = jnp.broadcast_to((top_k <= 0) | (rank_V < top_k), sorted_BV.shape)
+    keep_BV = jnp.broadcast_to(((top_k <= 0) | (rank_V < top_k)) & (rank_V < vocab_limit), sorted_BV.shape)
     probs_BV = jax.nn.softmax(jnp.where(keep_BV, sorted_BV, -jnp.inf), axis=-1)
     # Nucleus: keep a token if the tokens ranked above it hold less than top_p (the first is always kept).
     keep_BV &= (jnp.cumsum(probs_BV, axis=-1) - probs_BV) < top_p
@@ -65,13 +72,14 @@ def _logp_of(logits_BV, token_B):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "sampling"))
-def _decode(graphdef, params, tokens_BP, start_B, max_new, stop_ids, temperature, top_k, top_p, key, *,
-            cache_len: int, sampling: bool):
+def _decode(graphdef, params, tokens_BP, start_B, max_new, stop_ids, temperature, top_k, top_p, vocab_limit, key,
+            *, cache_len: int, sampling: bool):
     """Prefill + token loop; returns [B, cache_len - P] new tokens (NO_TOKEN after a row stopped) and their
     log-probabilities (0 after a row stopped)."""
     model = nnx.merge(graphdef, params)
     B, P = tokens_BP.shape
-    pick = functools.partial(_pick, key=key, temperature=temperature, top_k=top_k, top_p=top_p, sampling=sampling)
+    pick = functools.partial(_pick, key=key, temperature=temperature, top_k=top_k, top_p=top_p,
+                             vocab_limit=vocab_limit, sampling=sampling)
 
     cache = KVCache.zeros(model.cfg, B, cache_len, model.compute_dtype)
     logits_BV, cache = model.decode(tokens_BP, cache, 0, start_B)
@@ -114,7 +122,7 @@ def left_pad(prompts: Sequence[Sequence[int]], batch: int | None = None,
 
 
 def decode(graphdef, params, tokens_BP, start_B, *, max_new_tokens: int, stop_ids: Sequence[int] = (),
-           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, key=None):
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None, key=None):
     """The jitted prefill and token loop on left-padded prompts (`left_pad`): (new tokens [B, N], their
     log-probabilities [B, N]) as device arrays, N = the cache bucket less P (>= max_new_tokens); NO_TOKEN and 0
     after a row stopped (its stop token is kept). Settings as `generate`'s; `key` a jax PRNG key."""
@@ -123,18 +131,20 @@ def decode(graphdef, params, tokens_BP, start_B, *, max_new_tokens: int, stop_id
     key = jax.random.key(0) if key is None else key
     return _decode(graphdef, params, jnp.asarray(tokens_BP), jnp.asarray(start_B), jnp.int32(max_new_tokens),
                    jnp.asarray(stops), jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p),
-                   key, cache_len=bucket(tokens_BP.shape[1] + max_new_tokens), sampling=temperature > 0)
+                   jnp.int32(ALL_IDS if vocab_limit is None else vocab_limit), key, cache_len=bucket(tokens_BP.shape[1] + max_new_tokens), sampling=temperature > 0)
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
+             top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0,
+             vocab_limit: int | None = None) -> list[list[int]]:
     """Extend each prompt by up to `max_new_tokens` tokens; returns the new ids per prompt.
 
     `model` is a jaxllm Transformer or a `(graphdef, params)` pair (params may be sharded: call under
     `jax.set_mesh(mesh)`). `temperature=0` is greedy; otherwise tokens are drawn from the softmax of
     logits/temperature restricted to the `top_k` most likely (0: no limit) and to the smallest set holding
     `top_p` of the probability. A row ends at its first token in `stop_ids`, which is not included in its
-    output. The same `seed` and inputs give the same samples.
+    output. Only ids below `vocab_limit` (the tokenizer's size; None: any id of the model) are drawn. The same
+    `seed` and inputs give the same samples.
     """
     graphdef, params = nnx.split(model) if isinstance(model, nnx.Module) else model
     if any(len(p) == 0 for p in prompts):
@@ -146,7 +156,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
                          f"(got {temperature}, {top_p}, {top_k})")
     tokens_BP, start_B = left_pad(prompts)
     out_BN, _ = decode(graphdef, params, tokens_BP, start_B, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                       temperature=temperature, top_k=top_k, top_p=top_p, key=jax.random.key(seed))
+                       temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit,
+                       key=jax.random.key(seed))
     out_BN = np.asarray(out_BN)
     results = []
     for row in out_BN[: len(prompts), :max_new_tokens]:
@@ -160,8 +171,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
 
 
 def greedy_generate(graphdef, params, prompt_ids, max_new_tokens: int, *, eos_id: int | None = None,
-                    max_len: int = 256) -> list[int]:
-    """Greedily extend `prompt_ids` by up to `max_new_tokens` tokens (stopping at `eos_id`); returns the new ids.
+                    max_len: int = 256, vocab_limit: int | None = None) -> list[int]:
+    """Greedily extend `prompt_ids` by up to `max_new_tokens` tokens (stopping at `eos_id`, drawing only ids
+    below `vocab_limit`); returns the new ids.
 
     The prompt is cut to its last `max_len - max_new_tokens` tokens (at least one), so that prompt and output
     together stay within `max_len` positions, the model's training length.
@@ -170,4 +182,5 @@ def greedy_generate(graphdef, params, prompt_ids, max_new_tokens: int, *, eos_id
         raise ValueError("greedy_generate needs at least one prompt token")
     window = list(prompt_ids)[-max(1, max_len - max_new_tokens):]
     stop_ids = () if eos_id is None else (eos_id,)
-    return generate((graphdef, params), [window], max_new_tokens=max_new_tokens, stop_ids=stop_ids)[0]
+    return generate((graphdef, params), [window], max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                    vocab_limit=vocab_limit)[0]

@@ -183,6 +183,38 @@ def report_rows(state: Any, mesh) -> list[dict]:
     return rows
 
 
+def _axes_of(spec: PartitionSpec) -> set[str]:
+    return {axis for entry in spec for axis in _as_tuple(entry)}
+
+
+def replicated_rows(state: Any, mesh) -> list[dict]:
+    """The `report_rows` of parameters that stay whole over a mesh axis their logical names' rules split them
+    over (`logical_to_spec` replicates a dimension the axis size does not divide), each with `replicated_over`,
+    the axes it lost. Such a parameter costs that axis's size times its bytes across the mesh."""
+    sizes = _mesh_sizes(mesh)
+    rows = []
+    for row in report_rows(state, mesh):
+        names = row["logical"]
+        if names is None or len(names) != len(row["shape"]):
+            continue
+        lost = _axes_of(logical_to_spec(names, mesh_sizes=sizes)) - _axes_of(row["spec"])
+        if lost:
+            rows.append(dict(row, replicated_over=tuple(sorted(lost))))
+    return rows
+
+
+def format_replicated(rows: Sequence[dict]) -> str:
+    """A start-up warning listing `replicated_rows` with their bytes per device ("" when there are none)."""
+    if not rows:
+        return ""
+    lines = [f"warning: {len(rows)} parameters are replicated over mesh axes their rules split them over (the "
+             f"axis size does not divide the dimension), {sum(r['bytes_per_device'] for r in rows):,} bytes per "
+             "device in all:"]
+    lines += [f"  {r['path']} {r['shape']} {r['logical']}: whole over {', '.join(r['replicated_over'])}, "
+              f"{r['bytes_per_device']:,} bytes per device" for r in rows]
+    return "\n".join(lines)
+
+
 def format_report(rows: Iterable[dict]) -> str:
     """A fixed-width table of `report_rows`, with totals."""
     rows = list(rows)

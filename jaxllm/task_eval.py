@@ -26,7 +26,8 @@ def responses(graphdef, variables, mesh, tokenizer, prompts: Sequence[Sequence[i
     with jax.set_mesh(mesh):
         for start in range(0, len(prompts), GENERATE_BATCH):
             chunk = [list(p)[-window:] for p in prompts[start:start + GENERATE_BATCH]]
-            new = generate((graphdef, variables), chunk, max_new_tokens=max_new_tokens, stop_ids=(tokenizer.eos_id,))
+            new = generate((graphdef, variables), chunk, max_new_tokens=max_new_tokens, stop_ids=(tokenizer.eos_id,),
+                           vocab_limit=tokenizer.vocab_size)
             out += [tokenizer.decode(ids) for ids in new]
     return out
 

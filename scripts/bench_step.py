@@ -62,7 +62,7 @@ def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    peak = peak_flops_per_device(cfg.peak_flops)
+    peak = peak_flops_per_device(cfg.peak_flops, cfg.precision.compute)
     return dict(
         compile_s=compile_s,
         step_s=elapsed / steps,

@@ -80,7 +80,8 @@ def main(argv):
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             new = sample.generate(model, [prompt], max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  stop_ids=stop_ids, seed=args.seed)[0]
+                                  stop_ids=stop_ids, seed=args.seed,
+                                  vocab_limit=tokenizer.vocab_size if tokenizer is not None else None)[0]
     except (FileNotFoundError, ValueError, NotImplementedError) as exc:
         fail(str(exc))
     if tokenizer is not None and args.tokens is None:

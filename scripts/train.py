@@ -20,6 +20,17 @@ from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
 from jaxllm.config import ConfigError, validate
 
 
+def planned_config(cfg, num_devices: int):
+    """The configuration a plan describes: a fine-tuning run takes its base's architecture, and a vocabulary of
+    "auto" is sized from the token store's manifest."""
+    from jaxllm.train import base_model
+    from jaxllm.train.pretrain import with_store_vocab
+
+    if cfg.train.objective == "sft" and cfg.checkpoint.restore_from:
+        cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from), num_devices)
+    return with_store_vocab(cfg)
+
+
 def main(argv):
     args_list, overrides = split_overrides(argv)
     p = parser(__doc__.splitlines()[0])
@@ -71,15 +82,14 @@ def main(argv):
 
         print(f"precision.compute=auto: {cfg.precision.compute}, {resolve_compute()[1]}", flush=True)
 
-    if args.dry_run:
-        from jaxllm.plan import format_plan, memory_plan
-        from jaxllm.train import base_model
-
-        try:  # a fine-tuning run takes its base's architecture
-            if cfg.train.objective == "sft" and cfg.checkpoint.restore_from:
-                cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from), num_devices)
+    if planning:
+        try:
+            cfg = planned_config(cfg, num_devices)
         except ConfigError as exc:
             fail(str(exc))
+    if args.dry_run:
+        from jaxllm.plan import format_plan, memory_plan
+
         print(format_plan(memory_plan(cfg)))
         return 0
     if args.print_sharding:

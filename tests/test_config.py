@@ -1,5 +1,6 @@
 """Every bad configuration is one line on stderr naming the key, exit code 2, and no traceback."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import train as train_script  # noqa: E402
+
+from jaxllm.cli import apply_override, load_config_file  # noqa: E402
+from jaxllm.config import ConfigError, resolve_vocab_size, validate  # noqa: E402
 
 CONFIG = str(ROOT / "configs" / "pretrain.py")
 
@@ -22,6 +26,8 @@ BAD = [
     (["--config.model.num_kv_heads=1"], "model.num_kv_heads: 1 kv heads are not divisible by mesh.tensor=2"),
     (["--config.model.num_layers=3", "--config.mesh.stage=2", "--config.mesh.data=1"],
      "model.num_layers: 3 layers are not divisible by mesh.stage*pipeline.repeats=2"),
+    (["--config.model.vocab_size=513"], "model.vocab_size: 513 is not divisible by mesh.tensor=2"),
+    (["--config.model.dim=257"], "model.dim: 257 is not divisible by mesh.fsdp=2"),
     (["--config.train.batch_size=6"], "train.batch_size: 6 is not divisible by mesh.data*mesh.fsdp=4"),
     (["--config.mesh.sequence_parallel=true", "--config.train.seq_len=127"],
      "mesh.sequence_parallel: splits the sequence over mesh.tensor=2, which does not divide train.seq_len=127"),
@@ -39,6 +45,21 @@ BAD = [
 def test_bad_config_is_one_line_exit_2(overrides, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_script.main(["--config", CONFIG, *overrides])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--workdir", "/proc/jaxllm-run"], "workdir: cannot create a run directory at /proc/jaxllm-run"),
+    (["--config.train.seq_len=100000"], "train.seq_len: 100000 is longer than split 'eval'"),
+], ids=["workdir", "seq_len"])
+def test_bad_run_setting_found_at_start_is_one_line_exit_2(args, message, shakespeare_store, tmp_path, capsys):
+    """Settings only the run can check (the file system, the data) fail the same way, before anything compiles."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main(["--config", CONFIG, "--workdir", str(tmp_path / "run"),
+                           f"--config.data.path={shakespeare_store}", *args])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err, err
@@ -111,3 +132,27 @@ def test_auto_compute_resolves_for_this_machine_and_says_why(capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.startswith(f"precision.compute=auto: {resolve_compute()[0]}, "), out
     assert cpu_flags(tmp_path / "absent") == set()
+
+
+@pytest.mark.parametrize("tokenizer,tensor,want", [(512, 2, 512), (500, 1, 512), (32000, 1, 32000), (32000, 4, 32256),
+                                                   (50257, 2, 50432)])
+def test_auto_vocab_pads_the_tokenizer_to_128_times_tensor(tokenizer, tensor, want):
+    cd = load_config_file(CONFIG)
+    apply_override(cd, "model.vocab_size", "auto")
+    cfg = validate(cd, 8)
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, tensor=tensor))
+    assert resolve_vocab_size(cfg, tokenizer, "tok.model").model.vocab_size == want
+    with pytest.raises(ConfigError, match="model.vocab_size: 256 is smaller than the tokenizer's 512 tokens"):
+        resolve_vocab_size(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=256)), 512, "t")
+
+
+def test_auto_vocab_is_sized_from_the_store_or_named_missing(shakespeare_store, capsys):
+    assert train_script.main(["--config", CONFIG, "--config.model.vocab_size=auto", "--print_sharding",
+                              f"--config.data.path={shakespeare_store}"]) == 0
+    assert "lm_head                                      (256, 512)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main(["--config", CONFIG, "--config.model.vocab_size=auto", "--dry_run",
+                           "--config.data.path=/no/store"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model.vocab_size: auto takes the tokenizer's size") and err.count("\n") == 1

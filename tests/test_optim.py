@@ -1,7 +1,10 @@
 """Schedules, weight-decay mask and gradient accumulation."""
 
+import dataclasses
+
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -9,7 +12,7 @@ from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.mesh import make_mesh
 from jaxllm.optim import decay_mask, learning_rate_schedule, make_optimizer
-from jaxllm.train.state import abstract_model, create_train_state
+from jaxllm.train.state import abstract_model, build_model, create_train_state
 from jaxllm.train.step import batch_sharding, grads_and_loss
 
 MODEL = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -41,9 +44,14 @@ def test_no_weight_decay_on_norms_and_embeddings():
     assert flat["layers.self_attn.q_proj"] is True and flat["lm_head"] is True
 
 
+# Loss drop over 20 steps at lr 3e-3 on a fixed batch (measured: AdamW 2.37, Adafactor 2.41, LAMB 0.12). LAMB's
+# trust ratio makes its step relative to each weight's norm (init_std 0.02): slower at the same lr, by design.
+MIN_DROP = {"adamw": 1.0, "adafactor": 1.0, "lamb": 0.05}
+
+
 @pytest.mark.parametrize("name", ["adamw", "lamb", "adafactor"])
-def test_each_optimizer_updates_and_lowers_the_loss(name):
-    tx = make_optimizer(OptimConfig(name=name, lr=3e-3, warmup_steps=0, schedule="constant"), 10)
+def test_each_optimizer_lowers_the_loss_in_20_steps(name):
+    tx = make_optimizer(OptimConfig(name=name, lr=3e-3, warmup_steps=0, schedule="constant"), 20)
     mesh = make_mesh(MeshConfig(1, 1, 1, 1), devices=jax.devices()[:1])
     batch = synthetic_batch(0, 4, 16, 128)
     with jax.set_mesh(mesh):
@@ -53,14 +61,42 @@ def test_each_optimizer_updates_and_lowers_the_loss(name):
         def step(state):
             grads, loss, _, _ = grads_and_loss(graphdef, state.params, batch)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            import optax
             return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state), loss
 
         losses = []
-        for _ in range(5):
+        for _ in range(21):
             state, loss = step(state)
             losses.append(float(loss))
-    assert losses[-1] < losses[0]
+    assert losses[0] - losses[20] > MIN_DROP[name], losses
+
+
+def optax_reference(name: str, cfg: OptimConfig) -> optax.GradientTransformation:
+    """optax's own transform for `name` with the arguments make_optimizer documents (Adafactor: absolute step,
+    decay lr * weight_decay as AdamW's)."""
+    lr, wd = cfg.lr, cfg.weight_decay
+    if name == "lamb":
+        return optax.lamb(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd, mask=decay_mask)
+    return optax.adafactor(lr, multiply_by_parameter_scale=False, weight_decay_rate=lr * wd,
+                           weight_decay_mask=decay_mask)
+
+
+@pytest.mark.parametrize("name", ["lamb", "adafactor"])
+def test_lamb_and_adafactor_are_optax_own_and_not_adamw(name):
+    """Three updates of a 1-layer model's parameters (new gradients each time): make_optimizer(name) equals
+    optax's transform on the same gradients and parameters, and differs from make_optimizer("adamw")."""
+    cfg = OptimConfig(name=name, lr=1e-2, warmup_steps=0, schedule="constant", clip_norm=0.0, b1=0.8, b2=0.9)
+    params = nnx.state(build_model(dataclasses.replace(MODEL, num_layers=1), F32, jax.random.key(0)))
+    ours, theirs, adamw = (make_optimizer(cfg, 10), optax_reference(name, cfg),
+                           make_optimizer(dataclasses.replace(cfg, name="adamw"), 10))
+    states = [tx.init(params) for tx in (ours, theirs, adamw)]
+    for step in range(3):
+        grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size + step), p.shape), params)
+        updates = []
+        for i, tx in enumerate((ours, theirs, adamw)):
+            update, states[i] = tx.update(grads, states[i], params)
+            updates.append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(update)]))
+    np.testing.assert_allclose(updates[0], updates[1], rtol=1e-6, atol=1e-9)
+    assert np.abs(updates[0] - updates[2]).max() > 0.1 * np.abs(updates[2]).max()
 
 
 def test_gradient_accumulation_equals_one_big_batch():

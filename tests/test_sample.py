@@ -119,6 +119,25 @@ def test_greedy_generate_wrapper(model, greedy):
         greedy_generate(graphdef, params, [], NEW)
 
 
+def test_padded_vocabulary_ids_are_never_drawn(hf_dir):
+    """A model vocabulary padded beyond its tokenizer's (64 ids, a tokenizer of 48) whose logits favour the
+    padding ids, whatever the input: ids 48..55 score +10 x0 and 56..63 score -10 x0, the real ids |x0| at most."""
+    limit = 48
+    padded = hf.from_pretrained(hf_dir[1])
+    padded.norm.scale[...] = jnp.zeros_like(padded.norm.scale[...]).at[0].set(1.0)  # x = (x0, 0, ..., 0)
+    head = np.array(padded.lm_head[...])
+    head[0, :limit] = np.clip(head[0, :limit], -1.0, 1.0)
+    head[0, limit:56], head[0, 56:] = 10.0, -10.0
+    padded.lm_head[...] = jnp.asarray(head)
+    unlimited = generate(padded, PROMPTS, max_new_tokens=NEW)
+    assert all(t >= limit for row in unlimited for t in row)  # the setup works: padding wins when allowed
+    for kwargs in (dict(), dict(temperature=1.0, seed=3), dict(temperature=1.0, top_k=4, seed=4)):
+        out = generate(padded, PROMPTS, max_new_tokens=NEW, vocab_limit=limit, **kwargs)
+        assert all(len(row) == NEW for row in out) and all(t < limit for row in out for t in row), (kwargs, out)
+    graphdef, params = nnx.split(padded)
+    assert all(t < limit for t in greedy_generate(graphdef, params, PROMPTS[1], NEW, vocab_limit=limit))
+
+
 def test_sharded_decoding_equals_unsharded(hf_dir, greedy):
     mesh = make_mesh(MeshConfig(2, 2, 2, 1))
     sharded = hf.from_pretrained(hf_dir[1], mesh=mesh)

@@ -1,5 +1,6 @@
 """The rules table and the default layout: a golden PartitionSpec file, and checks that weights are split."""
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -10,9 +11,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.cli import build_config
-from jaxllm.config import validate
+from jaxllm.config import MeshConfig, validate
 from jaxllm.mesh import abstract_mesh, make_mesh
-from jaxllm.sharding import bytes_per_device, format_report, logical_to_spec, report_rows, sharding_tree
+from jaxllm.sharding import (bytes_per_device, format_replicated, format_report, logical_to_spec, replicated_rows,
+                             report_rows, sharding_tree)
 from jaxllm.train.state import abstract_model, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,3 +75,20 @@ def test_abstract_mesh_plans_beyond_this_machine(default_cfg):
     state = nnx.state(abstract_model(default_cfg.model, default_cfg.precision))
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     assert np.isclose(bytes_per_device(state, mesh), total / 64, rtol=0.05)
+
+
+def test_parameters_left_whole_by_an_undivided_axis_are_listed(default_cfg):
+    """vocab 129 on tensor=2 and dim 66 on fsdp=4 (what validate now rejects, e.g. from a base's architecture):
+    the layout still compiles, replicated, and the start-up warning names each parameter with its bytes."""
+    mesh = make_mesh(MeshConfig(1, 4, 2, 1))
+    odd = dataclasses.replace(default_cfg.model, vocab_size=129, dim=66, num_layers=2)
+    rows = {r["path"]: r for r in replicated_rows(nnx.state(abstract_model(odd, default_cfg.precision)), mesh)}
+    assert rows["embed_tokens.embedding"]["replicated_over"] == ("fsdp", "tensor")
+    assert rows["embed_tokens.embedding"]["bytes_per_device"] == 129 * 66 * 4
+    assert rows["layers.mlp.gate_proj"]["replicated_over"] == ("fsdp",)
+    assert "norm.scale" not in rows and "layers.input_layernorm.scale" not in rows  # rules split norms over nothing
+    text = format_replicated(list(rows.values()))
+    assert text.startswith(f"warning: {len(rows)} parameters are replicated") and "lm_head (66, 129)" in text
+    assert replicated_rows(nnx.state(abstract_model(default_cfg.model, default_cfg.precision)),
+                           make_mesh(default_cfg.mesh)) == []
+    assert format_replicated([]) == ""

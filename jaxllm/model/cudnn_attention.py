@@ -15,6 +15,14 @@ from jaxllm.config import ConfigError
 from jaxllm.model.visibility import PackedSegments, attention_mask
 
 
+def private_cudnn_attention():
+    """(MaskType, dot_product_attention) of JAX's private cuDNN module: the packed (offsets) kernel that
+    jax.nn.dot_product_attention does not expose. Private, so tests/test_private_imports.py imports it here."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    return MaskType, dot_product_attention
+
+
 def cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segments: PackedSegments) -> jax.Array:
     """Causal attention within each packed document by cuDNN (bf16/fp16 inputs, grouped-query heads allowed).
 
@@ -24,7 +32,7 @@ def cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segments: PackedSegments) -> jax.Arr
     if jax.default_backend() != "gpu":  # cuDNN's own failure here would be a lowering traceback
         raise ConfigError("model.attention", f"'cudnn' needs GPUs; this run has {jax.default_backend()} devices "
                                              "(use 'xla' or 'dot_product')")
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+    MaskType, dot_product_attention = private_cudnn_attention()
 
     def packed(q, k, v):
         return dot_product_attention(

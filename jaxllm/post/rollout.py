@@ -37,12 +37,14 @@ class Rollout(NamedTuple):
 
 
 def rollout(graphdef, params, tokens_BP, start_B, *, max_new_tokens: int, temperature: float, stop_ids, key,
-            top_k: int = 0, top_p: float = 1.0) -> Rollout:
+            top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None) -> Rollout:
     """Sample a response to each left-padded prompt (`jaxllm.sample.left_pad`); settings as
     `jaxllm.sample.generate`'s. The recorded log-probabilities are under softmax(logits / temperature) over the
-    whole vocabulary (top-k / top-p only restrict the draw), what `response_logps` computes."""
+    whole vocabulary (top-k / top-p and `vocab_limit`, the tokenizer's size, only restrict the draw), what
+    `response_logps` computes."""
     new_BN, logps_BN = decode(graphdef, params, tokens_BP, start_B, max_new_tokens=max_new_tokens,
-                              stop_ids=stop_ids, temperature=temperature, top_k=top_k, top_p=top_p, key=key)
+                              stop_ids=stop_ids, temperature=temperature, top_k=top_k, top_p=top_p,
+                              vocab_limit=vocab_limit, key=key)
     valid_BN = new_BN != NO_TOKEN
     tokens = jnp.concatenate([jnp.asarray(tokens_BP), jnp.where(valid_BN, new_BN, 0)], axis=1)
     stopped = jnp.any(jnp.isin(new_BN, jnp.asarray(list(stop_ids), jnp.int32)) & valid_BN, axis=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from jaxllm.config import Config, ConfigError
+from jaxllm.config import Config, ConfigError, resolve_vocab_size
 from jaxllm.data.pipeline import EvalBatches, TrainIterator
 from jaxllm.data.row_prep import PreparedDataError, PreparedRows
 from jaxllm.data.sft_template import TemplateError
@@ -56,10 +56,9 @@ def data_errors(section: str):
         raise ConfigError(f"{section}.tokenizer", str(exc)) from None
 
 
-def check_vocab(cfg: Config, manifest: dict, tokenizer: Path) -> None:
-    if manifest["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the tokenizer's "
-                                              f"{manifest['vocab_size']} tokens ({tokenizer})")
+def check_vocab(cfg: Config, manifest: dict, tokenizer: Path) -> Config:
+    """`cfg` with its vocabulary checked against (or, "auto", sized from) the prepared data's tokenizer."""
+    return resolve_vocab_size(cfg, manifest["vocab_size"], str(tokenizer))
 
 
 def row_batches(cfg: Config, directory: Path, extra: dict | None = None):

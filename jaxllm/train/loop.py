@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.checkpoint import Checkpointer
-from jaxllm.config import Config
+from jaxllm.config import AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
 from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter, mfu, peak_flops_per_device
@@ -34,7 +34,7 @@ from jaxllm.optim import make_optimizer
 from jaxllm.preemption import PreemptionGuard
 from jaxllm.progress import ProgressBar
 from jaxllm.sample import greedy_generate
-from jaxllm.sharding import sharding_tree
+from jaxllm.sharding import format_replicated, replicated_rows, sharding_tree
 from jaxllm.task_eval import format_table
 from jaxllm.train.faults import planned_faults, with_scaled_loss
 from jaxllm.train.objective import BatchRequest, Objective
@@ -155,7 +155,7 @@ class MetricsLog:
         # FLOPs per token at the longest rows (RL rows shorter than train.seq_len overstate the attention part).
         self.flops = train_flops_per_token(cfg.model, tc.seq_len)
         self.flops_causal = train_flops_per_token(cfg.model, tc.seq_len, causal=True)
-        self.peak, self.devices = peak_flops_per_device(cfg.peak_flops), mesh.size
+        self.peak, self.devices = peak_flops_per_device(cfg.peak_flops, cfg.precision.compute), mesh.size
         self.writer = JsonlWriter(workdir / "metrics.jsonl", enabled=is_main)
         self.bar = ProgressBar(tc.steps, start=start_step, stream=stream) if is_main else None
         self.shown = progress_metrics
@@ -215,6 +215,16 @@ def evaluate(eval_step, params, frozen, batches) -> float:
     return float(total / max(count, 1.0))
 
 
+def make_workdir(workdir: Path) -> None:
+    """Create the run directory; one that cannot be created or written is a ConfigError on `workdir`."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / ".write_test").touch()
+        (workdir / ".write_test").unlink()
+    except OSError as exc:
+        raise ConfigError("workdir", f"cannot create a run directory at {workdir}: {exc.strerror or exc}") from None
+
+
 def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
     """The objective `train.objective` names, and the config as it shapes it (fine-tuning adopts the base
     model's architecture)."""
@@ -238,8 +248,9 @@ def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
         from jaxllm.train.ppo import ppo_objective
 
         return ppo_objective(cfg, jax.device_count(), log)
-    from jaxllm.train.pretrain import pretrain_objective
+    from jaxllm.train.pretrain import pretrain_objective, with_store_vocab
 
+    cfg = with_store_vocab(cfg)
     return cfg, pretrain_objective(cfg)
 
 
@@ -248,12 +259,16 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     is_main = jax.process_index() == 0
     log = (lambda msg: print(msg, file=stream, flush=True)) if is_main else (lambda msg: None)
     require_host_memory(cfg)  # before anything is built: a backend without host memory is a config error
+    workdir = Path(cfg.workdir)
+    if is_main:  # before any work: a run directory that cannot be made is a bad --workdir
+        make_workdir(workdir)
     if objective is None:
         cfg, objective = objective_for(cfg, log)
+    if cfg.model.vocab_size == AUTO_VOCAB:  # an objective that had no tokenizer to size it from
+        raise ConfigError("model.vocab_size", f"auto needs a tokenizer, and train.objective={cfg.train.objective} "
+                                              "found none (no base model): give a number")
     mesh = make_mesh(cfg.mesh)
-    workdir = Path(cfg.workdir)
     if is_main:
-        workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     tc = cfg.train
 
@@ -261,6 +276,9 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     abstract = abstract_objective_state(objective, tx, cfg.anomaly.window)
     shardings = state_shardings(abstract[0], mesh, cfg.optim.offload)
     frozen_shardings = sharding_tree(abstract[1], mesh)
+    replicated = [row for tree in (abstract[0].params, abstract[1]) for row in replicated_rows(tree, mesh)]
+    if replicated:
+        log(format_replicated(replicated))
     rows_sharding = batch_sharding(mesh)
     # Each process reads only the block of batch rows its devices hold (one block per host group on `data`).
     rows = process_rows(rows_sharding, tc.batch_size)
@@ -422,6 +440,6 @@ def sample(cfg: Config, objective: Objective, run: Run, mesh, summary: dict, log
     with jax.set_mesh(mesh):
         prompt = [tokenizer.bos_id] + tokenizer.encode(prompt_text)
         out = greedy_generate(objective.graphdef, run.variables(), prompt, tc.sample_tokens, eos_id=tokenizer.eos_id,
-                              max_len=tc.seq_len)
+                              max_len=tc.seq_len, vocab_limit=tokenizer.vocab_size)
     summary["sample"] = tokenizer.decode(out)
     log("greedy sample:\n" + prompt_text + summary["sample"])

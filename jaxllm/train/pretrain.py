@@ -13,7 +13,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from jaxllm.config import Config, ConfigError, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.config import (AUTO_VOCAB, Config, ConfigError, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig,
+                           resolve_vocab_size)
 from jaxllm.data.pipeline import make_eval_batches, make_train_iterator
 from jaxllm.data.token_store import TokenStore
 from jaxllm.data.tokenizer import Tokenizer, load_tokenizer
@@ -55,13 +56,37 @@ def open_data(cfg: Config) -> tuple[TokenStore, Tokenizer]:
     if not (store_path / "manifest.json").exists():
         raise ConfigError("data.path", f"no token store at {store_path} (run `make data` or scripts/prepare_data.py)")
     store = TokenStore.open(str(store_path))
+    check_rows_fit(store, cfg.train.seq_len)
     tokenizer = load_tokenizer(str(store_path / store.manifest.get("tokenizer", "tokenizer.model")))
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            "model.vocab_size",
-            f"{cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} tokens in {store_path}",
-        )
+    resolve_vocab_size(cfg, tokenizer.vocab_size, str(store_path))
     return store, tokenizer
+
+
+def with_store_vocab(cfg: Config) -> Config:
+    """`cfg` with model.vocab_size "auto" sized from the manifest of the token store at data.path (no data read:
+    plans use it too); a ConfigError when there is no store to size it from."""
+    if cfg.model.vocab_size != AUTO_VOCAB:
+        return cfg
+    manifest = Path(cfg.data.path) / "manifest.json"
+    if not manifest.exists():
+        raise ConfigError("model.vocab_size", f"auto takes the tokenizer's size from the token store at data.path, "
+                                              f"and there is none at {cfg.data.path}: give a number to run without it")
+    try:
+        tokenizer_size = TokenStore.open(cfg.data.path).manifest["vocab_size"]
+    except ValueError as exc:
+        raise ConfigError("model.vocab_size", f"auto: {exc}") from None
+    return resolve_vocab_size(cfg, tokenizer_size, str(manifest))
+
+
+def check_rows_fit(store: TokenStore, seq_len: int, splits: tuple[str, ...] = ("train", "eval")) -> None:
+    """Each of the run's `splits` (those the store has) holds at least one row of `seq_len` + 1 tokens."""
+    for name in splits:
+        if name not in store.split_names:
+            continue
+        tokens = store.split(name).num_tokens
+        if tokens < seq_len + 1:
+            raise ConfigError("train.seq_len", f"{seq_len} is longer than split {name!r} of {store.root}: a row "
+                                               f"needs seq_len + 1 = {seq_len + 1} tokens, the split has {tokens}")
 
 
 def pretrain_objective(cfg: Config) -> Objective:

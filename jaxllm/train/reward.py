@@ -75,7 +75,7 @@ def load_pairs(cfg: Config, num_devices: int, log) -> tuple[Config, object, Path
                                       tokenizer_path=tokenizer_file, template=pc.template, seq_len=tc.seq_len,
                                       overlong=pc.overlong, eval_fraction=pc.eval_fraction, seed=tc.seed,
                                       pairs_per_row=pc.pairs_per_row, log=log)
-    check_vocab(cfg, manifest, tokenizer_file)
+    cfg = check_vocab(cfg, manifest, tokenizer_file)
     return cfg, base, Path(cfg.data.path), manifest
 
 

@@ -130,7 +130,8 @@ class Sampler:
         tokens_BP, start_B = left_pad([p["prompt_ids"] for p in prompts], len(prompts), P)
         with jax.set_mesh(self.mesh):
             out = rollout(self.graphdef, variables, tokens_BP, start_B, max_new_tokens=s.max_new_tokens,
-                          temperature=s.temperature, stop_ids=(self.tokenizer.eos_id,), key=key)
+                          temperature=s.temperature, stop_ids=(self.tokenizer.eos_id,), key=key,
+                          vocab_limit=self.tokenizer.vocab_size)
             N = s.max_new_tokens  # the sampler's cache bucket may hold more slots: never filled
             mask = np.asarray(out.mask[:, :N])  # waits for the sampler
             sampled = time.perf_counter()

@@ -29,7 +29,7 @@ def sft_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Obj
         manifest = prepare_sft(cfg.data.path, train_file=sc.train_file, eval_file=sc.eval_file,
                                tokenizer_path=tokenizer_file, template=sc.template, seq_len=tc.seq_len,
                                overlong=sc.overlong, eval_fraction=sc.eval_fraction, seed=tc.seed, log=log)
-    check_vocab(cfg, manifest, tokenizer_file)
+    cfg = check_vocab(cfg, manifest, tokenizer_file)
     directory = Path(cfg.data.path)
     tokenizer = load_tokenizer(directory / manifest["tokenizer"])
     examples = eval_prompts(directory)[: sc.eval_examples]
