@@ -96,6 +96,10 @@ class ModelConfig:
     loss_chunk: int = 0
     # auto: cudnn on GPUs when computing in bf16/fp16, else xla (see jaxllm.model.visibility.resolve_attention)
     attention: str = "auto"
+    # False: the training forward runs the stacked layers in an unrolled Python loop (transformer.unroll_layers;
+    # within each stage under the pipeline) instead of lax.scan, so XLA can schedule and fuse across layers (on
+    # GPUs); compile time grows with depth. Same parameters, checkpoints and results. KV-cache decoding scans.
+    scan_layers: bool = True
     preset: str = ""
 
 
