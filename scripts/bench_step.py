@@ -23,6 +23,7 @@ import time
 
 from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
 from jaxllm.config import ConfigError, validate
+from jaxllm.xla_flags import use_xla_flags
 
 
 def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
@@ -147,9 +148,11 @@ def main(argv):
     p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
     args = p.parse_args(args_list)
     try:
+        cd = build_config(args.config, overrides)
+        use_xla_flags(cd.get("xla_flags", {}))  # before anything starts JAX's backend
         import jax
 
-        cfg = validate(build_config(args.config, overrides), jax.device_count())
+        cfg = validate(cd, jax.device_count())
         if cfg.train.objective == "sft" and cfg.lora.rank:
             from jaxllm.train import base_model
 
