@@ -9,7 +9,7 @@ memory_analysis), for the same train step run two ways in one process:
 bare and plain run 3 times interleaved and report the median run; loop runs once. The loop/bare tokens/s ratio
 is the loop's overhead (target >= 0.95), bare/plain jaxllm's cost over a minimal step (target >= 0.95; compare
 on a data-only mesh, --config.mesh.data=N --config.mesh.fsdp=1 --config.mesh.tensor=1, for like with like).
-Ends with one JSON line of the figures.
+Ends with one JSON line of the figures. A config's `xla_flags` (configs/gpu/) go into XLA_FLAGS before JAX starts.
 
 With a LoRA fine-tuning config (train.objective="sft", lora.rank > 0, e.g. configs/sft_lora.py) it times instead
 the bare step of the adapters (base frozen) against full fine-tuning of the same model, interleaved (lora, full,
