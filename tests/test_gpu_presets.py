@@ -1,6 +1,7 @@
 """The GPU presets (configs/gpu/): their XLA flags exist in the installed XLA and each has its reason in the file,
 they validate for the meshes they name and plan with --dry_run on CPU, and the flags reach XLA before JAX starts."""
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -107,4 +108,4 @@ def test_train_names_the_flag_xla_rejects_in_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: xla_flags.xla_gpu_enable_command_buffer: the installed XLA cannot read the value 'FUSIONS' "
-        f"(jaxlib {__import__('importlib.metadata').metadata.version('jaxlib')})"], proc.stderr
+        f"(jaxlib {importlib.metadata.version('jaxlib')})"], proc.stderr

@@ -133,8 +133,8 @@ def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat:
     keys and the remat policy per layer are those of the scan."""
     graphdef, stacked = nnx.split(layers)
     step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, prevent_cse=True)
-    for l in range(jax.tree.leaves(stacked)[0].shape[0]):
-        x_BTD = step(x_BTD, jax.tree.map(lambda a: a[l], (stacked, keys_L)))
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        x_BTD = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L)))
     return x_BTD
 
 
