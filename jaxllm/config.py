@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,10 @@ class ModelConfig:
     loss_chunk: int = 0
     # auto: cudnn on GPUs when computing in bf16/fp16, else xla (see jaxllm.model.visibility.resolve_attention)
     attention: str = "auto"
+    # False: the training forward runs the stacked layers in an unrolled Python loop (transformer.unroll_layers;
+    # within each stage under the pipeline) instead of lax.scan, so XLA can schedule and fuse across layers (on
+    # GPUs); compile time grows with depth. Same parameters, checkpoints and results. KV-cache decoding scans.
+    scan_layers: bool = True
     preset: str = ""
 
 
@@ -431,6 +436,9 @@ class Config:
     ppo: PPOConfig = PPOConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
+    # XLA compiler flags, name (without the leading --) -> value, put into XLA_FLAGS by the scripts before JAX
+    # starts (jaxllm/xla_flags.py); the GPU presets in configs/gpu/ carry theirs with a reason for each.
+    xla_flags: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -748,7 +756,22 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         ppo=ppo,
         workdir=str(cd.get("workdir", Config.workdir)),
         peak_flops=float(cd.get("peak_flops", 0.0)),
+        xla_flags=_xla_flags(cd.get("xla_flags", {})),
     )
+
+
+XLA_FLAG_NAME = re.compile(r"xla_[a-z0-9_]+")
+
+
+def _xla_flags(flags) -> dict:
+    """The `xla_flags` section as a plain dict; names and value types checked here, the names themselves against
+    the installed XLA by the scripts (jaxllm.xla_flags.check_xla_flags)."""
+    for name, value in flags.items():
+        if not XLA_FLAG_NAME.fullmatch(name):
+            raise ConfigError(f"xla_flags.{name}", "expected an XLA flag name (xla_..., without the leading --)")
+        if not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(f"xla_flags.{name}", f"expected a bool, number or string, got {value!r}")
+    return dict(flags.items())
 
 
 def _check_lora(cfg: LoRAConfig) -> None:
@@ -856,4 +879,5 @@ def default_config_dict() -> ml_collections.ConfigDict:
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops
+    cd.xla_flags = ml_collections.ConfigDict()
     return cd

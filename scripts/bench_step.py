@@ -9,7 +9,7 @@ memory_analysis), for the same train step run two ways in one process:
 bare and plain run 3 times interleaved and report the median run; loop runs once. The loop/bare tokens/s ratio
 is the loop's overhead (target >= 0.95), bare/plain jaxllm's cost over a minimal step (target >= 0.95; compare
 on a data-only mesh, --config.mesh.data=N --config.mesh.fsdp=1 --config.mesh.tensor=1, for like with like).
-Ends with one JSON line of the figures.
+Ends with one JSON line of the figures. A config's `xla_flags` (configs/gpu/) go into XLA_FLAGS before JAX starts.
 
 With a LoRA fine-tuning config (train.objective="sft", lora.rank > 0, e.g. configs/sft_lora.py) it times instead
 the bare step of the adapters (base frozen) against full fine-tuning of the same model, interleaved (lora, full,
@@ -23,6 +23,7 @@ import time
 
 from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
 from jaxllm.config import ConfigError, validate
+from jaxllm.xla_flags import use_xla_flags
 
 
 def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
@@ -148,9 +149,11 @@ def main(argv):
     p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
     args = p.parse_args(args_list)
     try:
+        cd = build_config(args.config, overrides)
+        use_xla_flags(cd.get("xla_flags", {}))  # before anything starts JAX's backend
         import jax
 
-        cfg = validate(build_config(args.config, overrides), jax.device_count())
+        cfg = validate(cd, jax.device_count())
         if cfg.train.objective == "sft" and cfg.lora.rank:
             from jaxllm.train import base_model
 

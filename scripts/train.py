@@ -6,6 +6,9 @@
                mesh's devices, else from a formula, see jaxllm/activation_memory.py)
 --print_sharding  print every parameter's path, shape, PartitionSpec and bytes per device, then exit
 
+A config's `xla_flags` (configs/gpu/*.py) are checked against the installed XLA and put into XLA_FLAGS ahead of
+the environment's own before JAX starts (jaxllm/xla_flags.py); both are printed.
+
 Multi-process (one process per host): under SLURM (and Open MPI) the processes find each other by themselves;
 elsewhere pass --coordinator_address host:port --num_processes N --process_id i, or set the same names in the
 environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Process 0 also listens on the
@@ -18,6 +21,7 @@ import sys
 
 from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
 from jaxllm.config import ConfigError, validate
+from jaxllm.xla_flags import use_xla_flags
 
 
 def planned_config(cfg, num_devices: int):
@@ -50,6 +54,7 @@ def main(argv):
 
     try:
         cd = build_config(args.config, overrides, args.workdir)
+        use_xla_flags(cd.get("xla_flags", {}))  # before anything starts JAX's backend
         planning = args.dry_run or args.print_sharding  # plans need no other processes
         layout = None if planning else resolve_layout(args.coordinator_address, args.num_processes,
                                                       args.process_id)

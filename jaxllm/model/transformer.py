@@ -132,35 +132,57 @@ def layer_keys(rng, num_layers: int):
     return None if rng is None else jax.random.key_data(jax.random.split(rng, num_layers))
 
 
+def _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat: str, remat_offload: str, prevent_cse: bool):
+    """One layer as a function (x_BTD, (layer_state, key)) -> x_BTD, rematerialised per `remat` (what it saves
+    offloaded to host memory per `remat_offload`). A scan body needs no CSE barrier (the loop already keeps XLA
+    from merging the recompute into the forward pass); an unrolled loop does."""
+
+    def step(x_BTD, xs):
+        layer_state, key = xs
+        layer = nnx.merge(graphdef, layer_state)
+        return layer(x_BTD, visible, sin_BTh, cos_BTh, None if key is None else jax.random.wrap_key_data(key))
+
+    if remat != "none":
+        step = jax.checkpoint(step, policy=remat_policy(remat, remat_offload), prevent_cse=prevent_cse)
+    return step
+
+
 def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", keys_L=None,
                 remat_offload: str = "none"):
     """Run stacked `layers` over `x_BTD` with `lax.scan`, rematerialising each layer per `remat` (what it saves
     offloaded to host memory per `remat_offload`); layer l draws its randomness (LoRA dropout) from `keys_L[l]`
     (None: deterministic)."""
     graphdef, stacked = nnx.split(layers)
+    step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=False)
+    x_BTD, _ = jax.lax.scan(lambda x, xs: (step(x, xs), None), x_BTD, (stacked, keys_L))
+    return x_BTD
 
-    def body(x, xs):
-        layer_state, key = xs
-        layer = nnx.merge(graphdef, layer_state)
-        return layer(x, visible, sin_BTh, cos_BTh, None if key is None else jax.random.wrap_key_data(key)), None
 
-    if remat != "none":
-        body = jax.checkpoint(body, policy=remat_policy(remat, remat_offload), prevent_cse=False)
-    x_BTD, _ = jax.lax.scan(body, x_BTD, (stacked, keys_L))
+def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", keys_L=None,
+                  remat_offload: str = "none"):
+    """`scan_layers` as a Python loop (`model.scan_layers=False`): no while loop in the program, so XLA may
+    schedule and fuse across layer boundaries, at the price of compile time growing with depth. Layer l's
+    parameters are sliced from the same stacked arrays, so the parameter tree, checkpoints, adapters, per-layer
+    keys and the remat policy per layer are those of the scan."""
+    graphdef, stacked = nnx.split(layers)
+    step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=True)
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        x_BTD = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L)))
     return x_BTD
 
 
 def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", *,
                     microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False, keys_L=None,
-                    remat_offload: str = "none"):
+                    remat_offload: str = "none", layer_loop=scan_layers):
     """`scan_layers` as a pipeline over the active mesh's `stage` axis (see `jaxllm.pipeline`): each stage
-    scans its own chunks of the stacked layers; visibility (mask or packed documents) and rotary tables travel
-    with their micro-batch. Per-layer keys travel with their layers, so a step's micro-batches share them."""
+    runs its own chunks of the stacked layers with `layer_loop` (`scan_layers`, or `unroll_layers` to unroll
+    within a chunk); visibility (mask or packed documents) and rotary tables travel with their micro-batch.
+    Per-layer keys travel with their layers, so a step's micro-batches share them."""
     graphdef, stacked = nnx.split(layers)
 
     def stage_fn(chunk, x_BTD, aux):
         chunk_state, chunk_keys = chunk
-        return scan_layers(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys, remat_offload)
+        return layer_loop(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys, remat_offload)
 
     return pipeline(stage_fn, (stacked, keys_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
                     repeats=repeats, debug_nan_bubbles=debug_nan_bubbles, seq_axis=layers.seq_axis)
@@ -214,14 +236,15 @@ class Transformer(nnx.Module):
         visible = attention_visibility(self.cfg.attention, segment_ids_BT)
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
         keys_L = layer_keys(rng if self.lora is not None else None, self.cfg.num_layers)
+        layer_loop = scan_layers if self.cfg.scan_layers else unroll_layers
         if num_stages() > 1:
             x_BTD = pipeline_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat,
                                     microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
                                     debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L,
-                                    remat_offload=self.cfg.remat_offload)
+                                    remat_offload=self.cfg.remat_offload, layer_loop=layer_loop)
         else:
-            x_BTD = scan_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,
-                                self.cfg.remat_offload)
+            x_BTD = layer_loop(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,
+                               self.cfg.remat_offload)
         # The final norm runs on the split sequence too; the head's vocabulary-parallel matmul gathers it (`logits`).
         return self.norm(x_BTD)
 
