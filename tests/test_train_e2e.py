@@ -35,4 +35,5 @@ def test_train_script_runs_and_writes_metrics(shakespeare_store, tmp_path):
     assert "attention xla" in proc.stdout  # auto resolves to the einsum path on CPU
     config = json.loads((workdir / "config.json").read_text())
     assert config["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1,  # one process: nothing crosses hosts
-                              "dcn_data": 1, "dcn_fsdp": 1, "dcn_tensor": 1, "dcn_stage": 1}
+                              "dcn_data": 1, "dcn_fsdp": 1, "dcn_tensor": 1, "dcn_stage": 1,
+                              "sequence_parallel": False}
