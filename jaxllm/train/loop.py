@@ -6,8 +6,9 @@ on the devices, so the host's Python (data, logging) overlaps device work instea
 
 The parts, each small: `Run` (the mutable position of the run: state, data offset, rollbacks, batch source),
 `StepRunner` (the compiled step and its drill variants), `MetricsLog` (jaxllm/train/metrics_log.py: metrics.jsonl,
-progress bar, timing), `HangWatchdog` (jaxllm/watchdog.py: exits when steps stop completing), `AnomalyPolicy` (jaxllm/train/recovery.py: what a flagged step calls for) and `train`, whose loop reads top to
-bottom as what happens in a step.
+progress bar, timing), `HangWatchdog` (jaxllm/watchdog.py: exits when steps stop completing), `AnomalyPolicy`
+(jaxllm/train/recovery.py: what a flagged step calls for) and `train`, whose loop reads top to bottom as what
+happens in a step.
 """
 
 from __future__ import annotations
