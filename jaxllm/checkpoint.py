@@ -4,6 +4,11 @@ A checkpoint `<workdir>/checkpoints/<step>/` holds the train state (parameters, 
 anomaly statistics), the data-iterator state and run metadata (RNG seed, resolved config, LR scale) as JSON.
 Orbax writes into a temporary directory and renames it on commit, so a crash at any moment leaves the previous
 committed checkpoint loadable; uncommitted directories are never listed as steps and are cleaned up on start.
+
+Each checkpoint carries a checksum manifest (jaxllm/checksums.py), written by process 0 once every process's
+files are complete: for an async save inside the temporary directory just before the rename, so the manifest
+commits with the checkpoint; for a synchronous save right after the commit. Restores verify it first, and a
+mismatch is a CheckpointError like any unreadable checkpoint (a resume then falls back to the previous one).
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxllm.checksums import MANIFEST, verify_manifest, write_manifest
 from jaxllm.sharding import sharding_tree
 
 
@@ -85,7 +92,14 @@ class Checkpointer:
             raise CheckpointError(f"cannot use checkpoint directory {self.directory}: {exc}") from None
 
     def _on_commit(self) -> None:
-        """orbax's post-commit callback (background thread): log the save unless `save` has not returned yet."""
+        """orbax's post-commit callback (background thread, process 0 only, once every process's files are
+        written and before the step directory is renamed into place): write the checksum manifest, then log the
+        save unless `save` has not returned yet. An error here fails the save (the step never commits)."""
+        with self._lock:
+            pending = self._pending
+        if pending is None:
+            return
+        write_manifest(self._written_directory(pending["step"]))
         with self._lock:
             pending = self._pending
             if pending is None:
@@ -95,6 +109,12 @@ class Checkpointer:
                 return
             self._pending = None
         self._record(pending)
+
+    def _written_directory(self, step: int) -> Path:
+        """Where `step`'s files are as it commits: orbax's temporary directory, or `<step>` once renamed."""
+        prefix = f"{step}{ocp.path.atomicity.TMP_DIR_SUFFIX}"
+        temporary = [p for p in self.directory.iterdir() if p.name.startswith(prefix)]
+        return temporary[0] if temporary else self.directory / str(step)
 
     def _record(self, pending: dict) -> None:
         step, total = pending["step"], pending["total_s"]
@@ -157,6 +177,8 @@ class Checkpointer:
             self.manager.save(step, args=args, force=True)
         except Exception as exc:
             raise CheckpointError(f"checkpoint save of step {step} into {self.directory} failed: {exc}") from None
+        if not self.async_save and jax.process_index() == 0:  # committed, and orbax calls no callback: a kill
+            write_manifest(self.directory / str(step))  # before this line leaves a checkpoint that loads unverified
         with self._lock:
             pending = self._pending
             if pending is not None:
@@ -180,6 +202,27 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {what} into {self.directory} failed: {exc}") from None
         self.check_for_errors()
 
+    def verify(self, step: int) -> None:
+        """Check `step`'s files against the checksums written as it committed; raise CheckpointError naming the
+        first bad file. Process 0 reads the files and every process gets its verdict (one collective), so all
+        fall back together. A checkpoint without a manifest (an older jaxllm's, or a synchronous save killed
+        before its manifest was written) passes, with a warning that it loads unverified."""
+        path = self.directory / str(step)
+        problem = None
+        if jax.process_index() == 0:
+            try:
+                problem = verify_manifest(path)
+            except FileNotFoundError:
+                self.log(f"warning: checkpoint {path} has no {MANIFEST} (an older jaxllm's, or killed before it "
+                         f"was written): loading it unverified")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if bool(multihost_utils.broadcast_one_to_all(np.array(problem is not None))) and problem is None:
+                problem = "it failed checksum verification on process 0"
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is unreadable: {problem}")
+
     def restore(self, step: int, abstract_state: Any, mesh, *, items=("state", "data", "meta"),
                 shardings: Any = None) -> dict:
         """Restore `step` with every array placed per the sharding rules on `mesh` (resharding on load), or per
@@ -187,8 +230,9 @@ class Checkpointer:
         state restores straight into pinned host memory, never through the device).
 
         `abstract_state` gives shapes and dtypes (e.g. `abstract_train_state(...)`); a checkpoint written on any
-        other mesh or device count restores bit-exactly onto this one.
+        other mesh or device count restores bit-exactly onto this one. The files are verified first (`verify`).
         """
+        self.verify(step)
         if shardings is None:
             shardings = sharding_tree(abstract_state, mesh)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -217,8 +261,10 @@ class Checkpointer:
         """Restore only the parameters (`state.params`) of `step`, placed per the sharding rules on `mesh`.
 
         The optimizer state and the other train-state fields are not read, so a checkpoint written with a
-        different optimizer, anomaly window or train-state layout still seeds these parameters.
+        different optimizer, anomaly window or train-state layout still seeds these parameters. The whole
+        checkpoint is verified first (`verify`): parameters and optimizer state share data files.
         """
+        self.verify(step)
         shardings = sharding_tree(abstract_params, mesh)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_params, shardings)

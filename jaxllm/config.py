@@ -161,7 +161,13 @@ class TrainConfig:
     PreferenceConfig and RewardConfig), "dpo" (direct preference optimisation, see DPOConfig), "grpo" (group
     relative policy optimisation on the policy's own rollouts, see GRPOConfig) or "ppo" (proximal policy
     optimisation with a critic, see PPOConfig). The end-of-run
-    greedy sample continues `sample_prompt` (empty: the objective's own prompt) by `sample_tokens` tokens."""
+    greedy sample continues `sample_prompt` (empty: the objective's own prompt) by `sample_tokens` tokens.
+
+    `hang_timeout_s` (0: off): when no step completes for that long (the first step of the loop: twice that),
+    every process that notices dumps its threads' stacks and exits with code 75 for the scheduler to requeue
+    (jaxllm/watchdog.py). 30 minutes is far above a healthy step plus what runs between steps (evaluation, a
+    checkpoint's blocking part, a rollback's restore) at any scale, and as long as NCCL's own default
+    collective timeout; a false alarm costs a requeue, a silent hang the rest of the allocation."""
 
     objective: str = "pretrain"
     steps: int = 300
@@ -174,6 +180,7 @@ class TrainConfig:
     sample_tokens: int = 48
     sample_prompt: str = ""
     on_anomaly: str = "rollback"
+    hang_timeout_s: float = 1800.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,11 +233,15 @@ class DebugConfig:
 
     `hold_at_step`: after step K's metrics are written, the loop waits (up to 10 minutes) for SIGTERM/SIGINT
     before going on, so that a test's signal or kill always lands mid-run however fast the steps are.
+    `stall_at_step`: the loop waits `stall_s` seconds for step K's metrics, as if step K hung on the devices
+    (a drill for `train.hang_timeout_s`; the default outlasts any watchdog timeout worth drilling).
     """
 
     inject_nan_at_step: int = 0
     inject_spike_at_step: int = 0
     hold_at_step: int = 0
+    stall_at_step: int = 0
+    stall_s: float = 3600.0
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -701,6 +712,9 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
             f"(times optim.grad_accum={optim.grad_accum})",
         )
     _choice("train.on_anomaly", train.on_anomaly, ANOMALY_POLICIES)
+    if not train.hang_timeout_s >= 0:
+        raise ConfigError("train.hang_timeout_s", f"must be >= 0 (0: no hang watchdog), got {train.hang_timeout_s}")
+    _positive("debug.stall_s", debug.stall_s)
     if debug.hold_at_step and num_processes is not None and num_processes > 1:
         raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
     _positive("checkpoint.every", checkpoint.every)

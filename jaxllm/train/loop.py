@@ -5,9 +5,10 @@ Reading a metric blocks the host until that step finishes; fetching one step lat
 on the devices, so the host's Python (data, logging) overlaps device work instead of adding to it.
 
 The parts, each small: `Run` (the mutable position of the run: state, data offset, rollbacks, batch source),
-`StepRunner` (the compiled step and its drill variants), `MetricsLog` (metrics.jsonl, progress bar, timing),
-`AnomalyPolicy` (jaxllm/train/recovery.py: what a flagged step calls for) and `train`, whose loop reads top to
-bottom as what happens in a step.
+`StepRunner` (the compiled step and its drill variants), `MetricsLog` (jaxllm/train/metrics_log.py: metrics.jsonl,
+progress bar, timing), `HangWatchdog` (jaxllm/watchdog.py: exits when steps stop completing), `AnomalyPolicy`
+(jaxllm/train/recovery.py: what a flagged step calls for) and `train`, whose loop reads top to bottom as what
+happens in a step.
 """
 
 from __future__ import annotations
@@ -26,21 +27,21 @@ from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
 from jaxllm.mesh import make_mesh
-from jaxllm.metrics import JsonlWriter, mfu, peak_flops_per_device
-from jaxllm.model.transformer import train_flops_per_token
+from jaxllm.metrics import JsonlWriter
 from jaxllm.model.visibility import resolve_attention
 from jaxllm.offload import HOST, require_host_memory
 from jaxllm.optim import make_optimizer
 from jaxllm.preemption import PreemptionGuard
-from jaxllm.progress import ProgressBar
 from jaxllm.sample import greedy_generate
 from jaxllm.sharding import format_replicated, replicated_rows, sharding_tree
 from jaxllm.task_eval import format_table
-from jaxllm.train.faults import planned_faults, with_scaled_loss
+from jaxllm.train.faults import planned_faults, planned_stalls, with_scaled_loss
+from jaxllm.train.metrics_log import MetricsLog
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.recovery import Recovery, restore_start
 from jaxllm.train.state import abstract_objective_state, state_shardings
 from jaxllm.train.step import batch_sharding, jit_eval_step, jit_train_step, make_eval_step, make_train_step, process_rows
+from jaxllm.watchdog import HangWatchdog
 
 HOLD_TIMEOUT_S = 600.0
 
@@ -144,61 +145,6 @@ class StepRunner:
 
 def _shapes(batch: dict) -> tuple:
     return tuple((k, v.shape) for k, v in sorted(batch.items()))
-
-
-class MetricsLog:
-    """Per-step records (metrics.jsonl), the progress bar and step timing, written by process 0."""
-
-    def __init__(self, cfg: Config, mesh, workdir: Path, start_step: int, is_main: bool, stream,
-                 progress_metrics: tuple[str, ...] = ()):
-        tc = cfg.train
-        # FLOPs per token at the longest rows (RL rows shorter than train.seq_len overstate the attention part).
-        self.flops = train_flops_per_token(cfg.model, tc.seq_len)
-        self.flops_causal = train_flops_per_token(cfg.model, tc.seq_len, causal=True)
-        self.peak, self.devices = peak_flops_per_device(cfg.peak_flops, cfg.precision.compute), mesh.size
-        self.writer = JsonlWriter(workdir / "metrics.jsonl", enabled=is_main)
-        self.bar = ProgressBar(tc.steps, start=start_step, stream=stream) if is_main else None
-        self.shown = progress_metrics
-        self.log_every, self.total = tc.log_every, tc.steps
-        self.step_times: list[float] = []
-        self.step_tokens: list[int] = []
-        self.losses: list[float] = []
-        self.restart_clock()
-
-    def restart_clock(self) -> None:
-        """Time from now on counts toward the next step (eval and checkpoint restores do not)."""
-        self.last_ready = time.perf_counter()
-
-    def mfu(self, tokens_per_sec: float, causal: bool = False) -> float:
-        return mfu(tokens_per_sec, self.flops_causal if causal else self.flops, self.devices, self.peak)
-
-    def report(self, step: int, metrics, host: dict, tokens: int) -> dict:
-        """Fetch one step's metrics (blocks on that step only), log them with the `host` ones of its batch (see
-        `host_metrics`) and its throughput (`tokens` slots in the batch), return them."""
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        step_time, self.last_ready = now - self.last_ready, now
-        tps = tokens / step_time
-        record = dict(values, step=step, step_time_s=step_time, tokens_per_sec=tps, mfu=self.mfu(tps),
-                      mfu_causal=self.mfu(tps, causal=True), **host)
-        self.writer.write(record)
-        self.step_times.append(step_time)
-        self.step_tokens.append(tokens)
-        self.losses.append(values["loss"])
-        if self.bar is not None and (step % self.log_every == 0 or step == self.total):
-            self.bar.update(step, values["loss"], tps, record["mfu"], force=step == self.total,
-                            extra={name: record[name] for name in self.shown if name in record})
-        return record
-
-    def steady_tokens_per_sec(self) -> float:
-        if not self.step_times:
-            return float("nan")
-        first = min(2, len(self.step_times) - 1)
-        return float(np.sum(self.step_tokens[first:]) / np.sum(self.step_times[first:]))
-
-    def close_bar(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def host_metrics(batch: dict, source) -> dict:
@@ -316,7 +262,9 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     log(f"compiled train+eval steps in {compile_s:.1f}s on mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}, "
         f"attention {resolve_attention(cfg.model.attention, cfg.precision.compute)}")
 
-    metrics_log = MetricsLog(cfg, mesh, workdir, start_step, is_main, stream, objective.progress_metrics)
+    watchdog = HangWatchdog(tc.hang_timeout_s, workdir / f"hang-stacks-{jax.process_index()}.txt")
+    metrics_log = MetricsLog(cfg, mesh, workdir, start_step, is_main, stream, objective.progress_metrics,
+                             on_step=watchdog.beat, stalls=planned_stalls(cfg.debug))
     summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak}
     if start.base is not None:
         summary["base"] = start.base
@@ -337,6 +285,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     held = False
     step = start_step
     train_start = time.perf_counter()
+    watchdog.start()  # after compiling and the first evaluation: only the loop's steps are timed
     try:
         while step < tc.steps:
             checkpointer.check_for_errors()  # a failed background save stops training here
@@ -382,6 +331,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
             recover(run, metrics_log.report(*pending))
         checkpointer.wait()
     finally:
+        watchdog.stop()
         guard.restore()
         run.batches.close()
         metrics_log.close_bar()

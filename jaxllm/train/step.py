@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxllm.config import AnomalyConfig
 from jaxllm.offload import on_host, stream_opt_state
 from jaxllm.optim import current_lr
-from jaxllm.sharding import constrain, logical_to_spec
+from jaxllm.sharding import active_mesh, constrain, logical_to_spec, spec_tree
 from jaxllm.train.anomaly import detect, push
 from jaxllm.train.pretrain import next_token_loss
 from jaxllm.train.state import TrainState
@@ -69,6 +69,19 @@ def _constrain_rows(batch):
     return {k: constrain(v, (("batch", "seq") + (None,) * v.ndim)[:v.ndim]) for k, v in batch.items()}
 
 
+def _like_params(tree, params):
+    """`tree` (shaped like `params`, e.g. gradients) constrained to the parameters' layout under the active mesh
+    (the RULES of their logical names), so that under fsdp it stays split like the parameters rather than being
+    whatever XLA's propagation picks; as is outside any mesh."""
+    mesh = active_mesh()
+    if mesh is None:
+        return tree
+    specs = jax.tree.leaves(spec_tree(params, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([jax.lax.with_sharding_constraint(x, spec)
+                              for x, spec in zip(leaves, specs, strict=True)])
+
+
 def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next_token_loss, frozen=NO_FROZEN,
                    rng=None):
     """(gradients, mean loss, target-token count, metrics) of one batch, for the trainable `params` only.
@@ -76,6 +89,8 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
     Gradients of the summed token loss are accumulated over `grad_accum` micro-batches and divided once by
     the batch's total target-token count, so accumulation equals one big batch exactly (no per-micro mean).
     Micro-batch i draws from `fold_in(rng, i)`; `metrics` (from `loss_fn`) are averaged over micro-batches.
+    The accumulated gradients (the scan's carry) and each micro-batch's gradients are pinned to the parameters'
+    layout: under fsdp the carry is split like the parameters, never a replicated float32 copy.
     """
     micro = _micro_batches(batch, grad_accum)
 
@@ -92,12 +107,13 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
 
         (loss_sum, (count, metrics)), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params)
         acc_grads, acc_loss, acc_count, acc_metrics = carry
-        return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss_sum, acc_count + count,
+        return (_like_params(jax.tree.map(jnp.add, acc_grads, _like_params(grads, params)), params),
+                acc_loss + loss_sum, acc_count + count,
                 jax.tree.map(jnp.add, acc_metrics, metrics)), None
 
     first = jax.tree.map(lambda x: x[0], micro)
     metric_shapes = jax.eval_shape(lambda: loss_of(params, first, rng)[2])
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = _like_params(jax.tree.map(jnp.zeros_like, params), params)  # the carry: split like the parameters
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
             jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes))
     (grads, loss_sum, count, metrics), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(grad_accum)))
