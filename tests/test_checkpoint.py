@@ -260,8 +260,15 @@ def test_rollback_policy_restores_skips_data_and_halves_lr(shakespeare_store, un
     assert incident["kind"] == "loss_spike" and incident["action"] == "rollback"
     assert incident["restored_step"] == 6 and incident["skipped_steps"] == [7] and incident["lr_scale"] == 0.5
     after = [r for r in metrics(tmp_path) if "loss" in r and r["step"] in (7, 8)][-2:]  # the retried steps 7 and 8
-    reference = losses(uninterrupted)
-    assert all(abs(r["loss"] - reference[r["step"]]) < 0.5 for r in after)  # back on trend
+    assert [r["step"] for r in after] == [7, 8]
+    reference = {r["step"]: r for r in metrics(uninterrupted) if "loss" in r}
+    assert all(abs(r["loss"] - reference[r["step"]]["loss"]) < 0.5 for r in after)  # back on trend
+    # The retried step 7 starts from checkpoint 6's state, as the uninterrupted step 7 did (same parameters, same
+    # step key): only its data differs, the window after what the bad step consumed. Without the skip the two
+    # losses would be bitwise equal.
+    assert after[0]["loss"] != reference[7]["loss"]
+    # The LR is the schedule's (the restored optimizer step count) times exactly lr_factor.
+    assert all(r["lr"] == 0.5 * reference[r["step"]]["lr"] for r in after), (after, reference)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rollbacks"] == 1 and summary["lr_scale"] == 0.5
 
@@ -278,3 +285,37 @@ def test_rollback_with_no_checkpoint_yet_skips_the_update(shakespeare_store, uni
     assert np.isfinite(after) and abs(after - losses(uninterrupted)[6]) < 0.5
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rollbacks"] == 0 and summary["lr_scale"] == 1.0
+
+
+def test_rollback_restores_the_checkpoint_exactly(base_run):
+    """The recovery policy in-process on a finished run's checkpoints (4, 6, 8): the state after a rollback is
+    the newest checkpoint's bit for bit (parameters, optimizer state, step, windows), the LR scale is exactly
+    lr_factor x the checkpoint's, the data offset skips the bad step's window and the batches are reopened."""
+    from types import SimpleNamespace
+
+    from jaxllm.config import AnomalyConfig, Config, DataConfig, TrainConfig
+    from jaxllm.train.recovery import Recovery
+
+    mesh = make_mesh(MeshConfig(2, 2, 2, 1))
+    tx = make_optimizer(OptimConfig(warmup_steps=2), 8)
+    abstract = abstract_train_state(MODEL, F32, tx)
+    cfg = Config(mesh=MeshConfig(2, 2, 2, 1), model=MODEL, precision=F32, optim=OptimConfig(warmup_steps=2),
+                 train=TrainConfig(on_anomaly="rollback"), data=DataConfig(), anomaly=AnomalyConfig(lr_factor=0.3))
+    ckpt = Checkpointer(base_run / "checkpoints", log=lambda msg: None)
+    want = ckpt.restore(8, abstract, mesh, items=("state", "data"))
+    want_state = jax.tree.map(np.asarray, want["state"])
+    incidents, reopened = [], []
+    run = SimpleNamespace(state=create_train_state(MODEL, F32, tx, mesh, seed=9)[1], data_offset=0, rollbacks=0,
+                          data_state=None, reopen_batches=lambda: reopened.append(int(run.state.step)))
+    recovery = Recovery(cfg, ckpt, SimpleNamespace(write=incidents.append), abstract, mesh, log=lambda msg: None)
+    record = dict(step=10, loss=1e4, grad_norm=1e3, anomaly=True, nonfinite=False, loss_spike=True,
+                  grad_spike=True)
+    assert recovery(run, record) is True
+    ckpt.close()
+    (incident,) = incidents
+    assert incident["restored_step"] == 8 and incident["skipped_steps"] == [9, 10]
+    assert run.data_offset == 2 and run.rollbacks == 1 and reopened == [8] and run.data_state == want["data"]
+    assert np.asarray(run.state.lr_scale) == np.float32(0.3) * want_state.lr_scale and incident["lr_scale"] == 0.3
+    got = jax.tree.map(np.asarray, run.state.replace(lr_scale=want_state.lr_scale))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want_state), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
