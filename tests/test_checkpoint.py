@@ -1,6 +1,7 @@
 """Checkpoints, exact resume and fault tolerance, with real training processes and real orbax directories."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -66,7 +67,7 @@ def test_resume_after_sigterm_is_bitwise_identical(shakespeare_store, uninterrup
         assert np.array_equal(a, b, equal_nan=True)
 
 
-def test_kill_9_during_saves_resumes_from_last_committed(shakespeare_store, tmp_path):
+def test_kill_9_during_saves_resumes_from_last_committed(shakespeare_store, uninterrupted, tmp_path):
     for kill_after_step in (2, 5):  # several moments: right after the first save, and mid-run
         # Held after that step (its predecessor's async save may still be in flight), so the kill lands mid-run.
         proc = subprocess.Popen(_cmd(shakespeare_store, tmp_path, "--config.train.steps=8",
@@ -82,6 +83,10 @@ def test_kill_9_during_saves_resumes_from_last_committed(shakespeare_store, tmp_
     assert again.returncode == 0, again.stderr[-3000:]
     resumed_from = int(again.stdout.split("resuming from checkpoint step ")[1].split()[0])
     assert resumed_from in committed and resumed_from == max(committed)
+    # The resumed steps' losses (the last logged of each step) are the uninterrupted run's, bit for bit.
+    full, resumed = losses(uninterrupted), losses(tmp_path)
+    assert sorted(resumed) == list(range(1, 9))
+    assert [resumed[s] for s in range(resumed_from + 1, 9)] == [full[s] for s in range(resumed_from + 1, 9)]
     leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.isdigit()]
     assert not [n for n in leftovers if "tmp" in n], leftovers  # uncommitted directories are cleaned up
 
@@ -97,11 +102,16 @@ def base_run(shakespeare_store, uninterrupted, tmp_path):
 def test_corrupted_checkpoint_falls_back_to_previous(shakespeare_store, base_run):
     biggest = max((p for p in (base_run / "checkpoints" / "8").rglob("*") if p.is_file()),
                   key=lambda p: p.stat().st_size)
-    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])  # truncate
+    truncated = biggest.read_bytes()[: biggest.stat().st_size // 2]
+    biggest.write_bytes(truncated)
     proc = _run(shakespeare_store, base_run, "--config.train.steps=10")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoints/8" in proc.stdout and "unreadable" in proc.stdout
     assert "resuming from checkpoint step 6" in proc.stdout
+    # The unreadable checkpoint is moved aside whole (the truncated file with it), never loaded or overwritten.
+    (moved,) = [p for p in (base_run / "checkpoints").iterdir() if p.name.startswith("corrupt-")]
+    assert re.fullmatch(r"corrupt-8-\d+", moved.name) and f"moved it to {moved}" in proc.stdout
+    assert (moved / biggest.relative_to(base_run / "checkpoints" / "8")).stat().st_size == len(truncated)
 
 
 def test_resume_never_holds_two_train_states(shakespeare_store, uninterrupted, base_run):
