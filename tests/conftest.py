@@ -1,5 +1,18 @@
 """Test set-up: 8 fake CPU devices, fixed before JAX initialises its backend."""
+import atexit
 import os
+import shutil
+import tempfile
+
+# Every cache a test could fill lives in one temporary directory per session, never in the real ~/.cache
+# (jaxllm's CPU peak FLOP/s measurement, Hugging Face, torch, matplotlib, anything following XDG). Set before
+# anything is imported, and inherited by the training subprocesses of tests/train_runs.py.
+TEST_CACHE = tempfile.mkdtemp(prefix="jaxllm-test-cache-")
+atexit.register(shutil.rmtree, TEST_CACHE, ignore_errors=True)
+CACHE_VARIABLES = {"XDG_CACHE_HOME": "", "JAXLLM_CACHE": "jaxllm", "HF_HOME": "huggingface", "TORCH_HOME": "torch",
+                   "MPLCONFIGDIR": "matplotlib"}
+for _name, _sub in CACHE_VARIABLES.items():
+    os.environ[_name] = os.path.join(TEST_CACHE, _sub)
 
 # 8 fake devices share 2 cores: under load one device thread can reach a collective long after the others,
 # so XLA's 40 s rendezvous limit is raised to 180 s (still failing fast on a real deadlock).

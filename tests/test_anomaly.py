@@ -67,3 +67,43 @@ def test_no_spike_without_enough_history():
     history = jnp.full((50,), jnp.nan, jnp.float32).at[-5:].set(3.0)
     assert not bool(is_spike(jnp.float32(3000.0), history, 6.0, 20, 1.5))
     assert bool(is_spike(jnp.float32(3000.0), history, 6.0, 5, 1.5))
+
+
+def test_a_skipped_step_leaves_parameters_and_optimizer_state_bitwise_unchanged():
+    """A non-finite step under skip_anomalies (the real compiled step, its loss x NaN as debug.inject_nan_at_step
+    does): parameters, optimizer state and optax's step counts come out bitwise as they went in. A healthy step
+    from the same state then changes all of them (so the comparison can see a change)."""
+    import jax
+
+    from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+    from jaxllm.data.synthetic import synthetic_batch
+    from jaxllm.mesh import make_mesh
+    from jaxllm.optim import make_optimizer
+    from jaxllm.train.faults import NAN_FACTOR, with_scaled_loss
+    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.train.state import init_objective_state
+    from jaxllm.train.step import make_train_step
+
+    model = ModelConfig(vocab_size=128, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+    objective = lm_objective(model, PrecisionConfig(params="float32", compute="float32", output="float32"))
+    tx = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=2), 10)
+    mesh = make_mesh(MeshConfig(1, 1, 1, 1), devices=jax.devices()[:1])
+    batch = synthetic_batch(0, 4, 16, 128)
+    with jax.set_mesh(mesh):
+        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed=0)
+        healthy = jax.jit(make_train_step(objective, tx, skip_anomalies=True))
+        state, _ = healthy(state, batch, frozen)  # one real update first: Adam's moments and counts are nonzero
+        before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+        skipped, metrics = jax.jit(make_train_step(with_scaled_loss(objective, NAN_FACTOR), tx,
+                                                   skip_anomalies=True))(state, batch, frozen)
+        stepped, _ = healthy(state, batch, frozen)
+    assert bool(metrics["anomaly"]) and int(skipped.step) == int(state.step) + 1
+    counts = [x for path, x in jax.tree_util.tree_flatten_with_path(before[1])[0] if "count" in str(path[-1])]
+    assert counts and all(int(c) == 1 for c in counts)  # optax's step counts (schedule, Adam bias correction)
+    after = jax.tree.map(np.asarray, (skipped.params, skipped.opt_state))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b), (a, b)
+    changed = [not np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves((stepped.params,
+                                                                                       stepped.opt_state)),
+                                                                      jax.tree.leaves(before))]
+    assert sum(changed) >= len(changed) - 1  # all but the constant hyperparameters of inject_hyperparams

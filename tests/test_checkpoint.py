@@ -1,6 +1,7 @@
 """Checkpoints, exact resume and fault tolerance, with real training processes and real orbax directories."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -66,7 +67,7 @@ def test_resume_after_sigterm_is_bitwise_identical(shakespeare_store, uninterrup
         assert np.array_equal(a, b, equal_nan=True)
 
 
-def test_kill_9_during_saves_resumes_from_last_committed(shakespeare_store, tmp_path):
+def test_kill_9_during_saves_resumes_from_last_committed(shakespeare_store, uninterrupted, tmp_path):
     for kill_after_step in (2, 5):  # several moments: right after the first save, and mid-run
         # Held after that step (its predecessor's async save may still be in flight), so the kill lands mid-run.
         proc = subprocess.Popen(_cmd(shakespeare_store, tmp_path, "--config.train.steps=8",
@@ -82,6 +83,10 @@ def test_kill_9_during_saves_resumes_from_last_committed(shakespeare_store, tmp_
     assert again.returncode == 0, again.stderr[-3000:]
     resumed_from = int(again.stdout.split("resuming from checkpoint step ")[1].split()[0])
     assert resumed_from in committed and resumed_from == max(committed)
+    # The resumed steps' losses (the last logged of each step) are the uninterrupted run's, bit for bit.
+    full, resumed = losses(uninterrupted), losses(tmp_path)
+    assert sorted(resumed) == list(range(1, 9))
+    assert [resumed[s] for s in range(resumed_from + 1, 9)] == [full[s] for s in range(resumed_from + 1, 9)]
     leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.isdigit()]
     assert not [n for n in leftovers if "tmp" in n], leftovers  # uncommitted directories are cleaned up
 
@@ -97,11 +102,16 @@ def base_run(shakespeare_store, uninterrupted, tmp_path):
 def test_corrupted_checkpoint_falls_back_to_previous(shakespeare_store, base_run):
     biggest = max((p for p in (base_run / "checkpoints" / "8").rglob("*") if p.is_file()),
                   key=lambda p: p.stat().st_size)
-    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])  # truncate
+    truncated = biggest.read_bytes()[: biggest.stat().st_size // 2]
+    biggest.write_bytes(truncated)
     proc = _run(shakespeare_store, base_run, "--config.train.steps=10")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoints/8" in proc.stdout and "unreadable" in proc.stdout
     assert "resuming from checkpoint step 6" in proc.stdout
+    # The unreadable checkpoint is moved aside whole (the truncated file with it), never loaded or overwritten.
+    (moved,) = [p for p in (base_run / "checkpoints").iterdir() if p.name.startswith("corrupt-")]
+    assert re.fullmatch(r"corrupt-8-\d+", moved.name) and f"moved it to {moved}" in proc.stdout
+    assert (moved / biggest.relative_to(base_run / "checkpoints" / "8")).stat().st_size == len(truncated)
 
 
 def test_resume_never_holds_two_train_states(shakespeare_store, uninterrupted, base_run):
@@ -260,8 +270,15 @@ def test_rollback_policy_restores_skips_data_and_halves_lr(shakespeare_store, un
     assert incident["kind"] == "loss_spike" and incident["action"] == "rollback"
     assert incident["restored_step"] == 6 and incident["skipped_steps"] == [7] and incident["lr_scale"] == 0.5
     after = [r for r in metrics(tmp_path) if "loss" in r and r["step"] in (7, 8)][-2:]  # the retried steps 7 and 8
-    reference = losses(uninterrupted)
-    assert all(abs(r["loss"] - reference[r["step"]]) < 0.5 for r in after)  # back on trend
+    assert [r["step"] for r in after] == [7, 8]
+    reference = {r["step"]: r for r in metrics(uninterrupted) if "loss" in r}
+    assert all(abs(r["loss"] - reference[r["step"]]["loss"]) < 0.5 for r in after)  # back on trend
+    # The retried step 7 starts from checkpoint 6's state, as the uninterrupted step 7 did (same parameters, same
+    # step key): only its data differs, the window after what the bad step consumed. Without the skip the two
+    # losses would be bitwise equal.
+    assert after[0]["loss"] != reference[7]["loss"]
+    # The LR is the schedule's (the restored optimizer step count) times exactly lr_factor.
+    assert all(r["lr"] == 0.5 * reference[r["step"]]["lr"] for r in after), (after, reference)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rollbacks"] == 1 and summary["lr_scale"] == 0.5
 
@@ -278,3 +295,37 @@ def test_rollback_with_no_checkpoint_yet_skips_the_update(shakespeare_store, uni
     assert np.isfinite(after) and abs(after - losses(uninterrupted)[6]) < 0.5
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rollbacks"] == 0 and summary["lr_scale"] == 1.0
+
+
+def test_rollback_restores_the_checkpoint_exactly(base_run):
+    """The recovery policy in-process on a finished run's checkpoints (4, 6, 8): the state after a rollback is
+    the newest checkpoint's bit for bit (parameters, optimizer state, step, windows), the LR scale is exactly
+    lr_factor x the checkpoint's, the data offset skips the bad step's window and the batches are reopened."""
+    from types import SimpleNamespace
+
+    from jaxllm.config import AnomalyConfig, Config, DataConfig, TrainConfig
+    from jaxllm.train.recovery import Recovery
+
+    mesh = make_mesh(MeshConfig(2, 2, 2, 1))
+    tx = make_optimizer(OptimConfig(warmup_steps=2), 8)
+    abstract = abstract_train_state(MODEL, F32, tx)
+    cfg = Config(mesh=MeshConfig(2, 2, 2, 1), model=MODEL, precision=F32, optim=OptimConfig(warmup_steps=2),
+                 train=TrainConfig(on_anomaly="rollback"), data=DataConfig(), anomaly=AnomalyConfig(lr_factor=0.3))
+    ckpt = Checkpointer(base_run / "checkpoints", log=lambda msg: None)
+    want = ckpt.restore(8, abstract, mesh, items=("state", "data"))
+    want_state = jax.tree.map(np.asarray, want["state"])
+    incidents, reopened = [], []
+    run = SimpleNamespace(state=create_train_state(MODEL, F32, tx, mesh, seed=9)[1], data_offset=0, rollbacks=0,
+                          data_state=None, reopen_batches=lambda: reopened.append(int(run.state.step)))
+    recovery = Recovery(cfg, ckpt, SimpleNamespace(write=incidents.append), abstract, mesh, log=lambda msg: None)
+    record = dict(step=10, loss=1e4, grad_norm=1e3, anomaly=True, nonfinite=False, loss_spike=True,
+                  grad_spike=True)
+    assert recovery(run, record) is True
+    ckpt.close()
+    (incident,) = incidents
+    assert incident["restored_step"] == 8 and incident["skipped_steps"] == [9, 10]
+    assert run.data_offset == 2 and run.rollbacks == 1 and reopened == [8] and run.data_state == want["data"]
+    assert np.asarray(run.state.lr_scale) == np.float32(0.3) * want_state.lr_scale and incident["lr_scale"] == 0.3
+    got = jax.tree.map(np.asarray, run.state.replace(lr_scale=want_state.lr_scale))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want_state), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)

@@ -176,8 +176,12 @@ def test_prepare_stages_manifest_and_rerun(tmp_path, raw):
     assert dedup["dropped"] == {"exact_duplicate": 1, "near_duplicate": 1}
     assert dedup["docs_out"] == dedup["docs_in"] - 2 == tok["docs_in"] == tok["docs_out"]
     assert dedup["clusters"]["exact"] == 1 and dedup["clusters"]["near"] == 1
-    for s in st.values():
-        assert s["seconds"] >= 0 and s["mb_per_s"] >= 0 and s["bytes_in"] > 0
+    # Each stage reads what the one before it wrote, and its MB/s is its bytes over its time.
+    assert dedup["bytes_in"] == clean["bytes_out"] and tok["bytes_in"] == dedup["bytes_out"]
+    assert 0 < tok["bytes_in"] < dedup["bytes_in"] < clean["bytes_in"]
+    for s in st.values():  # seconds and MB/s are rounded to 3 decimals, MB/s from the unrounded time
+        mb, low, high = s["bytes_in"] / 1e6, s["seconds"] + 5e-4, max(s["seconds"] - 5e-4, 1e-9)
+        assert s["seconds"] >= 0 and mb / low - 1e-3 <= s["mb_per_s"] <= mb / high + 1e-3, s
     assert tok["tokens"] == r.manifest["splits"]["train"]["num_tokens"] + r.manifest["splits"]["eval"]["num_tokens"]
     assert {i["path"] for i in r.manifest["extra"]["prepare"]["inputs"]} == {str(p) for p in raw.iterdir()}
     store = TokenStore.open(out)

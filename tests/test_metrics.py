@@ -1,7 +1,10 @@
 """MFU's two halves: the peak FLOP/s table (by device kind and compute dtype) and the FLOPs-per-token count."""
 
 import math
+import os
+import tempfile
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -60,3 +63,20 @@ def test_flops_per_token_matches_xla_count_of_forward_and_backward():
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla_per_token = cost["flops"] / (batch_size * seq_len)
     assert xla_per_token == pytest.approx(train_flops_per_token(cfg, seq_len), rel=0.03)
+
+
+def test_tests_never_write_into_the_real_home_cache():
+    """conftest.py points every cache at a session temporary directory: the CPU peak measurement (written on
+    first use) lands there, and the training subprocesses inherit the same locations."""
+    from train_runs import train_env
+
+    real = (Path.home() / ".cache").resolve()
+    temporary = Path(tempfile.gettempdir()).resolve()
+    variables = ("XDG_CACHE_HOME", "JAXLLM_CACHE", "HF_HOME", "TORCH_HOME", "MPLCONFIGDIR")
+    for name in variables:
+        path = Path(os.environ[name]).resolve()
+        assert path.is_relative_to(temporary) and not path.is_relative_to(real), (name, path)
+        assert train_env()[name] == os.environ[name]
+    assert metrics.CPU_PEAK_CACHE.resolve().is_relative_to(Path(os.environ["JAXLLM_CACHE"]).resolve())
+    assert metrics.peak_flops_per_device(compute_dtype="float32", device=jax.devices("cpu")[0]) > 0
+    assert metrics.CPU_PEAK_CACHE.exists()

@@ -114,3 +114,67 @@ def test_gradient_accumulation_equals_one_big_batch():
     assert float(two[2]) == float(one[2]) == float(local["loss_mask"].sum())
     for a, b in zip(jax.tree.leaves(two[0]), jax.tree.leaves(one[0])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+
+
+def _one_step(optim: OptimConfig, seed=0):
+    """(parameters before, parameters after) of one real jitted train step (make_train_step) on one device."""
+    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.train.state import init_objective_state
+    from jaxllm.train.step import make_train_step
+
+    objective = lm_objective(MODEL, F32)
+    tx = make_optimizer(optim, 10)
+    mesh = make_mesh(MeshConfig(1, 1, 1, 1), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed=seed)
+        before = jax.tree.map(np.asarray, state.params)
+        new, _ = jax.jit(make_train_step(objective, tx))(state, synthetic_batch(1, 4, 16, 128), frozen)
+    return before, jax.tree.map(np.asarray, new.params)
+
+
+def _named_leaves(tree):
+    return {".".join(str(k.key) for k in path if hasattr(k, "key") and k.key != "value"): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_weight_decay_never_reaches_norms_or_embeddings_in_a_train_step():
+    """The same AdamW step with and without weight decay: norms and embeddings come out bitwise the same, every
+    matrix shrinks by exactly the decoupled decay lr * weight_decay * param. (LAMB and Adafactor take the same
+    `decay_mask`; one compiled optimizer keeps this test short.)"""
+    cfg = OptimConfig( lr=1e-2, warmup_steps=0, schedule="constant", weight_decay=0.5)
+    before, decayed = _one_step(cfg)
+    _, plain = _one_step(dataclasses.replace(cfg, weight_decay=0.0))
+    before, decayed, plain = _named_leaves(before), _named_leaves(decayed), _named_leaves(plain)
+    exempt = [k for k in before if "norm" in k or "embed_tokens" in k]
+    assert {"embed_tokens.embedding", "norm.scale", "layers.input_layernorm.scale"} <= set(exempt)
+    for key in before:
+        if key in exempt:
+            assert np.array_equal(decayed[key], plain[key]), key
+        else:
+            assert not np.array_equal(decayed[key], plain[key]), key
+    for key in set(before) - set(exempt):
+        np.testing.assert_allclose(plain[key] - decayed[key], 1e-2 * 0.5 * before[key], rtol=1e-3, atol=1e-7)
+
+
+def test_gradients_are_clipped_to_the_global_norm():
+    """A gradient spike after a normal step: make_optimizer's update equals optax AdamW fed the spike scaled to
+    `clip_norm`, and clearly differs from AdamW fed the unclipped spike."""
+    cfg = OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant", clip_norm=1.0)
+    params = nnx.state(build_model(dataclasses.replace(MODEL, num_layers=1), F32, jax.random.key(0)))
+    grads = [jax.tree.map(lambda p: scale * jax.random.normal(jax.random.key(p.size + i), p.shape), params)
+             for i, scale in ((0, 1.0), (1, 1.0))]
+    grads = [jax.tree.map(lambda g: g * target / optax.tree.norm(gs), gs) for gs, target in zip(grads, (0.5, 50.0))]
+    reference = optax.adamw(cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            mask=decay_mask)
+    clipped = [grads[0], jax.tree.map(lambda g: g / 50.0, grads[1])]  # norm 0.5 stays, norm 50 becomes 1
+
+    def second_update(tx, gs):
+        state = tx.init(params)
+        _, state = tx.update(gs[0], state, params)
+        update, _ = tx.update(gs[1], state, params)
+        return np.concatenate([np.ravel(x) for x in jax.tree.leaves(update)])
+
+    ours = second_update(make_optimizer(cfg, 10), grads)
+    want, unclipped = second_update(reference, clipped), second_update(reference, grads)
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-9)
+    assert np.abs(unclipped - want).max() > 0.1 * np.abs(want).max()

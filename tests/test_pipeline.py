@@ -208,6 +208,20 @@ def test_hlo_of_pipelined_grads(pipelined, case):
     _check_pipeline_hlo(pipelined[case][2], case[0], case[0][2])
 
 
+def test_hlo_check_finds_the_gathers_of_an_unpipelined_compile(params, monkeypatch):
+    """Positive control of the HLO check: the same stage-split weights run through the plain layer scan (the
+    model told there is one stage) must gather layer weights across stages, and the same parser must say so."""
+    from jaxllm.model import transformer
+
+    monkeypatch.setattr(transformer, "num_stages", lambda *a, **k: 1)
+    layout = (4, 1, 1, 2)
+    _, _, hlo = _grads(params, layout)
+    crossing = [line for line in stage_crossing_gathers(hlo, layout) if _result_dims(line) & {MODEL.mlp_dim}]
+    assert crossing, "no stage-crossing all-gather of layer weights found in an unpipelined compile"
+    with pytest.raises(AssertionError, match="all-gathered across stages"):
+        _check_pipeline_hlo(hlo + "\ncollective-permute", layout, tensor=1)
+
+
 def test_train_step_with_grad_accum(params, reference):
     """A full jitted train step on (1,2,2,2), circular schedule, 2 accumulation steps: right loss, sane HLO."""
     layout, m, r = (1, 2, 2, 2), 2, 2

@@ -2,7 +2,6 @@
 stays inside top-k / top-p; stop tokens end a row; a sharded model decodes like an unsharded one."""
 
 import os
-import time
 
 import pytest
 
@@ -144,14 +143,3 @@ def test_sharded_decoding_equals_unsharded(hf_dir, greedy):
     graphdef, params = nnx.split(sharded)
     with jax.set_mesh(mesh):
         assert generate((graphdef, params), PROMPTS, max_new_tokens=NEW) == greedy
-
-
-def test_decode_throughput(model):
-    """Not a check: prints decode tokens/s for a small model (batch 8, 64 new tokens, CPU)."""
-    prompts = [[1 + b, 2, 3, 4] for b in range(8)]
-    generate(model, prompts, max_new_tokens=64)  # compile
-    start = time.perf_counter()
-    out = generate(model, prompts, max_new_tokens=64)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(row) for row in out)
-    print(f"\ndecode: {tokens} tokens in {seconds:.3f} s = {tokens / seconds:.0f} tokens/s (batch 8, CPU)")

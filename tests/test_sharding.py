@@ -37,12 +37,35 @@ def test_logical_to_spec_rules():
         logical_to_spec(("nonsense",))
 
 
+def check_golden(text: str, golden: Path, update: bool) -> None:
+    """Compare `text` with the checked-in `golden` file. Only an explicit request (JAXLLM_UPDATE_GOLDEN=1)
+    rewrites it, and that run fails on purpose so it is never mistaken for a passing one; a missing golden
+    file fails, it is never created here."""
+    if update:
+        golden.write_text(text)
+        pytest.fail(f"rewrote {golden} (JAXLLM_UPDATE_GOLDEN=1): review its diff, then rerun without the variable")
+    if not golden.exists():
+        pytest.fail(f"golden file {golden} is missing: restore it from git, or write it with JAXLLM_UPDATE_GOLDEN=1")
+    assert text == golden.read_text(), "layout changed: rerun with JAXLLM_UPDATE_GOLDEN=1 if intended"
+
+
 def test_golden_partition_specs(default_cfg):
     state = nnx.state(abstract_model(default_cfg.model, default_cfg.precision))
     report = format_report(report_rows(state, make_mesh(default_cfg.mesh))) + "\n"
-    if os.environ.get("JAXLLM_UPDATE_GOLDEN"):
-        GOLDEN.write_text(report)
-    assert report == GOLDEN.read_text(), "layout changed: rerun with JAXLLM_UPDATE_GOLDEN=1 if intended"
+    check_golden(report, GOLDEN, update=os.environ.get("JAXLLM_UPDATE_GOLDEN") == "1")
+
+
+def test_golden_files_are_only_written_on_request(tmp_path):
+    missing, stale = tmp_path / "missing.txt", tmp_path / "stale.txt"
+    stale.write_text("old\n")
+    with pytest.raises(pytest.fail.Exception, match="is missing"):
+        check_golden("new\n", missing, update=False)
+    with pytest.raises(AssertionError, match="layout changed"):
+        check_golden("new\n", stale, update=False)
+    assert not missing.exists() and stale.read_text() == "old\n"
+    with pytest.raises(pytest.fail.Exception, match="rewrote"):
+        check_golden("new\n", stale, update=True)
+    assert stale.read_text() == "new\n"
 
 
 def test_large_parameters_are_split(default_cfg):
