@@ -6,7 +6,8 @@
 # `make ppo`:   after `make sft`, PPO (policy and critic adapters on the merged SFT model), same reward; add
 #               ARGS=--config.ppo.reward=rm:runs/reward (after `make reward`) to be rewarded by the reward model.
 # `make pipeline`: the whole life of a model from nothing: prepare, pretrain, SFT, reward model, PPO (~31 min).
-# `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices).
+# `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices) in
+#               TEST_WORKERS pytest-xdist processes (default 2), one test file per worker at a time.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -62,8 +63,13 @@ ppo: $(SFT_TASK)/train.jsonl
 pipeline: install
 	$(CPU_DEVICES) $(BIN)/python scripts/pipeline.py $(ARGS)
 
+# Tiny-model tests spend most of their time in XLA's single-threaded compiler, so two workers on two cores take
+# about half the wall time of one (measured: 21.6 vs 43.6 min). --dist loadfile keeps a file's module fixtures
+# (shared reference runs) in one worker.
+TEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
 
 # The short subset that CI also runs under Python 3.12 with current JAX, to catch API drift early.
 test-smoke: install

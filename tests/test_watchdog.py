@@ -16,7 +16,7 @@ def _watch(tmp_path, timeout_s: float, beats: int, every_s: float):
         for step in range(1, beats + 1):
             time.sleep(every_s)
             dog.beat(step, every_s)
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 3 * timeout_s + 2.0
         while not exits and time.monotonic() < deadline and timeout_s > 0:
             time.sleep(0.01)
         dog.stop()
@@ -24,10 +24,11 @@ def _watch(tmp_path, timeout_s: float, beats: int, every_s: float):
 
 
 def test_heartbeats_keep_the_watchdog_quiet_and_silence_fires_it(tmp_path):
-    # Beats 0.05 s apart for 0.6 s against a 0.2 s timeout: no alarm; then silence: one alarm naming step 12.
-    exits, text = _watch(tmp_path, 0.2, beats=12, every_s=0.05)
+    # Beats 0.05 s apart for 1.5 s against a 1 s timeout (longer than the timeout, so a clock that is not
+    # restarted by each beat fires; margin for a loaded CI machine): no alarm; then silence: one alarm naming step 30.
+    exits, text = _watch(tmp_path, 1.0, beats=30, every_s=0.05)
     assert exits == [HANG_EXIT_CODE]
-    assert "last completed step 12" in text and "_watch" in text  # the message, then every thread's stack
+    assert "last completed step 30" in text and "_watch" in text  # the message, then every thread's stack
 
 
 def test_zero_timeout_is_off(tmp_path):
@@ -39,7 +40,7 @@ def test_stalled_run_dumps_stacks_and_exits_for_requeue(shakespeare_store, tmp_p
     """A real run whose step 3 never completes (debug.stall_at_step) is ended by the watchdog."""
     proc = subprocess.run(train_command(shakespeare_store, tmp_path, "--config.train.steps=6",
                                         "--config.train.eval_every=1000", "--config.checkpoint.every=1000",
-                                        "--config.train.hang_timeout_s=5", "--config.debug.stall_at_step=3"),
+                                        "--config.train.hang_timeout_s=15", "--config.debug.stall_at_step=3"),
                           capture_output=True, text=True, env=train_env(), timeout=600)
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
     message = [line for line in proc.stderr.splitlines() if line.startswith("hang watchdog:")]
