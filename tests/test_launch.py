@@ -28,7 +28,12 @@ def _dry_run(train_args):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args, "--dry_run"],
                           capture_output=True, text=True, env=train_env(8), timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "parameters" in proc.stdout.lower()
+    # The plan is of configs/pretrain.py's model and mesh, so the rendered flags reached the real parser intact.
+    # Hand count (L4 D256 N4/K2 H64 F768 V512, untied): embedding and head, per layer q/k/v/o + SwiGLU + 2 norms.
+    per_layer = 256 * (4 + 2 + 2) * 64 + 4 * 64 * 256 + 3 * 256 * 768 + 2 * 256
+    assert f"{2 * 512 * 256 + 4 * per_layer + 256:,} parameters" in proc.stdout, proc.stdout
+    assert "mesh data=2 x fsdp=2 x tensor=2 x stage=1 (8 devices)" in proc.stdout
+    assert re.search(r"^H100 80 GB .*: fits", proc.stdout, flags=re.M), proc.stdout
 
 
 def test_slurm_template_renders_to_a_valid_batch_script(tmp_path):
