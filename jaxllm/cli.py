@@ -4,7 +4,6 @@ one-line-error convention (message on stderr naming the key or file, exit code 2
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.util
 import sys
 from pathlib import Path
@@ -12,7 +11,8 @@ from typing import Sequence
 
 import ml_collections
 
-from jaxllm.config import AUTO_VALUES, ConfigError, apply_preset
+from jaxllm.config import AUTO_VALUES, Config, apply_preset
+from jaxllm.typed_config import set_value
 
 USAGE_ERROR = 2
 
@@ -43,73 +43,30 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
-def _parse_value(key: str, text: str, current):
-    """Parse `text` as the type of the value it replaces ("auto" where AUTO_VALUES allows it)."""
-    if text == "auto" and key in AUTO_VALUES:
-        return AUTO_VALUES[key]
-    if isinstance(current, bool):
-        lowered = text.lower()
-        if lowered in ("true", "1", "yes"):
-            return True
-        if lowered in ("false", "0", "no"):
-            return False
-        raise ConfigError(key, f"expected true/false, got {text!r}")
-    if isinstance(current, int):
-        try:
-            return int(text)
-        except ValueError:
-            try:
-                value = float(text)
-            except ValueError:
-                raise ConfigError(key, f"expected an integer, got {text!r}") from None
-            if not value.is_integer():
-                raise ConfigError(key, f"expected an integer, got {text!r}") from None
-            return int(value)
-    if isinstance(current, float):
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(key, f"expected a number, got {text!r}") from None
-    if isinstance(current, str):
-        return text
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
 def apply_override(cd: ml_collections.ConfigDict, dotted: str, text: str) -> None:
-    """Set `cd.<dotted> = text` (parsed to the field's type); unknown keys are errors."""
-    parts = dotted.split(".")
-    node = cd
-    for i, part in enumerate(parts[:-1]):
-        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-            raise ConfigError(".".join(parts[: i + 1]), "unknown section")
-        node = node[part]
-    leaf = parts[-1]
-    if leaf not in node:
-        raise ConfigError(dotted, f"unknown key; expected one of {sorted(node.keys())}")
-    with node.unlocked():
-        node[leaf] = _parse_value(dotted, text, node[leaf])
+    """Set `cd.<dotted> = text`, typed by `Config`'s field ("auto" where AUTO_VALUES allows it); unknown keys are
+    errors (jaxllm/typed_config.py, the path the data-preparation config takes too)."""
+    set_value(cd, dotted, text, Config, AUTO_VALUES)
 
 
-def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """Separate `--config.a.b=v` / `--config.a.b v` overrides from the other arguments."""
+def split_overrides(argv: Sequence[str], prefix: str = "--config.") -> tuple[list[str], list[tuple[str, str]]]:
+    """Separate `<prefix>a.b=v` / `<prefix>a.b v` overrides from the other arguments: with "--config." the
+    training scripts' `--config.optim.lr=3e-4`, with "--" prepare_data.py's `--clean.min_words=20` (any dotted
+    `--section.field`). Returns the other arguments and the (key, text) pairs; an override without a value is a
+    usage error reported here (scripts split their arguments before anything else)."""
     rest, overrides = [], []
     args = list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg.startswith("--config."):
-            body = arg[len("--config."):]
-            if "=" in body:
-                key, value = body.split("=", 1)
-            else:
+        name, has_value, value = arg.partition("=")
+        if name.startswith(prefix) and "." in name[2:]:
+            if not has_value:
                 if i + 1 >= len(args):
-                    raise UsageError(f"{arg}: missing value")
-                key, value = body, args[i + 1]
+                    fail(f"{arg}: missing value")
+                value = args[i + 1]
                 i += 1
-            overrides.append((key, value))
+            overrides.append((name[len(prefix):], value))
         else:
             rest.append(arg)
         i += 1

@@ -15,6 +15,7 @@ from typing import Any
 import ml_collections
 
 from jaxllm.model.presets import GPU_PRESETS, PRESETS
+from jaxllm.typed_config import ConfigError, build
 
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -33,14 +34,6 @@ OVERLONG_RULES = ("truncate", "drop")
 AUTO_VOCAB = 0  # model.vocab_size "auto": the tokenizer's size, padded (resolve_vocab_size)
 VOCAB_MULTIPLE = 128  # "auto" pads to a multiple of this times mesh.tensor (Megatron's make-vocab-size-divisible-by)
 AUTO_VALUES = {"model.vocab_size": AUTO_VOCAB}  # keys that accept "auto" on the command line, and what it stores
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message starts with the offending key."""
-
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"{key}: {reason}")
-        self.key = key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,35 +463,6 @@ def apply_preset(cd: ml_collections.ConfigDict, name: str) -> None:
             cd.precision.compute = "bfloat16"
 
 
-def _build(cls, cd: ml_collections.ConfigDict | dict, prefix: str):
-    """Instantiate dataclass `cls` from a mapping, rejecting unknown keys and wrong types."""
-    values = dict(cd.items())
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}", f"unknown key; expected one of {sorted(fields)}")
-    kwargs = {}
-    for name, value in values.items():
-        default = getattr(cls, name, None)
-        if isinstance(default, bool):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{prefix}{name}", f"expected true/false, got {value!r}")
-        elif isinstance(default, int) and not isinstance(default, bool):
-            if isinstance(value, bool) or not isinstance(value, int):
-                if isinstance(value, float) and value.is_integer():
-                    value = int(value)
-                else:
-                    raise ConfigError(f"{prefix}{name}", f"expected an integer, got {value!r}")
-        elif isinstance(default, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{prefix}{name}", f"expected a number, got {value!r}")
-            value = float(value)
-        elif isinstance(default, str) and not isinstance(value, str):
-            raise ConfigError(f"{prefix}{name}", f"expected a string, got {value!r}")
-        kwargs[name] = value
-    return cls(**kwargs)
-
-
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(key, f"{value!r} is not one of {list(allowed)}")
@@ -586,38 +550,18 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     `num_processes` processes (None: do not lay the mesh out over hosts, as in a dry run).
     `check_batch=False` skips the batch-versus-mesh checks (a dry run plans parameters and optimizer state).
     """
-    top_fields = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(cd.keys()) - top_fields)
-    if unknown:
-        raise ConfigError(unknown[0], f"unknown key; expected one of {sorted(top_fields)}")
-    missing = sorted(name for name in ("mesh", "model", "precision", "optim", "train", "data") if name not in cd)
-    if missing:
-        raise ConfigError(missing[0], "missing section")
-
-    mesh = _build(MeshConfig, cd.mesh, "mesh.")
-    mesh = resolve_mesh(mesh, num_devices)
+    cfg = build(Config, cd, auto=AUTO_VALUES)
+    mesh = resolve_mesh(cfg.mesh, num_devices)
     if num_processes is not None:
         mesh = resolve_dcn(mesh, num_processes)
-    model = _build(ModelConfig, cd.model, "model.")
-    precision = _build(PrecisionConfig, cd.precision, "precision.")
+    precision = cfg.precision
     if precision.compute == "auto":  # resolved here, so everything downstream sees a real dtype
         from jaxllm.auto_precision import resolve_compute
 
         precision = dataclasses.replace(precision, compute=resolve_compute()[0])
-    optim = _build(OptimConfig, cd.optim, "optim.")
-    train = _build(TrainConfig, cd.train, "train.")
-    data = _build(DataConfig, cd.data, "data.")
-    pipeline = _build(PipelineConfig, cd.get("pipeline", {}), "pipeline.")
-    checkpoint = _build(CheckpointConfig, cd.get("checkpoint", {}), "checkpoint.")
-    anomaly = _build(AnomalyConfig, cd.get("anomaly", {}), "anomaly.")
-    debug = _build(DebugConfig, cd.get("debug", {}), "debug.")
-    lora = _build(LoRAConfig, cd.get("lora", {}), "lora.")
-    sft = _build(SFTConfig, cd.get("sft", {}), "sft.")
-    preference = _build(PreferenceConfig, cd.get("preference", {}), "preference.")
-    reward = _build(RewardConfig, cd.get("reward", {}), "reward.")
-    dpo = _build(DPOConfig, cd.get("dpo", {}), "dpo.")
-    grpo = _build(GRPOConfig, cd.get("grpo", {}), "grpo.")
-    ppo = _build(PPOConfig, cd.get("ppo", {}), "ppo.")
+    model, optim, train, data, pipeline = cfg.model, cfg.optim, cfg.train, cfg.data, cfg.pipeline
+    checkpoint, anomaly, debug, lora = cfg.checkpoint, cfg.anomaly, cfg.debug, cfg.lora
+    sft, preference, dpo, grpo, ppo = cfg.sft, cfg.preference, cfg.dpo, cfg.grpo, cfg.ppo
 
     for key in ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
         _positive(f"model.{key}", getattr(model, key))
@@ -750,28 +694,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     if not str(cd.get("workdir", "")):
         raise ConfigError("workdir", "must not be empty")
 
-    return Config(
-        mesh=mesh,
-        model=model,
-        precision=precision,
-        optim=optim,
-        train=train,
-        data=data,
-        pipeline=pipeline,
-        checkpoint=checkpoint,
-        anomaly=anomaly,
-        debug=debug,
-        lora=lora,
-        sft=sft,
-        preference=preference,
-        reward=reward,
-        dpo=dpo,
-        grpo=grpo,
-        ppo=ppo,
-        workdir=str(cd.get("workdir", Config.workdir)),
-        peak_flops=float(cd.get("peak_flops", 0.0)),
-        xla_flags=_xla_flags(cd.get("xla_flags", {})),
-    )
+    return dataclasses.replace(cfg, mesh=mesh, precision=precision, xla_flags=_xla_flags(cfg.xla_flags))
 
 
 XLA_FLAG_NAME = re.compile(r"xla_[a-z0-9_]+")

@@ -8,16 +8,17 @@ optionally .gz / .zst. Stage thresholds (jaxllm/data/prep_config.py) can be set 
 Re-running with the same inputs and settings prints "up to date"; an interrupted run resumes. Problems print
 one `error: ...` line and exit 2.
 """
-import argparse
 import sys
 
-from jaxllm.data.prep_config import ConfigError, load_config
+from jaxllm.cli import parser, split_overrides
+from jaxllm.data.prep_config import load_config
 from jaxllm.data.prepare import PrepareError, prepare
+from jaxllm.typed_config import ConfigError
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="Any --section.field=value sets a stage threshold (see prep_config.py).")
+    ap = parser(__doc__.split("\n\n")[0])  # usage errors: one line, exit 2
+    ap.epilog = "Any --section.field=value sets a stage threshold (see prep_config.py)."
     ap.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories")
     ap.add_argument("--output", required=True, metavar="DIR", help="dataset directory to create")
     tok = ap.add_mutually_exclusive_group(required=True)
@@ -28,12 +29,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval_fraction", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data_config", metavar="FILE", help="JSON file of stage thresholds, e.g. {\"clean\": {...}}")
-    args, rest = ap.parse_known_args(argv)
-    bad = [a for a in rest if not (a.startswith("--") and "." in a.split("=")[0])]
-    if bad:
-        ap.error(f"unrecognized arguments: {' '.join(bad)}")
+    argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv, prefix="--")
+    args = ap.parse_args(argv)
     try:
-        cfg = load_config(args.data_config, rest)
+        cfg = load_config(args.data_config, overrides)
         result = prepare(args.input, args.output, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
                          eval_fraction=args.eval_fraction, seed=args.seed, config=cfg)
     except (PrepareError, ConfigError) as e:

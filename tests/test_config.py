@@ -156,3 +156,68 @@ def test_auto_vocab_is_sized_from_the_store_or_named_missing(shakespeare_store, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: model.vocab_size: auto takes the tokenizer's size") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("key,text,want", [
+    ("mesh.data", "-1", -1), ("mesh.sequence_parallel", "yes", True), ("train.steps", "2.0", 2),
+    ("optim.lr", "1", 1.0), ("model.vocab_size", "auto", 0), ("lora.targets", "q_proj,k_proj", "q_proj,k_proj"),
+    ("workdir", "/tmp/x", "/tmp/x"), ("peak_flops", "1e15", 1e15),
+])
+def test_overrides_take_the_field_type(key, text, want):
+    cd = load_config_file(CONFIG)
+    apply_override(cd, key, text)
+    got = cd
+    for part in key.split("."):
+        got = got[part]
+    assert got == want and type(got) is type(want)
+
+
+def test_free_form_xla_flags_keep_the_type_they_replace():
+    cd = load_config_file(str(ROOT / "configs" / "gpu" / "llama_1b_h200.py"))
+    apply_override(cd, "xla_flags.xla_gpu_enable_triton_gemm", "true")
+    apply_override(cd, "xla_flags.xla_gpu_enable_command_buffer", "FUSION")
+    assert cd.xla_flags.xla_gpu_enable_triton_gemm is True and cd.xla_flags.xla_gpu_enable_command_buffer == "FUSION"
+    with pytest.raises(ConfigError, match=r"^xla_flags.xla_gpu_enable_triton_gemm: expected true/false, got 'maybe'$"):
+        apply_override(cd, "xla_flags.xla_gpu_enable_triton_gemm", "maybe")
+
+
+def test_one_parser_for_training_and_data_prep(tmp_path, capsys):
+    """A training override, a config file's value, a data-prep override and a data-config file's value are
+    rejected by the same coercer with the same one-line message (key, what was expected, what was given), through
+    the one ConfigError class."""
+    import importlib.util
+
+    import jaxllm.data.prep_config
+    import jaxllm.typed_config
+
+    assert jaxllm.data.prep_config.ConfigError is ConfigError is jaxllm.typed_config.ConfigError
+    spec = importlib.util.spec_from_file_location("prepare_data_script", ROOT / "scripts" / "prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
+    bad_file = tmp_path / "bad_steps.py"
+    bad_file.write_text("import ml_collections\nfrom jaxllm.config import default_config_dict\n\n\ndef get_config():\n"
+                        "    d = default_config_dict().to_dict()\n    d['train']['steps'] = 12.5\n"
+                        "    return ml_collections.ConfigDict(d)\n")
+    data_file = tmp_path / "bad.json"
+    data_file.write_text('{"clean": {"min_words": 12.5}}')
+    prep_args = ["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--vocab_size", "400"]
+
+    def train_error(argv):
+        with pytest.raises(SystemExit) as exit_info:
+            train_script.main(argv)
+        assert exit_info.value.code == 2
+        return capsys.readouterr().err
+
+    def prep_error(argv):
+        assert prepare_data.main(argv) == 2
+        return capsys.readouterr().err
+
+    errors = [train_error(["--config", CONFIG, "--config.train.steps=12.5"]),
+              train_error(["--config", str(bad_file)]),
+              prep_error([*prep_args, "--clean.min_words=12.5"]),
+              prep_error([*prep_args, "--data_config", str(data_file)])]
+    assert errors == ["error: train.steps: expected an integer, got '12.5'\n",
+                      "error: train.steps: expected an integer, got 12.5\n",
+                      "error: clean.min_words: expected an integer, got '12.5'\n",
+                      "error: clean.min_words: expected an integer, got 12.5\n"]
+    assert not (tmp_path / "out").exists()

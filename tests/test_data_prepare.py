@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxllm.cli import split_overrides
+from jaxllm.config import ConfigError
 from jaxllm.data import prepare as prepare_mod
 from jaxllm.data.clean import clean_document, normalize, quality_reason
 from jaxllm.data.dedup import find_duplicates
-from jaxllm.data.prep_config import CleanConfig, ConfigError, load_config
+from jaxllm.data.prep_config import CleanConfig, load_config
 from jaxllm.data.prepare import PrepareError, prepare
 from jaxllm.data.token_store import TokenStore
 from jaxllm.data.tokenizer import Tokenizer
@@ -74,17 +76,22 @@ def test_shakespeare_passes_default_filters(plays):
 
 
 def test_config_overrides(tmp_path):
-    cfg = load_config(None, ["clean.min_words=20", "--dedup.threshold=0.7", "clean.language=en",
-                             "clean.max_top_ngram_char_fraction=0.3,0.3,0.3", "clean.max_chars=none"])
+    _, overrides = split_overrides(["--clean.min_words=20", "--dedup.threshold", "0.7", "--clean.language=en",
+                                    "--clean.max_top_ngram_char_fraction=0.3,0.3,0.3", "--clean.max_chars=none"],
+                                   prefix="--")
+    cfg = load_config(None, overrides)
     assert (cfg.clean.min_words, cfg.dedup.threshold, cfg.clean.language) == (20, 0.7, "en")
     assert cfg.clean.max_top_ngram_char_fraction == (0.3, 0.3, 0.3) and cfg.clean.max_chars is None
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"dedup": {"bands": 32}}))
-    assert load_config(f, ["dedup.num_perm=64"]).dedup.bands == 32
-    for bad, match in [(["clean.nope=1"], "unknown config field clean.nope"), (["x.y=1"], "unknown config section"),
-                       (["clean.min_words=abc"], "expected int"), (["dedup.bands=7"], "multiple")]:
+    assert load_config(f, [("dedup.num_perm", "64")]).dedup.bands == 32
+    for key, text, match in [("clean.nope", "1", "^clean.nope: unknown key; expected one of "),
+                             ("x.y", "1", r"^x: unknown section; expected one of \['clean', 'dedup', 'read'\]"),
+                             ("clean.min_words", "abc", "^clean.min_words: expected an integer, got 'abc'"),
+                             ("dedup.bands", "7", "^dedup.num_perm: 128 must be a positive multiple of dedup.bands=7"),
+                             ("clean", "1", "^clean: expected a section of values, got '1'")]:
         with pytest.raises(ConfigError, match=match):
-            load_config(None, bad)
+            load_config(None, [(key, text)])
 
 
 # ---- deduplication --------------------------------------------------------------------------------------
@@ -193,7 +200,7 @@ def test_prepare_stages_manifest_and_rerun(tmp_path, raw):
     again = _run(raw, out)
     assert again.up_to_date and (out / "manifest.json").read_bytes() == before
     with pytest.raises(PrepareError, match="different inputs or settings"):
-        _run(raw, out, config=load_config(None, ["dedup.threshold=0.5"]))
+        _run(raw, out, config=load_config(None, [("dedup.threshold", "0.5")]))
     assert (out / "manifest.json").read_bytes() == before
 
 
@@ -218,7 +225,7 @@ def test_interrupted_run_resumes(tmp_path, raw, monkeypatch):
     # A changed dedup setting on an unfinished run re-runs dedup only.
     (out / "manifest.json").unlink()
     logs.clear()
-    prepare([raw], out, vocab_size=400, log=logs.append, config=load_config(None, ["dedup.near=false"]))
+    prepare([raw], out, vocab_size=400, log=logs.append, config=load_config(None, [("dedup.near", "false")]))
     assert "clean: up to date (skipped)" in logs and not any(l.startswith("dedup: up to date") for l in logs)
 
 

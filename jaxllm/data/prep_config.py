@@ -1,10 +1,11 @@
 """Thresholds of the preparation stages: frozen dataclasses with defaults, JSON files and CLI overrides.
 
-    cfg = PrepConfig()                                            # the defaults below
-    cfg = load_config("my_data.json", ["clean.min_words=20"])     # JSON file, then `section.field=value`s
+    cfg = PrepConfig()                                                # the defaults below
+    cfg = load_config("my_data.json", [("clean.min_words", "20")])    # JSON file, then `section.field` overrides
 
 The JSON file holds any subset of the sections, e.g. {"clean": {"min_words": 20}, "dedup": {"threshold": 0.7}}.
-Unknown sections or fields are errors (a typo must not silently keep a default). Every field that changes
+Unknown sections or fields are errors (a typo must not silently keep a default); values are parsed and errors
+worded as for the training config, by jaxllm/typed_config.py. Every field that changes
 what a stage produces is part of that stage's fingerprint, so changing it re-runs the stage.
 """
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import types
-import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from jaxllm.typed_config import ConfigError, build, set_value
 
 
 @dataclass(frozen=True)
@@ -97,105 +99,39 @@ class PrepConfig:
         return dataclasses.asdict(self)
 
 
-class ConfigError(ValueError):
-    """A bad config file or override (message names the key and what is expected)."""
-
-
-def _coerce(name: str, tp, value):
-    """Convert a JSON value or CLI string to the field's annotated type."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(name, inner[0], value)
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v for v in value.strip("()[] ").split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name}: expected a list of numbers, got {value!r}")
-        return tuple(_coerce(name, args[0], v) for v in value)
-    try:
-        if tp is bool:
-            if isinstance(value, str):
-                if value.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if value.lower() in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError(value)
-            return bool(value)
-        if tp is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return int(value)
-        if tp is float:
-            return float(value)
-        if tp is str:
-            return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected {getattr(tp, '__name__', tp)}, got {value!r}") from None
-    raise ConfigError(f"{name}: unsupported field type {tp}")
-
-
-def _with_updates(cfg: PrepConfig, updates: dict[str, dict]) -> PrepConfig:
-    sections = {f.name: f for f in dataclasses.fields(PrepConfig)}
-    new = {}
-    for sec, values in updates.items():
-        if sec not in sections:
-            raise ConfigError(f"unknown config section {sec!r} (expected one of {sorted(sections)})")
-        if not isinstance(values, dict):
-            raise ConfigError(f"config section {sec!r}: expected an object of field values")
-        current = new.get(sec, getattr(cfg, sec))
-        hints = typing.get_type_hints(type(current))
-        fields = {f.name for f in dataclasses.fields(current)}
-        changes = {}
-        for k, v in values.items():
-            if k not in fields:
-                raise ConfigError(f"unknown config field {sec}.{k} (fields of {sec}: {', '.join(sorted(fields))})")
-            changes[k] = _coerce(f"{sec}.{k}", hints[k], v)
-        new[sec] = dataclasses.replace(current, **changes)
-    cfg = dataclasses.replace(cfg, **new)
-    _validate(cfg)
-    return cfg
-
-
 def _validate(cfg: PrepConfig) -> None:
     if cfg.read.txt_split not in ("file", "blank_lines"):
-        raise ConfigError(f"read.txt_split: expected 'file' or 'blank_lines', got {cfg.read.txt_split!r}")
+        raise ConfigError("read.txt_split", f"expected 'file' or 'blank_lines', got {cfg.read.txt_split!r}")
     if cfg.clean.language not in (None, "en"):
-        raise ConfigError(f"clean.language: expected none or 'en', got {cfg.clean.language!r}")
+        raise ConfigError("clean.language", f"expected none or 'en', got {cfg.clean.language!r}")
     d = cfg.dedup
     if d.num_perm < 1 or d.bands < 1 or d.num_perm % d.bands:
-        raise ConfigError(f"dedup.num_perm ({d.num_perm}) must be a positive multiple of dedup.bands ({d.bands})")
+        raise ConfigError("dedup.num_perm", f"{d.num_perm} must be a positive multiple of dedup.bands={d.bands}")
     if not 0.0 < d.threshold <= 1.0:
-        raise ConfigError(f"dedup.threshold must be in (0, 1], got {d.threshold}")
+        raise ConfigError("dedup.threshold", f"must be in (0, 1], got {d.threshold}")
     if d.ngram < 1:
-        raise ConfigError(f"dedup.ngram must be >= 1, got {d.ngram}")
+        raise ConfigError("dedup.ngram", f"must be >= 1, got {d.ngram}")
 
 
-def parse_overrides(overrides: list[str]) -> dict[str, dict]:
-    """['clean.min_words=20', ...] -> {'clean': {'min_words': '20'}} (values coerced later)."""
-    out: dict[str, dict] = {}
-    for item in overrides:
-        key, sep, value = item.removeprefix("--").partition("=")
-        sec, dot, name = key.partition(".")
-        if not sep or not dot or not name:
-            raise ConfigError(f"bad override {item!r}: expected --section.field=value, e.g. --clean.min_words=20")
-        out.setdefault(sec, {})[name] = value
-    return out
+def _read_json(path: str | os.PathLike) -> dict:
+    try:
+        data = json.loads(open(path, encoding="utf-8").read())
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot read data config: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ConfigError(str(path), f"data config is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "expected a JSON object of sections, e.g. {\"clean\": {\"min_words\": 20}}")
+    return data
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> PrepConfig:
-    """Defaults, then the JSON file (if any), then `section.field=value` overrides. Raises ConfigError."""
-    cfg = PrepConfig()
-    if path is not None:
-        try:
-            data = json.loads(open(path, encoding="utf-8").read())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot read data config {path}: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"data config {path}: expected a JSON object of sections")
-        cfg = _with_updates(cfg, data)
-    return _with_updates(cfg, parse_overrides(list(overrides)))
+def load_config(path: str | os.PathLike | None = None, overrides: Iterable[tuple[str, str]] = ()) -> PrepConfig:
+    """Defaults, then the JSON file (if any), then `(section.field, text)` overrides (jaxllm.cli.split_overrides
+    of `--section.field=value` arguments), through the training config's path (jaxllm/typed_config.py): the same
+    coercion, key checks and ConfigError. Raises ConfigError."""
+    tree = build(PrepConfig, _read_json(path) if path is not None else {}).to_dict()
+    for key, text in overrides:
+        set_value(tree, key, text, PrepConfig)
+    cfg = build(PrepConfig, tree)
+    _validate(cfg)
+    return cfg
