@@ -35,6 +35,16 @@ def train_command(store, workdir, *args: str) -> list[str]:
             "--workdir", str(workdir), f"--config.data.path={store}", *TINY, *args]
 
 
+# The resume tests' job (tests/test_checkpoint.py, tests/test_drill.py and the shared `uninterrupted` reference
+# of tests/conftest.py): saved every 2 steps, never evaluated mid-run.
+RESUME = ("--config.train.eval_every=1000", "--config.checkpoint.every=2", "--config.optim.warmup_steps=2")
+
+
+def resume_command(store, workdir, *args: str) -> list[str]:
+    """`train_command` of the resume tests' job; later `args` override earlier ones."""
+    return train_command(store, workdir, *RESUME, *args)
+
+
 def train_env(devices: int = 8, **extra: str) -> dict[str, str]:
     """This environment on CPU with `devices` fake devices per process (keeping conftest's other XLA flags)."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
