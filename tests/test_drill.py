@@ -11,19 +11,24 @@ import pytest
 
 from train_runs import RESUME, ROOT, TINY, train_env
 
+from jaxllm.drill.disk import mount_problem
 from jaxllm.drill.plan import FaultSpecError, anomaly_flags, parse_faults, schedule
 
 
-def test_short_drill_recovers_bitwise(shakespeare_store, uninterrupted, tmp_path):
-    # The same job as `uninterrupted` (tests/conftest.py), which is the drill's reference.
+def _drill(store, reference, tmp_path, faults: str, seed: int = 0) -> dict:
+    """scripts/drill.py on the job of `reference` (the shared `uninterrupted` run): its JSON object, once passed."""
     command = [sys.executable, str(ROOT / "scripts" / "drill.py"), "--config", str(ROOT / "configs" / "pretrain.py"),
-               "--faults", "kill9:5,corrupt:2", "--seed", "0", "--workdir", str(tmp_path / "drill"),
-               "--reference", str(uninterrupted), f"--config.data.path={shakespeare_store}", *TINY, *RESUME,
-               "--config.train.steps=8"]
+               "--faults", faults, "--seed", str(seed), "--workdir", str(tmp_path / "drill"), "--reference",
+               str(reference), f"--config.data.path={store}", *TINY, *RESUME, "--config.train.steps=8"]
     proc = subprocess.run(command, capture_output=True, text=True, env=train_env(), timeout=900)
     print(proc.stdout[-3000:])
     result = json.loads(proc.stdout.strip().splitlines()[-1])  # the JSON object is the last line
     assert proc.returncode == 0 and result["passed"], (proc.stderr[-3000:], proc.stdout[-3000:])
+    return result
+
+
+def test_short_drill_recovers_bitwise(shakespeare_store, uninterrupted, tmp_path):
+    result = _drill(shakespeare_store, uninterrupted, tmp_path, "kill9:5,corrupt:2")
     assert result["faults"] == {"kill9": 5, "corrupt": 2}
     assert result["recoveries"] == result["injected"] == 7 and result["unplanned_exits"] == []
     assert result["corrupt_loads"] == 0 and result["wrong_resumes"] == []  # each restart: the newest committed
@@ -44,6 +49,20 @@ def test_short_drill_recovers_bitwise(shakespeare_store, uninterrupted, tmp_path
     assert not [p.name for p in checkpoints.iterdir() if "tmp" in p.name]
 
 
+def test_full_disk_stops_the_job_loudly_and_it_resumes_bitwise(shakespeare_store, uninterrupted, tmp_path):
+    problem = mount_problem(tmp_path / "probe")
+    if problem is not None:
+        pytest.skip(f"no small filesystem for a diskfull drill here: {problem}")
+    result = _drill(shakespeare_store, uninterrupted, tmp_path, "diskfull:1")
+    (event,) = result["events"]
+    assert event["recovered"] and result["bitwise_equal"] and result["losses_equal"]
+    # A failed background save stops training with exit 1 and an error naming it (never swallowed); the
+    # checkpoints committed before it stay loadable: the restart resumes the newest.
+    stopped = event["detail"].split("; the job stopped with ")[1]
+    assert stopped.startswith("1: error:") and "save of step" in stopped and "failed" in stopped, event
+    assert event["resumed"] == event["expected_resume"]
+
+
 @pytest.mark.smoke
 def test_fault_plan_is_seeded_and_checked():
     counts = parse_faults("kill9:20,sigterm:2,corrupt:1,nan:1,spike:1")
@@ -61,6 +80,6 @@ def test_fault_plan_is_seeded_and_checked():
     assert anomaly_flags(plan, first[0] - 1, 1) == [f"--config.debug.inject_{second[1]}_at_step={second[0]}"]
     assert anomaly_flags(plan, first[0] - 1, 0)[0].endswith(f"={first[0]}")
     for spec, message in [("kill9", "is not kind:count"), ("kill9:0", "positive"), ("nan:2", "at most 1"),
-                          ("kill9:1,kill9:2", "given twice"), ("boom:1", "unknown kind"), ("diskfull:1", "diskfull")]:
+                          ("kill9:1,kill9:2", "given twice"), ("boom:1", "unknown kind"), ("peer:1", "2-process")]:
         with pytest.raises(FaultSpecError, match=message):
             parse_faults(spec)

@@ -7,6 +7,9 @@ process faults) after a further random fraction of a step time, so that kills al
 - `sigterm`: SIGTERM, which the job answers by saving the step it is at and exiting 0 (jaxllm/preemption.py).
 - `corrupt`: the job is stopped with SIGTERM (so its newest committed checkpoint is the one it would resume),
   then one file of that checkpoint, listed in its checksum manifest, is truncated or deleted while it is down.
+- `diskfull`: the checkpoint directory is a small tmpfs (jaxllm/drill/disk.py, root only); the fault limits it
+  to what it holds, so the job's next save finds no space and the job must stop with an error (exit 1); once it
+  is down the space comes back and it restarts.
 - `nan`, `spike`: the loop's own injections (`debug.inject_nan_at_step`, `debug.inject_spike_at_step`), at most
   one of each per run; the job handles them in process per `train.on_anomaly` (rollback by default).
 """
@@ -16,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
-PROCESS_KINDS = ("kill9", "sigterm", "corrupt")
+PROCESS_KINDS = ("kill9", "sigterm", "corrupt", "diskfull")
 ANOMALY_KINDS = ("nan", "spike")
 KINDS = PROCESS_KINDS + ANOMALY_KINDS
 # Kinds the issue names that this drill does not run: asking for them is an error, never a silent no-op.
 NOT_SUPPORTED = {
-    "diskfull": "needs the checkpoint directory on a size-limited filesystem (tmpfs or loop mount); not in this drill",
     "peer": "needs a 2-process run; not in this drill",
 }
 # The loop injects at most one non-finite loss and one spike per run (one debug.inject_*_at_step each).

@@ -100,7 +100,8 @@ def format_table(result: dict) -> str:
     yes = lambda flag: "yes" if flag else "NO"
     lines += [
         f"corrupt checkpoints loaded: {result['corrupt_loads']}; resumes not from the newest committed checkpoint: "
-        f"{len(result['wrong_resumes'])}; unplanned exits: {len(result['unplanned_exits'])}; starts: {result['starts']}",
+        f"{len(result['wrong_resumes'])}; unplanned exits: {len(result['unplanned_exits'])}; "
+        f"starts: {result['starts']}",
         f"goodput: {result['history_steps']} steps x {result['median_step_s']:.4f} s median step / "
         f"{result['wall_s']:.1f} s wall = {100 * result['goodput']:.1f}%",
         f"final parameters bitwise equal to the reference: {yes(result['bitwise_equal'])} ({result['bitwise_note']}); "

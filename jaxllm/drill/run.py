@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
 from jaxllm.cli import UsageError, build_config
+from jaxllm.drill.disk import DiskError, SmallDisk
 from jaxllm.drill.job import Process, final_history
 from jaxllm.drill.plan import ANOMALY_KINDS, Fault, anomaly_flags, parse_faults, schedule
 from jaxllm.drill.report import compare_params, summarize
@@ -48,6 +50,9 @@ def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, s
         raise UsageError(f"--workdir: {base} is not empty (a drill starts its job from scratch)")
     if any(kind in counts for kind in ANOMALY_KINDS) and cd.train.on_anomaly == "abort":
         raise UsageError("--faults: nan and spike need train.on_anomaly rollback or skip, not abort")
+    if "diskfull" in counts and os.geteuid() != 0:
+        raise UsageError(f"--faults: diskfull needs root to mount a tmpfs over the checkpoint directory (running as "
+                         f"uid {os.geteuid()})")
     if reference is not None and not (Path(reference) / "checkpoints").is_dir():
         raise UsageError(f"--reference: {reference} holds no checkpoints directory")
     plan = schedule(counts, seed, cd.train.steps, cd.checkpoint.every, cd.anomaly.min_history)
@@ -91,10 +96,20 @@ def run_drill(drill: Drill, env: dict | None = None, log=print) -> dict:
         run_reference(drill, env)
     log(f"drill: {len(drill.faults)} faults on {drill.steps} steps (seed {drill.seed}) in {drill.workdir}, "
         f"logs in {drill.directory / 'logs'}")
-    run = Supervisor(drill.command, drill.workdir, drill.faults, drill.directory / "logs", env).run()
-    check_reference(drill)
-    history = final_history(drill.workdir / "metrics.jsonl")
-    finished = run.finished and (drill.workdir / "checkpoints" / str(drill.steps)).is_dir()
-    bitwise = compare_params(drill.workdir, drill.reference, drill.steps) if finished else None
+    disk = None
+    if "diskfull" in drill.counts:
+        try:
+            disk = SmallDisk(drill.workdir / "checkpoints")
+        except DiskError as exc:
+            raise DrillError(f"diskfull: {exc}") from None
+    try:
+        run = Supervisor(drill.command, drill.workdir, drill.faults, drill.directory / "logs", env, disk).run()
+        check_reference(drill)
+        history = final_history(drill.workdir / "metrics.jsonl")
+        finished = run.finished and (drill.workdir / "checkpoints" / str(drill.steps)).is_dir()
+        bitwise = compare_params(drill.workdir, drill.reference, drill.steps) if finished else None
+    finally:
+        if disk is not None:  # the run's checkpoints are copied off the tmpfs
+            disk.close()
     return summarize(run, drill.counts, drill.seed, drill.steps, history,
                      final_history(drill.reference / "metrics.jsonl"), bitwise)

@@ -11,10 +11,12 @@ import dataclasses
 import re
 import signal
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
 from jaxllm.drill.damage import corrupt_checkpoint
+from jaxllm.drill.disk import SmallDisk
 from jaxllm.drill.job import JsonlTail, Process, committed_steps, recorded_rollbacks, save_in_flight
 from jaxllm.drill.plan import ANOMALY_KINDS, PROCESS_KINDS, Fault, anomaly_flags
 
@@ -60,13 +62,16 @@ class DrillRun:
 
 class Supervisor:
     """Runs `command` (a scripts/train.py command line whose workdir is `workdir`) under `faults`, each start
-    logging to `logs/start-<n>.log`. `stall_timeout`: seconds without a new step before the drill gives up."""
+    logging to `logs/start-<n>.log`; `disk`: the small filesystem of the checkpoint directory (diskfull faults).
+    `stall_timeout`: seconds without a new step (or without stopping after a fault) before the drill gives up."""
 
     MAX_UNPLANNED_EXITS = 3
 
     def __init__(self, command: list[str], workdir: Path, faults: list[Fault], logs: Path, env: dict | None = None,
-                 stall_timeout: float = 600.0, poll_s: float = 0.02):
-        self.command, self.faults, self.logs, self.env = command, faults, Path(logs), env
+                 disk: SmallDisk | None = None, stall_timeout: float = 600.0, poll_s: float = 0.02):
+        if disk is None and any(f.kind == "diskfull" for f in faults):
+            raise ValueError("diskfull faults need the checkpoint directory on a SmallDisk")
+        self.command, self.faults, self.logs, self.env, self.disk = command, faults, Path(logs), env, disk
         self.checkpoints = Path(workdir) / "checkpoints"
         self.metrics = JsonlTail(Path(workdir) / "metrics.jsonl")
         self.incidents = JsonlTail(Path(workdir) / "incidents.jsonl")
@@ -82,12 +87,17 @@ class Supervisor:
     def run(self) -> DrillRun:
         """Start the job, land every process fault in step order, then wait for the job to finish."""
         first_start = time.monotonic()
-        self._start(resume=0)
-        for outcome in self.outcomes:
-            if outcome.fault.kind in PROCESS_KINDS:
-                self._land(outcome)
-        finished = not self._wait_for(None)
-        self._drain()
+        try:
+            self._start(resume=0)
+            for outcome in self.outcomes:
+                if outcome.fault.kind in PROCESS_KINDS:
+                    self._land(outcome)
+            finished = not self._wait_for(None)
+            self._drain()
+        finally:  # never leave a job running behind a failed drill
+            if self.process is not None and self.process.poll() is None:
+                self.process.signal(signal.SIGKILL)
+                self.process.wait(timeout=60)
         return DrillRun(self.outcomes, self.starts, self.unplanned, self.process.ended - first_start, finished)
 
     # -- starting and watching -------------------------------------------------------------------------------
@@ -185,14 +195,29 @@ class Supervisor:
                 break
         self._drain()
         outcome.at_step, outcome.during_save = self.last_step, save_in_flight(self.checkpoints)
-        self.process.signal(signal.SIGKILL if fault.kind == "kill9" else signal.SIGTERM)
-        rc = self.process.wait(timeout=self.stall_timeout)
+        if fault.kind == "diskfull":
+            outcome.detail = f"checkpoint filesystem limited to {self.disk.fill() >> 10} KiB"
+        else:
+            self.process.signal(signal.SIGKILL if fault.kind == "kill9" else signal.SIGTERM)
+        try:
+            rc = self.process.wait(timeout=self.stall_timeout)
+        except subprocess.TimeoutExpired:
+            self.process.signal(signal.SIGKILL)
+            raise DrillError(f"the job did not stop within {self.stall_timeout:.0f}s of a {fault.kind} fault; "
+                             f"see {self.process.log_path}") from None
+        finally:
+            if fault.kind == "diskfull":
+                self.disk.free()
         self._drain()
-        expected_rc = -signal.SIGKILL if fault.kind == "kill9" else 0
-        if rc != expected_rc:
-            outcome.detail = f"exited with {rc} (the signal landed after the job ended)"
-            if rc == 0:  # it had finished: nothing to recover from
-                return
+        expected_rc = {"kill9": -signal.SIGKILL, "diskfull": 1}.get(fault.kind, 0)
+        stopped_as_expected = rc == expected_rc
+        if fault.kind == "diskfull":
+            errors = [line for line in self.process.log().splitlines() if line.startswith("error:")]
+            outcome.detail += f"; the job stopped with {rc}: {errors[-1] if errors else 'no error line'}"
+        elif not stopped_as_expected:
+            outcome.detail = f"exited with {rc}, not {expected_rc}"
+        if rc == 0 and not stopped_as_expected:  # it had finished before the fault landed: nothing to recover
+            return
         outcome.injected = True
         if fault.kind != "kill9":
             saved = PREEMPTED.search(self.process.log())
@@ -216,5 +241,5 @@ class Supervisor:
         outcome.corrupt_load = corrupted is not None and outcome.resumed == corrupted
         if corrupted:
             outcome.quarantined = corrupted in self.process.quarantined()
-        outcome.recovered = (outcome.resumed == outcome.expected_resume and not outcome.corrupt_load
-                             and outcome.quarantined is not False)
+        outcome.recovered = (stopped_as_expected and outcome.resumed == outcome.expected_resume
+                             and not outcome.corrupt_load and outcome.quarantined is not False)
