@@ -59,7 +59,7 @@ def summarize(run: DrillRun, counts: dict[str, int], seed: int, steps: int, hist
         seed=seed, steps=steps, faults={k: v["injected"] for k, v in by_kind.items()},
         requested=dict(counts), recoveries=sum(o.recovered for o in done), injected=len(done),
         corrupt_loads=sum(o.corrupt_load for o in done), wrong_resumes=wrong_resumes,
-        unplanned_exits=run.unplanned_exits, starts=run.starts, finished=run.finished and complete,
+        unplanned_exits=run.unplanned_exits, error=run.error, starts=run.starts, finished=run.finished and complete,
         steps_lost=[o.steps_lost for o in done], recover_s=[round(o.recover_s, 3) for o in done if o.recover_s],
         history_steps=len(history), median_step_s=median_step, wall_s=run.wall_s,
         goodput=len(history) * median_step / run.wall_s if run.wall_s > 0 else 0.0,
@@ -71,7 +71,7 @@ def summarize(run: DrillRun, counts: dict[str, int], seed: int, steps: int, hist
                      recover_s=None if o.recover_s is None else round(o.recover_s, 3), recovered=o.recovered,
                      corrupt_load=o.corrupt_load, quarantined=o.quarantined, detail=o.detail)
                 for o in run.outcomes])
-    result["passed"] = (result["finished"] and all(v["injected"] == v["requested"] for v in by_kind.values())
+    result["passed"] = (result["finished"] and not run.error and all(v["injected"] == v["requested"] for v in by_kind.values())
                         and result["recoveries"] == len(done) and result["corrupt_loads"] == 0
                         and not wrong_resumes and bitwise_equal and losses_equal)
     return result
@@ -106,6 +106,6 @@ def format_table(result: dict) -> str:
         f"{result['wall_s']:.1f} s wall = {100 * result['goodput']:.1f}%",
         f"final parameters bitwise equal to the reference: {yes(result['bitwise_equal'])} ({result['bitwise_note']}); "
         f"loss history equal: {yes(result['losses_equal'])}; finished: {yes(result['finished'])}",
-        f"drill {'passed' if result['passed'] else 'FAILED'}",
+        f"drill {'passed' if result['passed'] else 'FAILED'}" + (f": {result['error']}" if result["error"] else ""),
     ]
     return "\n".join(lines)

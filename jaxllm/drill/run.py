@@ -89,8 +89,9 @@ def run_reference(drill: Drill, env: dict | None, timeout: float = 24 * 3600) ->
 
 
 def run_drill(drill: Drill, env: dict | None = None, log=print) -> dict:
-    """Run the reference (unless given), the drilled job under its faults, and return the drill's JSON object.
-    Raises DrillError when the job cannot be driven to its last step."""
+    """Run the reference (unless given), the drilled job under its faults, and return the drill's JSON object (a
+    job that could not be driven to its last step is a failed drill, reported). Raises DrillError when the
+    reference fails or differs, or the small filesystem of diskfull faults cannot be mounted."""
     if drill.run_reference:
         log(f"reference: the uninterrupted job in {drill.reference}")
         run_reference(drill, env)

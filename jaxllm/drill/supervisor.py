@@ -51,13 +51,15 @@ class Outcome:
 
 @dataclasses.dataclass
 class DrillRun:
-    """The supervised job from its first start to its last exit."""
+    """The supervised job from its first start to its last exit; `error`: why the drill could not drive it to its
+    last step (None: it could)."""
 
     outcomes: list[Outcome]
     starts: int
     unplanned_exits: list[str]
     wall_s: float
     finished: bool
+    error: str | None = None
 
 
 class Supervisor:
@@ -85,8 +87,10 @@ class Supervisor:
         self.first_record_at: float | None = None
 
     def run(self) -> DrillRun:
-        """Start the job, land every process fault in step order, then wait for the job to finish."""
+        """Start the job, land every process fault in step order, then wait for the job to finish. A job that
+        stalls or keeps failing on its own ends the drill early (`DrillRun.error`)."""
         first_start = time.monotonic()
+        finished, error = False, None
         try:
             self._start(resume=0)
             for outcome in self.outcomes:
@@ -94,11 +98,14 @@ class Supervisor:
                     self._land(outcome)
             finished = not self._wait_for(None)
             self._drain()
+        except DrillError as exc:  # reported with everything seen until then
+            error = str(exc)
         finally:  # never leave a job running behind a failed drill
             if self.process is not None and self.process.poll() is None:
                 self.process.signal(signal.SIGKILL)
                 self.process.wait(timeout=60)
-        return DrillRun(self.outcomes, self.starts, self.unplanned, self.process.ended - first_start, finished)
+        return DrillRun(self.outcomes, self.starts, self.unplanned, self.process.ended - first_start, finished,
+                        error)
 
     # -- starting and watching -------------------------------------------------------------------------------
 
