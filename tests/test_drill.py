@@ -2,33 +2,20 @@
 corrupt checkpoints on the tiny job, recovered every time, resumed from the newest committed checkpoint, never
 from a corrupt one, and ending bitwise on the shared uninterrupted reference run's parameters and losses."""
 
-import json
 import re
-import subprocess
-import sys
 
 import pytest
 
-from train_runs import RESUME, ROOT, TINY, train_env
+from train_runs import RESUME, run_drill
 
 from jaxllm.drill.disk import mount_problem
 from jaxllm.drill.plan import FaultSpecError, anomaly_flags, parse_faults, schedule
 
-
-def _drill(store, reference, tmp_path, faults: str, seed: int = 0) -> dict:
-    """scripts/drill.py on the job of `reference` (the shared `uninterrupted` run): its JSON object, once passed."""
-    command = [sys.executable, str(ROOT / "scripts" / "drill.py"), "--config", str(ROOT / "configs" / "pretrain.py"),
-               "--faults", faults, "--seed", str(seed), "--workdir", str(tmp_path / "drill"), "--reference",
-               str(reference), f"--config.data.path={store}", *TINY, *RESUME, "--config.train.steps=8"]
-    proc = subprocess.run(command, capture_output=True, text=True, env=train_env(), timeout=900)
-    print(proc.stdout[-3000:])
-    result = json.loads(proc.stdout.strip().splitlines()[-1])  # the JSON object is the last line
-    assert proc.returncode == 0 and result["passed"], (proc.stderr[-3000:], proc.stdout[-3000:])
-    return result
+JOB = (*RESUME, "--config.train.steps=8")  # the job of the shared `uninterrupted` run (tests/conftest.py)
 
 
 def test_short_drill_recovers_bitwise(shakespeare_store, uninterrupted, tmp_path):
-    result = _drill(shakespeare_store, uninterrupted, tmp_path, "kill9:5,corrupt:2")
+    result = run_drill(shakespeare_store, uninterrupted, tmp_path / "drill", "kill9:5,corrupt:2", *JOB)
     assert result["faults"] == {"kill9": 5, "corrupt": 2}
     assert result["recoveries"] == result["injected"] == 7 and result["unplanned_exits"] == []
     assert result["corrupt_loads"] == 0 and result["wrong_resumes"] == []  # each restart: the newest committed
@@ -53,7 +40,7 @@ def test_full_disk_stops_the_job_loudly_and_it_resumes_bitwise(shakespeare_store
     problem = mount_problem(tmp_path / "probe")
     if problem is not None:
         pytest.skip(f"no small filesystem for a diskfull drill here: {problem}")
-    result = _drill(shakespeare_store, uninterrupted, tmp_path, "diskfull:1")
+    result = run_drill(shakespeare_store, uninterrupted, tmp_path / "drill", "diskfull:1", *JOB)
     (event,) = result["events"]
     assert event["recovered"] and result["bitwise_equal"] and result["losses_equal"]
     # A failed background save stops training with exit 1 and an error naming it (never swallowed); the
@@ -80,6 +67,6 @@ def test_fault_plan_is_seeded_and_checked():
     assert anomaly_flags(plan, first[0] - 1, 1) == [f"--config.debug.inject_{second[1]}_at_step={second[0]}"]
     assert anomaly_flags(plan, first[0] - 1, 0)[0].endswith(f"={first[0]}")
     for spec, message in [("kill9", "is not kind:count"), ("kill9:0", "positive"), ("nan:2", "at most 1"),
-                          ("kill9:1,kill9:2", "given twice"), ("boom:1", "unknown kind"), ("peer:1", "2-process")]:
+                          ("kill9:1,kill9:2", "given twice"), ("boom:1", "unknown kind")]:
         with pytest.raises(FaultSpecError, match=message):
             parse_faults(spec)

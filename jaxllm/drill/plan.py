@@ -10,6 +10,9 @@ process faults) after a further random fraction of a step time, so that kills al
 - `diskfull`: the checkpoint directory is a small tmpfs (jaxllm/drill/disk.py, root only); the fault limits it
   to what it holds, so the job's next save finds no space and the job must stop with an error (exit 1); once it
   is down the space comes back and it restarts.
+- `peer`: SIGKILL to one process of a 2-process job (the whole drill then runs the job, and its reference, as
+  2 processes on this host); the other must stop on its own with an error (jaxllm/distributed.py's heartbeat),
+  then both restart.
 - `nan`, `spike`: the loop's own injections (`debug.inject_nan_at_step`, `debug.inject_spike_at_step`), at most
   one of each per run; the job handles them in process per `train.on_anomaly` (rollback by default).
 """
@@ -19,13 +22,9 @@ from __future__ import annotations
 import dataclasses
 import random
 
-PROCESS_KINDS = ("kill9", "sigterm", "corrupt", "diskfull")
+PROCESS_KINDS = ("kill9", "sigterm", "corrupt", "diskfull", "peer")
 ANOMALY_KINDS = ("nan", "spike")
 KINDS = PROCESS_KINDS + ANOMALY_KINDS
-# Kinds the issue names that this drill does not run: asking for them is an error, never a silent no-op.
-NOT_SUPPORTED = {
-    "peer": "needs a 2-process run; not in this drill",
-}
 # The loop injects at most one non-finite loss and one spike per run (one debug.inject_*_at_step each).
 MAX_PER_RUN = {"nan": 1, "spike": 1}
 
@@ -42,8 +41,6 @@ def parse_faults(spec: str) -> dict[str, int]:
         kind, sep, count = entry.partition(":")
         if not sep:
             raise FaultSpecError(f"--faults: {entry!r} is not kind:count")
-        if kind in NOT_SUPPORTED:
-            raise FaultSpecError(f"--faults: {entry!r}: {kind} {NOT_SUPPORTED[kind]}")
         if kind not in KINDS:
             raise FaultSpecError(f"--faults: {entry!r}: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
         if not count.isdigit() or int(count) < 1:
@@ -61,7 +58,8 @@ class Fault:
     """One fault: its kind, the step after whose logged loss it lands, and its random draws.
 
     `delay`: the fraction of a step time waited after that (process faults). `damage` and `pick` (corrupt): delete
-    or truncate the file at fraction `pick` of the sorted manifest, keeping a fraction `pick` of its bytes."""
+    or truncate the file at fraction `pick` of the sorted manifest, keeping a fraction `pick` of its bytes;
+    `pick` (peer): the process killed is the one at fraction `pick` of the job's processes."""
 
     index: int
     kind: str
@@ -89,7 +87,8 @@ def schedule(counts: dict[str, int], seed: int, steps: int, every: int, min_hist
             process.append((rng.randint(1, last), kind, rng.random(), rng.choice(("truncate", "delete")),
                             rng.random()))
     process.sort(key=lambda draw: draw[0])
-    faults = [Fault(i, kind, step, delay, damage if kind == "corrupt" else "", pick if kind == "corrupt" else 0.0)
+    faults = [Fault(i, kind, step, delay, damage if kind == "corrupt" else "",
+                    pick if kind in ("corrupt", "peer") else 0.0)
               for i, (step, kind, delay, damage, pick) in enumerate(process)]
     taken: set[int] = set()
     for kind in ANOMALY_KINDS:

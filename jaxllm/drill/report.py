@@ -71,7 +71,8 @@ def summarize(run: DrillRun, counts: dict[str, int], seed: int, steps: int, hist
                      recover_s=None if o.recover_s is None else round(o.recover_s, 3), recovered=o.recovered,
                      corrupt_load=o.corrupt_load, quarantined=o.quarantined, detail=o.detail)
                 for o in run.outcomes])
-    result["passed"] = (result["finished"] and not run.error and all(v["injected"] == v["requested"] for v in by_kind.values())
+    result["passed"] = (result["finished"] and not run.error
+                        and all(v["injected"] == v["requested"] for v in by_kind.values())
                         and result["recoveries"] == len(done) and result["corrupt_loads"] == 0
                         and not wrong_resumes and bitwise_equal and losses_equal)
     return result

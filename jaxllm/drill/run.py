@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxllm.cli import UsageError, build_config
 from jaxllm.drill.disk import DiskError, SmallDisk
-from jaxllm.drill.job import Process, final_history
+from jaxllm.drill.job import Start, final_history
 from jaxllm.drill.plan import ANOMALY_KINDS, Fault, anomaly_flags, parse_faults, schedule
 from jaxllm.drill.report import compare_params, summarize
 from jaxllm.drill.supervisor import DrillError, Supervisor
@@ -22,8 +22,8 @@ UNCOMPARED = ("workdir", "debug")
 
 @dataclasses.dataclass(frozen=True)
 class Drill:
-    """A planned drill: the job's command line (a scripts/train.py run in `directory/run`), its faults and
-    where the reference run is (`directory/reference` when the drill runs it itself)."""
+    """A planned drill: the job's command line (a scripts/train.py run in `directory/run`), its faults, where
+    the reference run is (`directory/reference` when the drill runs it itself) and the job's processes."""
 
     command: list[str]
     directory: Path
@@ -33,6 +33,7 @@ class Drill:
     steps: int
     reference: Path
     run_reference: bool
+    processes: int = 1
 
     @property
     def workdir(self) -> Path:
@@ -40,9 +41,12 @@ class Drill:
 
 
 def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, str]], faults: str, seed: int,
-               directory: str, reference: str | None = None) -> Drill:
+               directory: str, reference: str | None = None, heartbeat_timeout: int = 20) -> Drill:
     """Check the command line and draw the faults. Raises FaultSpecError, ConfigError or UsageError (one-line
-    messages naming the bad flag, key or entry) before anything runs."""
+    messages naming the bad flag, key or entry) before anything runs.
+
+    With peer faults the job (and the reference the drill runs) is 2 processes on this host, which stop within
+    `heartbeat_timeout` seconds of losing a peer."""
     counts = parse_faults(faults)
     cd = build_config(config_path, overrides)
     base = Path(directory)
@@ -56,10 +60,12 @@ def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, s
     if reference is not None and not (Path(reference) / "checkpoints").is_dir():
         raise UsageError(f"--reference: {reference} holds no checkpoints directory")
     plan = schedule(counts, seed, cd.train.steps, cd.checkpoint.every, cd.anomaly.min_history)
+    processes = 2 if "peer" in counts else 1
     command = [sys.executable, train_script, "--config", config_path, "--workdir", str(base / "run"),
+               *(["--heartbeat_timeout", str(heartbeat_timeout)] if processes > 1 else []),
                *(f"--config.{key}={value}" for key, value in overrides)]
     return Drill(command, base, counts, plan, seed, cd.train.steps,
-                 Path(reference) if reference else base / "reference", reference is None)
+                 Path(reference) if reference else base / "reference", reference is None, processes)
 
 
 def _config(workdir: Path) -> dict:
@@ -82,7 +88,7 @@ def run_reference(drill: Drill, env: dict | None, timeout: float = 24 * 3600) ->
     """The uninterrupted job in `drill.reference`, with every injection of the drill fired once."""
     command = [*drill.command, *anomaly_flags(drill.faults, 0, 0)]
     command[command.index("--workdir") + 1] = str(drill.reference)
-    process = Process(command, drill.directory / "logs" / "reference.log", env)
+    process = Start(command, drill.directory / "logs" / "reference.log", env, drill.processes)
     rc = process.wait(timeout=timeout)
     if rc != 0:
         raise DrillError(f"the reference run failed with {rc}; see {process.log_path}")
@@ -104,7 +110,8 @@ def run_drill(drill: Drill, env: dict | None = None, log=print) -> dict:
         except DiskError as exc:
             raise DrillError(f"diskfull: {exc}") from None
     try:
-        run = Supervisor(drill.command, drill.workdir, drill.faults, drill.directory / "logs", env, disk).run()
+        run = Supervisor(drill.command, drill.workdir, drill.faults, drill.directory / "logs", env, disk,
+                         drill.processes).run()
         check_reference(drill)
         history = final_history(drill.workdir / "metrics.jsonl")
         finished = run.finished and (drill.workdir / "checkpoints" / str(drill.steps)).is_dir()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from jaxllm.drill.damage import corrupt_checkpoint
 from jaxllm.drill.disk import SmallDisk
-from jaxllm.drill.job import JsonlTail, Process, committed_steps, recorded_rollbacks, save_in_flight
+from jaxllm.drill.job import JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight
 from jaxllm.drill.plan import ANOMALY_KINDS, PROCESS_KINDS, Fault, anomaly_flags
 
 PREEMPTED = re.compile(r"preempted: saved step (\d+)")
@@ -64,22 +64,27 @@ class DrillRun:
 
 class Supervisor:
     """Runs `command` (a scripts/train.py command line whose workdir is `workdir`) under `faults`, each start
-    logging to `logs/start-<n>.log`; `disk`: the small filesystem of the checkpoint directory (diskfull faults).
+    logging to `logs/start-<n>.log`; `disk`: the small filesystem of the checkpoint directory (diskfull faults);
+    `processes`: the job's processes (on this host; peer faults need several).
     `stall_timeout`: seconds without a new step (or without stopping after a fault) before the drill gives up."""
 
     MAX_UNPLANNED_EXITS = 3
 
     def __init__(self, command: list[str], workdir: Path, faults: list[Fault], logs: Path, env: dict | None = None,
-                 disk: SmallDisk | None = None, stall_timeout: float = 600.0, poll_s: float = 0.02):
+                 disk: SmallDisk | None = None, processes: int = 1, stall_timeout: float = 600.0,
+                 poll_s: float = 0.02):
         if disk is None and any(f.kind == "diskfull" for f in faults):
             raise ValueError("diskfull faults need the checkpoint directory on a SmallDisk")
+        if processes < 2 and any(f.kind == "peer" for f in faults):
+            raise ValueError("peer faults need a job of several processes")
         self.command, self.faults, self.logs, self.env, self.disk = command, faults, Path(logs), env, disk
+        self.processes = processes
         self.checkpoints = Path(workdir) / "checkpoints"
         self.metrics = JsonlTail(Path(workdir) / "metrics.jsonl")
         self.incidents = JsonlTail(Path(workdir) / "incidents.jsonl")
         self.stall_timeout, self.poll_s = stall_timeout, poll_s
         self.outcomes = [Outcome(f) for f in faults]
-        self.process: Process | None = None
+        self.process: Start | None = None
         self.starts = 0
         self.unplanned: list[str] = []
         self.step_times: list[float] = []
@@ -115,7 +120,7 @@ class Supervisor:
         rollbacks = recorded_rollbacks(self.checkpoints, resume) if resume else 0
         command = [*self.command, *anomaly_flags(self.faults, resume, rollbacks)]
         self.starts += 1
-        self.process = Process(command, self.logs / f"start-{self.starts}.log", self.env)
+        self.process = Start(command, self.logs / f"start-{self.starts}.log", self.env, self.processes)
         self.last_step, self.first_record_at = None, None
 
     def _newest_committed(self) -> int:
@@ -134,8 +139,9 @@ class Supervisor:
                 continue
             if self.last_step is None:
                 self.first_record_at = now
+            else:  # a start's first step also waited for the first batch: not a step time
+                self.step_times.append(record["step_time_s"])
             self.last_step = record["step"]
-            self.step_times.append(record["step_time_s"])
             for outcome in self.outcomes:
                 if outcome.seen_at is not None and outcome.recover_s is None:
                     outcome.recover_s = now - outcome.seen_at
@@ -198,12 +204,21 @@ class Supervisor:
                 outcome.detail = "the job finished before the fault landed"
                 return
             time.sleep(fault.delay * self._step_time())
-            if self.process.poll() is None:
+            rc = self.process.poll()
+            if rc is None:
                 break
+            if rc == 0:
+                outcome.detail = "the job finished before the fault landed"
+                return
+            self._unplanned_exit(rc)  # failed on its own meanwhile: restarted, and the fault waits for its step
         self._drain()
         outcome.at_step, outcome.during_save = self.last_step, save_in_flight(self.checkpoints)
+        landed = time.monotonic()
+        victim = min(int(fault.pick * self.processes), self.processes - 1)
         if fault.kind == "diskfull":
             outcome.detail = f"checkpoint filesystem limited to {self.disk.fill() >> 10} KiB"
+        elif fault.kind == "peer":
+            self.process.signal(signal.SIGKILL, process=victim)
         else:
             self.process.signal(signal.SIGKILL if fault.kind == "kill9" else signal.SIGTERM)
         try:
@@ -216,17 +231,24 @@ class Supervisor:
             if fault.kind == "diskfull":
                 self.disk.free()
         self._drain()
+        outcome.at_step = self.last_step  # a full disk stops the job at its next save, steps later
         expected_rc = {"kill9": -signal.SIGKILL, "diskfull": 1}.get(fault.kind, 0)
         stopped_as_expected = rc == expected_rc
         if fault.kind == "diskfull":
             errors = [line for line in self.process.log().splitlines() if line.startswith("error:")]
             outcome.detail += f"; the job stopped with {rc}: {errors[-1] if errors else 'no error line'}"
+        elif fault.kind == "peer":  # the killed one, and every other stopping on its own with an error
+            codes = self.process.codes()
+            others = [rc for i, rc in enumerate(codes) if i != victim]
+            stopped_as_expected = codes[victim] == -signal.SIGKILL and all(rc not in (0, None) for rc in others)
+            outcome.detail = (f"killed process {victim} of {self.processes}; the others exited {others} after "
+                              f"{self.process.ended - landed:.1f}s")
         elif not stopped_as_expected:
             outcome.detail = f"exited with {rc}, not {expected_rc}"
         if rc == 0 and not stopped_as_expected:  # it had finished before the fault landed: nothing to recover
             return
         outcome.injected = True
-        if fault.kind != "kill9":
+        if fault.kind in ("sigterm", "corrupt"):
             saved = PREEMPTED.search(self.process.log())
             outcome.at_step = int(saved.group(1)) if saved else self.last_step
         corrupted = None
