@@ -58,6 +58,8 @@ def test_fault_plan_is_seeded_and_checked():
         counts, seed=4, steps=300, every=100, min_history=20)
     process = [f.step for f in plan if f.kind in ("kill9", "sigterm", "corrupt")]
     assert len(process) == 23 and process == sorted(process) and 1 <= min(process) and max(process) <= 298
+    # A 2-process job stops on SIGTERM only at a multiple of 10 steps: those faults leave it steps to stop in.
+    assert max(f.step for f in schedule({"sigterm": 50}, 1, 200, 5, 20, stop_every=10)) <= 179
     nan, spike = (next(f.step for f in plan if f.kind == k) for k in ("nan", "spike"))
     assert nan != spike and min(nan, spike) > 100  # after the first checkpoint: each one is a rollback
     # A start injects only the anomalies ahead of the checkpoint it resumes that the checkpoint has not rolled

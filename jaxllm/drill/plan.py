@@ -24,6 +24,7 @@ import random
 
 PROCESS_KINDS = ("kill9", "sigterm", "corrupt", "diskfull", "peer")
 ANOMALY_KINDS = ("nan", "spike")
+STOPPED_BY_SIGTERM = ("sigterm", "corrupt")
 KINDS = PROCESS_KINDS + ANOMALY_KINDS
 # The loop injects at most one non-finite loss and one spike per run (one debug.inject_*_at_step each).
 MAX_PER_RUN = {"nan": 1, "spike": 1}
@@ -69,22 +70,28 @@ class Fault:
     pick: float = 0.0
 
 
-def schedule(counts: dict[str, int], seed: int, steps: int, every: int, min_history: int) -> list[Fault]:
+def schedule(counts: dict[str, int], seed: int, steps: int, every: int, min_history: int,
+             stop_every: int = 1) -> list[Fault]:
     """The faults of `counts` on a run of `steps` steps saved every `every`, drawn from `seed`: process faults
     sorted by step, then the anomaly faults at distinct steps after the first checkpoint (so that each one
     rolls back and is counted in the checkpoints' rollbacks, see `anomaly_flags`), a spike only once
-    `min_history` healthy steps are known."""
+    `min_history` healthy steps are known. `stop_every`: a SIGTERM stops the job at the next multiple of it (a
+    multi-process job's processes agree every jaxllm.preemption.CHECK_EVERY steps): sigterm and corrupt faults
+    land early enough for the job to stop before its last step."""
     rng = random.Random(seed)
     last = steps - 2  # the job must still be running when the fault lands (one step later at most)
+    # the signal may reach the job just after a multiple's check: two multiples before the last step
+    last_stop = ((steps - 1) // stop_every - 1) * stop_every - 1 if stop_every > 1 else last
     lows = {"nan": every + 1, "spike": max(every + 1, min_history + 2)}
     for kind in counts:
-        low = lows.get(kind, 1)
-        if last < low:
-            raise FaultSpecError(f"--faults: {kind} needs train.steps >= {low + 2}, got {steps}")
+        low, high = lows.get(kind, 1), last_stop if kind in STOPPED_BY_SIGTERM else last
+        if high < low:
+            raise FaultSpecError(f"--faults: {kind} needs more than {steps} train.steps")
     process = []
     for kind in PROCESS_KINDS:
         for _ in range(counts.get(kind, 0)):
-            process.append((rng.randint(1, last), kind, rng.random(), rng.choice(("truncate", "delete")),
+            high = last_stop if kind in STOPPED_BY_SIGTERM else last
+            process.append((rng.randint(1, high), kind, rng.random(), rng.choice(("truncate", "delete")),
                             rng.random()))
     process.sort(key=lambda draw: draw[0])
     faults = [Fault(i, kind, step, delay, damage if kind == "corrupt" else "",

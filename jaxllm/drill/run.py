@@ -14,6 +14,7 @@ from jaxllm.drill.job import Start, final_history
 from jaxllm.drill.plan import ANOMALY_KINDS, Fault, anomaly_flags, parse_faults, schedule
 from jaxllm.drill.report import compare_params, summarize
 from jaxllm.drill.supervisor import DrillError, Supervisor
+from jaxllm.preemption import CHECK_EVERY
 
 # Config keys that may differ between the drilled run and its reference: where it runs, and the injections that
 # each start of the drilled job gets or not (the reference's are checked separately).
@@ -59,8 +60,9 @@ def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, s
                          f"uid {os.geteuid()})")
     if reference is not None and not (Path(reference) / "checkpoints").is_dir():
         raise UsageError(f"--reference: {reference} holds no checkpoints directory")
-    plan = schedule(counts, seed, cd.train.steps, cd.checkpoint.every, cd.anomaly.min_history)
     processes = 2 if "peer" in counts else 1
+    plan = schedule(counts, seed, cd.train.steps, cd.checkpoint.every, cd.anomaly.min_history,
+                    CHECK_EVERY if processes > 1 else 1)
     command = [sys.executable, train_script, "--config", config_path, "--workdir", str(base / "run"),
                *(["--heartbeat_timeout", str(heartbeat_timeout)] if processes > 1 else []),
                *(f"--config.{key}={value}" for key, value in overrides)]

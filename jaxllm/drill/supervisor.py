@@ -18,9 +18,11 @@ from pathlib import Path
 from jaxllm.drill.damage import corrupt_checkpoint
 from jaxllm.drill.disk import SmallDisk
 from jaxllm.drill.job import JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight
-from jaxllm.drill.plan import ANOMALY_KINDS, PROCESS_KINDS, Fault, anomaly_flags
+from jaxllm.drill.plan import PROCESS_KINDS, Fault, anomaly_flags
 
 PREEMPTED = re.compile(r"preempted: saved step (\d+)")
+# The incident each injection must cause (jaxllm/train/anomaly.py), not one a healthy step may report by chance.
+INCIDENT_KIND = {"nan": "nonfinite", "spike": "loss_spike"}
 
 
 class DrillError(RuntimeError):
@@ -132,7 +134,8 @@ class Supervisor:
         now = time.monotonic()
         for incident in self.incidents.poll():
             for outcome in self.outcomes:
-                if outcome.fault.kind in ANOMALY_KINDS and outcome.fault.step == incident.get("step"):
+                fault = outcome.fault
+                if INCIDENT_KIND.get(fault.kind) == incident.get("kind") and fault.step == incident.get("step"):
                     self._anomaly_seen(outcome, incident, now)
         for record in self.metrics.poll():
             if "loss" not in record:
@@ -261,10 +264,11 @@ class Supervisor:
         outcome.expected_resume = committed[-1] if committed else 0
         self._start(outcome.expected_resume)
         started = self.process.started
-        if not self._wait_for(0):
-            outcome.detail += "; the restart finished without logging a step"
-            return
-        outcome.recover_s = self.first_record_at - started
+        if self._wait_for(0):
+            outcome.recover_s = self.first_record_at - started
+        else:  # the restart exited 0 without a new step: right only if the fault had stopped it at its last step
+            outcome.recover_s = self.process.ended - started
+            outcome.detail += "; the restart had no step left to run"
         outcome.resumed = self.process.resumed_step()
         outcome.steps_lost = (outcome.at_step or 0) - outcome.resumed
         outcome.corrupt_load = corrupted is not None and outcome.resumed == corrupted
