@@ -244,3 +244,22 @@ def initialize(layout: ProcessLayout, *, init_timeout: float = 300, heartbeat_ti
         local_device_ids=list(layout.local_device_ids) if layout.local_device_ids else None,
         initialization_timeout=remaining, heartbeat_timeout_seconds=int(heartbeat_timeout),
     )
+
+
+def free_port_pair() -> int:
+    """A port p of this host with p and p + 1 both free: a coordinator address for a job started here (the
+    coordinator listens on p, the start-up rendezvous on p + 1)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65534:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free pair of ports")

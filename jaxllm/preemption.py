@@ -8,6 +8,9 @@ import time
 import jax
 import numpy as np
 
+# With several processes a SIGTERM stops the job at the next multiple of this many steps (see `should_stop`).
+CHECK_EVERY = 10
+
 
 class PreemptionGuard:
     """Catches SIGTERM/SIGINT while installed; `should_stop()` is then True at the next step boundary.
@@ -18,7 +21,7 @@ class PreemptionGuard:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, check_every: int = 10):
+    def __init__(self, check_every: int = CHECK_EVERY):
         self.check_every = check_every
         self.signalled: int | None = None
         self._previous = {}

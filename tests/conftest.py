@@ -51,6 +51,18 @@ def shakespeare_store(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def uninterrupted(shakespeare_store, tmp_path_factory):
+    """The uninterrupted pretraining reference (8 tiny steps, checkpoints 4, 6, 8), one per session, shared by
+    the resume, rollback and drill tests (tests/test_checkpoint.py, tests/test_drill.py)."""
+    from train_runs import resume_command, run_command
+
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    proc = run_command(resume_command(shakespeare_store, workdir, "--config.train.steps=8"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+@pytest.fixture(scope="session")
 def sft_task(tmp_path_factory):
     """A slice of the shipped SFT task (every kind of example)."""
     import subprocess

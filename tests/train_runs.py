@@ -8,12 +8,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from jaxllm.distributed import free_port_pair  # noqa: F401  (the multi-process tests' ports)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +34,29 @@ def train_command(store, workdir, *args: str) -> list[str]:
     """`python scripts/train.py` on configs/pretrain.py with the tiny model; later `args` override earlier ones."""
     return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "pretrain.py"),
             "--workdir", str(workdir), f"--config.data.path={store}", *TINY, *args]
+
+
+# The resume tests' job (tests/test_checkpoint.py, tests/test_drill.py and the shared `uninterrupted` reference
+# of tests/conftest.py): saved every 2 steps, never evaluated mid-run.
+RESUME = ("--config.train.eval_every=1000", "--config.checkpoint.every=2", "--config.optim.warmup_steps=2")
+
+
+def resume_command(store, workdir, *args: str) -> list[str]:
+    """`train_command` of the resume tests' job; later `args` override earlier ones."""
+    return train_command(store, workdir, *RESUME, *args)
+
+
+def run_drill(store, reference, workdir, faults: str, *args: str, seed: int = 0) -> dict:
+    """`scripts/drill.py --faults faults` on the tiny job of the finished run `reference` (its config plus `args`,
+    which must make it the same job); the drill's JSON object (its last line), asserting that the drill passed."""
+    command = [sys.executable, str(ROOT / "scripts" / "drill.py"), "--config", str(ROOT / "configs" / "pretrain.py"),
+               "--faults", faults, "--seed", str(seed), "--workdir", str(workdir), "--reference", str(reference),
+               f"--config.data.path={store}", *TINY, *args]
+    proc = subprocess.run(command, capture_output=True, text=True, env=train_env(), timeout=900)
+    print(proc.stdout[-3000:])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0 and result["passed"], (proc.stderr[-3000:], proc.stdout[-3000:])
+    return result
 
 
 def train_env(devices: int = 8, **extra: str) -> dict[str, str]:
@@ -76,24 +100,6 @@ def preempt_at(command: list[str], workdir, step: int) -> int:
     assert proc.returncode == 0, err[-3000:]
     assert "preempted: saved step" in out, out[-2000:]
     return int(out.split("preempted: saved step ")[1].split(",")[0])
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 both free (the coordinator and the start-up rendezvous)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65534:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free pair of ports")
 
 
 # LoRA SFT of a tiny pretrained base on a slice of the shipped SFT task (tests/conftest.py: bases, sft_task).

@@ -1,0 +1,120 @@
+"""The faults of a drill: the `--faults kind:count,...` spec and the schedule drawn from a seed.
+
+Every fault lands after the job has logged the loss of a step drawn uniformly from the run's steps, and (for the
+process faults) after a further random fraction of a step time, so that kills also land inside async saves.
+
+- `kill9`: SIGKILL.
+- `sigterm`: SIGTERM, which the job answers by saving the step it is at and exiting 0 (jaxllm/preemption.py).
+- `corrupt`: the job is stopped with SIGTERM (so its newest committed checkpoint is the one it would resume),
+  then one file of that checkpoint, listed in its checksum manifest, is truncated or deleted while it is down.
+- `diskfull`: the checkpoint directory is a small tmpfs (jaxllm/drill/disk.py, root only); the fault limits it
+  to what it holds, so the job's next save finds no space and the job must stop with an error (exit 1); once it
+  is down the space comes back and it restarts.
+- `peer`: SIGKILL to one process of a 2-process job (the whole drill then runs the job, and its reference, as
+  2 processes on this host); the other must stop on its own with an error (jaxllm/distributed.py's heartbeat),
+  then both restart.
+- `nan`, `spike`: the loop's own injections (`debug.inject_nan_at_step`, `debug.inject_spike_at_step`), at most
+  one of each per run; the job handles them in process per `train.on_anomaly` (rollback by default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+PROCESS_KINDS = ("kill9", "sigterm", "corrupt", "diskfull", "peer")
+ANOMALY_KINDS = ("nan", "spike")
+STOPPED_BY_SIGTERM = ("sigterm", "corrupt")
+KINDS = PROCESS_KINDS + ANOMALY_KINDS
+# The loop injects at most one non-finite loss and one spike per run (one debug.inject_*_at_step each).
+MAX_PER_RUN = {"nan": 1, "spike": 1}
+
+
+class FaultSpecError(ValueError):
+    """A bad `--faults` spec; the message names the bad entry."""
+
+
+def parse_faults(spec: str) -> dict[str, int]:
+    """`"kill9:20,sigterm:2"` -> {"kill9": 20, "sigterm": 2}, in the order given; a kind may appear once."""
+    counts: dict[str, int] = {}
+    for entry in spec.split(","):
+        entry = entry.strip()
+        kind, sep, count = entry.partition(":")
+        if not sep:
+            raise FaultSpecError(f"--faults: {entry!r} is not kind:count")
+        if kind not in KINDS:
+            raise FaultSpecError(f"--faults: {entry!r}: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+        if not count.isdigit() or int(count) < 1:
+            raise FaultSpecError(f"--faults: {entry!r}: count must be a positive integer")
+        if kind in counts:
+            raise FaultSpecError(f"--faults: {entry!r}: {kind} given twice")
+        if int(count) > MAX_PER_RUN.get(kind, int(count)):
+            raise FaultSpecError(f"--faults: {entry!r}: the job injects at most {MAX_PER_RUN[kind]} {kind} per run")
+        counts[kind] = int(count)
+    return counts
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One fault: its kind, the step after whose logged loss it lands, and its random draws.
+
+    `delay`: the fraction of a step time waited after that (process faults). `damage` and `pick` (corrupt): delete
+    or truncate the file at fraction `pick` of the sorted manifest, keeping a fraction `pick` of its bytes;
+    `pick` (peer): the process killed is the one at fraction `pick` of the job's processes."""
+
+    index: int
+    kind: str
+    step: int
+    delay: float = 0.0
+    damage: str = ""
+    pick: float = 0.0
+
+
+def schedule(counts: dict[str, int], seed: int, steps: int, every: int, min_history: int,
+             stop_every: int = 1) -> list[Fault]:
+    """The faults of `counts` on a run of `steps` steps saved every `every`, drawn from `seed`: process faults
+    sorted by step, then the anomaly faults at distinct steps after the first checkpoint (so that each one
+    rolls back and is counted in the checkpoints' rollbacks, see `anomaly_flags`), a spike only once
+    `min_history` healthy steps are known. `stop_every`: a SIGTERM stops the job at the next multiple of it (a
+    multi-process job's processes agree every jaxllm.preemption.CHECK_EVERY steps): sigterm and corrupt faults
+    land early enough for the job to stop before its last step."""
+    rng = random.Random(seed)
+    last = steps - 2  # the job must still be running when the fault lands (one step later at most)
+    # the signal may reach the job just after a multiple's check: two multiples before the last step
+    last_stop = ((steps - 1) // stop_every - 1) * stop_every - 1 if stop_every > 1 else last
+    lows = {"nan": every + 1, "spike": max(every + 1, min_history + 2)}
+    for kind in counts:
+        low, high = lows.get(kind, 1), last_stop if kind in STOPPED_BY_SIGTERM else last
+        if high < low:
+            raise FaultSpecError(f"--faults: {kind} needs more than {steps} train.steps")
+    process = []
+    for kind in PROCESS_KINDS:
+        for _ in range(counts.get(kind, 0)):
+            high = last_stop if kind in STOPPED_BY_SIGTERM else last
+            process.append((rng.randint(1, high), kind, rng.random(), rng.choice(("truncate", "delete")),
+                            rng.random()))
+    process.sort(key=lambda draw: draw[0])
+    faults = [Fault(i, kind, step, delay, damage if kind == "corrupt" else "",
+                    pick if kind in ("corrupt", "peer") else 0.0)
+              for i, (step, kind, delay, damage, pick) in enumerate(process)]
+    taken: set[int] = set()
+    for kind in ANOMALY_KINDS:
+        for _ in range(counts.get(kind, 0)):
+            choices = [s for s in range(lows[kind], last + 1) if s not in taken]
+            step = rng.choice(choices)
+            taken.add(step)
+            faults.append(Fault(len(faults), kind, step))
+    return faults
+
+
+def anomaly_flags(faults: list[Fault], resume_step: int, rollbacks: int) -> list[str]:
+    """The `--config.debug.inject_*_at_step` flags of a start that resumes `resume_step` (0: a fresh start),
+    whose checkpoint records `rollbacks` rollbacks.
+
+    The reference run fires every anomaly once. A checkpoint saved after the j-th anomaly's rollback records j
+    rollbacks, so a start injects exactly the anomalies its checkpoint has not seen yet that lie ahead of it;
+    the rolled-back state and data offset then match the reference's bit for bit.
+    """
+    anomalies = sorted((f for f in faults if f.kind in ANOMALY_KINDS), key=lambda f: f.step)
+    return [f"--config.debug.inject_{f.kind}_at_step={f.step}"
+            for j, f in enumerate(anomalies) if j >= rollbacks and f.step > resume_step]

@@ -1,0 +1,125 @@
+"""A whole drill: the plan from the command line, the reference run, the supervised job, the verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from jaxllm.cli import UsageError, build_config
+from jaxllm.drill.disk import DiskError, SmallDisk
+from jaxllm.drill.job import Start, final_history
+from jaxllm.drill.plan import ANOMALY_KINDS, Fault, anomaly_flags, parse_faults, schedule
+from jaxllm.drill.report import compare_params, summarize
+from jaxllm.drill.supervisor import DrillError, Supervisor
+from jaxllm.preemption import CHECK_EVERY
+
+# Config keys that may differ between the drilled run and its reference: where it runs, and the injections that
+# each start of the drilled job gets or not (the reference's are checked separately).
+UNCOMPARED = ("workdir", "debug")
+
+
+@dataclasses.dataclass(frozen=True)
+class Drill:
+    """A planned drill: the job's command line (a scripts/train.py run in `directory/run`), its faults, where
+    the reference run is (`directory/reference` when the drill runs it itself) and the job's processes."""
+
+    command: list[str]
+    directory: Path
+    counts: dict[str, int]
+    faults: list[Fault]
+    seed: int
+    steps: int
+    reference: Path
+    run_reference: bool
+    processes: int = 1
+
+    @property
+    def workdir(self) -> Path:
+        return self.directory / "run"
+
+
+def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, str]], faults: str, seed: int,
+               directory: str, reference: str | None = None, heartbeat_timeout: int = 20) -> Drill:
+    """Check the command line and draw the faults. Raises FaultSpecError, ConfigError or UsageError (one-line
+    messages naming the bad flag, key or entry) before anything runs.
+
+    With peer faults the job (and the reference the drill runs) is 2 processes on this host, which stop within
+    `heartbeat_timeout` seconds of losing a peer."""
+    counts = parse_faults(faults)
+    cd = build_config(config_path, overrides)
+    base = Path(directory)
+    if base.exists() and any(base.iterdir()):
+        raise UsageError(f"--workdir: {base} is not empty (a drill starts its job from scratch)")
+    if any(kind in counts for kind in ANOMALY_KINDS) and cd.train.on_anomaly == "abort":
+        raise UsageError("--faults: nan and spike need train.on_anomaly rollback or skip, not abort")
+    if "diskfull" in counts and os.geteuid() != 0:
+        raise UsageError(f"--faults: diskfull needs root to mount a tmpfs over the checkpoint directory (running as "
+                         f"uid {os.geteuid()})")
+    if reference is not None and not (Path(reference) / "checkpoints").is_dir():
+        raise UsageError(f"--reference: {reference} holds no checkpoints directory")
+    processes = 2 if "peer" in counts else 1
+    plan = schedule(counts, seed, cd.train.steps, cd.checkpoint.every, cd.anomaly.min_history,
+                    CHECK_EVERY if processes > 1 else 1)
+    command = [sys.executable, train_script, "--config", config_path, "--workdir", str(base / "run"),
+               *(["--heartbeat_timeout", str(heartbeat_timeout)] if processes > 1 else []),
+               *(f"--config.{key}={value}" for key, value in overrides)]
+    return Drill(command, base, counts, plan, seed, cd.train.steps,
+                 Path(reference) if reference else base / "reference", reference is None, processes)
+
+
+def _config(workdir: Path) -> dict:
+    return json.loads((workdir / "config.json").read_text())
+
+
+def check_reference(drill: Drill) -> None:
+    """The reference ran the drilled job's config (apart from `UNCOMPARED`) with the drill's injections."""
+    ours, theirs = _config(drill.workdir), _config(drill.reference)
+    for key in sorted(set(ours) | set(theirs)):
+        if key not in UNCOMPARED and ours.get(key) != theirs.get(key):
+            raise DrillError(f"--reference: {drill.reference} ran another config: {key} differs")
+    want = {f"inject_{f.kind}_at_step": f.step for f in drill.faults if f.kind in ANOMALY_KINDS}
+    got = {k: theirs.get("debug", {}).get(k, 0) for k in ("inject_nan_at_step", "inject_spike_at_step")}
+    if any(got[k] != want.get(k, 0) for k in got):
+        raise DrillError(f"--reference: {drill.reference} ran with injections {got}, the drill needs {want}")
+
+
+def run_reference(drill: Drill, env: dict | None, timeout: float = 24 * 3600) -> None:
+    """The uninterrupted job in `drill.reference`, with every injection of the drill fired once."""
+    command = [*drill.command, *anomaly_flags(drill.faults, 0, 0)]
+    command[command.index("--workdir") + 1] = str(drill.reference)
+    process = Start(command, drill.directory / "logs" / "reference.log", env, drill.processes)
+    rc = process.wait(timeout=timeout)
+    if rc != 0:
+        raise DrillError(f"the reference run failed with {rc}; see {process.log_path}")
+
+
+def run_drill(drill: Drill, env: dict | None = None, log=print) -> dict:
+    """Run the reference (unless given), the drilled job under its faults, and return the drill's JSON object (a
+    job that could not be driven to its last step is a failed drill, reported). Raises DrillError when the
+    reference fails or differs, or the small filesystem of diskfull faults cannot be mounted."""
+    if drill.run_reference:
+        log(f"reference: the uninterrupted job in {drill.reference}")
+        run_reference(drill, env)
+    log(f"drill: {len(drill.faults)} faults on {drill.steps} steps (seed {drill.seed}) in {drill.workdir}, "
+        f"logs in {drill.directory / 'logs'}")
+    disk = None
+    if "diskfull" in drill.counts:
+        try:
+            disk = SmallDisk(drill.workdir / "checkpoints")
+        except DiskError as exc:
+            raise DrillError(f"diskfull: {exc}") from None
+    try:
+        run = Supervisor(drill.command, drill.workdir, drill.faults, drill.directory / "logs", env, disk,
+                         drill.processes).run()
+        check_reference(drill)
+        history = final_history(drill.workdir / "metrics.jsonl")
+        finished = run.finished and (drill.workdir / "checkpoints" / str(drill.steps)).is_dir()
+        bitwise = compare_params(drill.workdir, drill.reference, drill.steps) if finished else None
+    finally:
+        if disk is not None:  # the run's checkpoints are copied off the tmpfs
+            disk.close()
+    return summarize(run, drill.counts, drill.seed, drill.steps, history,
+                     final_history(drill.reference / "metrics.jsonl"), bitwise)

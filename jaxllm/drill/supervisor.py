@@ -1,0 +1,278 @@
+"""The supervisor: starts the job, lands each fault on it, and restarts it after each the way an operator or
+SLURM `--requeue` would (the same command; it resumes from its newest committed checkpoint), until it finishes.
+
+It watches the job only from outside, as an operator could: the job's log, metrics.jsonl, incidents.jsonl and
+its checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from jaxllm.drill.damage import corrupt_checkpoint
+from jaxllm.drill.disk import SmallDisk
+from jaxllm.drill.job import JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight
+from jaxllm.drill.plan import PROCESS_KINDS, Fault, anomaly_flags
+
+PREEMPTED = re.compile(r"preempted: saved step (\d+)")
+# The incident each injection must cause (jaxllm/train/anomaly.py), not one a healthy step may report by chance.
+INCIDENT_KIND = {"nan": "nonfinite", "spike": "loss_spike"}
+
+
+class DrillError(RuntimeError):
+    """The drill could not go on (the job stalled or kept failing on its own); the message says why."""
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What became of one fault. `at_step`: the last step the job had logged (or saved, for SIGTERM) when it
+    landed; `resumed`: the checkpoint step the restart resumed (anomalies: the step rolled back to);
+    `expected_resume`: the newest committed checkpoint the drill left in place; `steps_lost`: steps computed
+    again; `recover_s`: from the restart to its first new step logged (anomalies: from the incident)."""
+
+    fault: Fault
+    injected: bool = False
+    at_step: int | None = None
+    during_save: bool | None = None
+    resumed: int | None = None
+    expected_resume: int | None = None
+    steps_lost: int | None = None
+    recover_s: float | None = None
+    recovered: bool = False
+    corrupt_load: bool = False
+    quarantined: bool | None = None
+    detail: str = ""
+    seen_at: float | None = None  # anomalies: when the drill saw the incident
+
+
+@dataclasses.dataclass
+class DrillRun:
+    """The supervised job from its first start to its last exit; `error`: why the drill could not drive it to its
+    last step (None: it could)."""
+
+    outcomes: list[Outcome]
+    starts: int
+    unplanned_exits: list[str]
+    wall_s: float
+    finished: bool
+    error: str | None = None
+
+
+class Supervisor:
+    """Runs `command` (a scripts/train.py command line whose workdir is `workdir`) under `faults`, each start
+    logging to `logs/start-<n>.log`; `disk`: the small filesystem of the checkpoint directory (diskfull faults);
+    `processes`: the job's processes (on this host; peer faults need several).
+    `stall_timeout`: seconds without a new step (or without stopping after a fault) before the drill gives up."""
+
+    MAX_UNPLANNED_EXITS = 3
+
+    def __init__(self, command: list[str], workdir: Path, faults: list[Fault], logs: Path, env: dict | None = None,
+                 disk: SmallDisk | None = None, processes: int = 1, stall_timeout: float = 600.0,
+                 poll_s: float = 0.02):
+        if disk is None and any(f.kind == "diskfull" for f in faults):
+            raise ValueError("diskfull faults need the checkpoint directory on a SmallDisk")
+        if processes < 2 and any(f.kind == "peer" for f in faults):
+            raise ValueError("peer faults need a job of several processes")
+        self.command, self.faults, self.logs, self.env, self.disk = command, faults, Path(logs), env, disk
+        self.processes = processes
+        self.checkpoints = Path(workdir) / "checkpoints"
+        self.metrics = JsonlTail(Path(workdir) / "metrics.jsonl")
+        self.incidents = JsonlTail(Path(workdir) / "incidents.jsonl")
+        self.stall_timeout, self.poll_s = stall_timeout, poll_s
+        self.outcomes = [Outcome(f) for f in faults]
+        self.process: Start | None = None
+        self.starts = 0
+        self.unplanned: list[str] = []
+        self.step_times: list[float] = []
+        self.last_step: int | None = None  # the latest step the current process logged (None: none yet)
+        self.first_record_at: float | None = None
+
+    def run(self) -> DrillRun:
+        """Start the job, land every process fault in step order, then wait for the job to finish. A job that
+        stalls or keeps failing on its own ends the drill early (`DrillRun.error`)."""
+        first_start = time.monotonic()
+        finished, error = False, None
+        try:
+            self._start(resume=0)
+            for outcome in self.outcomes:
+                if outcome.fault.kind in PROCESS_KINDS:
+                    self._land(outcome)
+            finished = not self._wait_for(None)
+            self._drain()
+        except DrillError as exc:  # reported with everything seen until then
+            error = str(exc)
+        finally:  # never leave a job running behind a failed drill
+            if self.process is not None and self.process.poll() is None:
+                self.process.signal(signal.SIGKILL)
+                self.process.wait(timeout=60)
+        return DrillRun(self.outcomes, self.starts, self.unplanned, self.process.ended - first_start, finished,
+                        error)
+
+    # -- starting and watching -------------------------------------------------------------------------------
+
+    def _start(self, resume: int) -> None:
+        """Start the job as an operator would; only the loop's injections that the checkpoint it will resume has
+        not seen are added (`plan.anomaly_flags`)."""
+        rollbacks = recorded_rollbacks(self.checkpoints, resume) if resume else 0
+        command = [*self.command, *anomaly_flags(self.faults, resume, rollbacks)]
+        self.starts += 1
+        self.process = Start(command, self.logs / f"start-{self.starts}.log", self.env, self.processes)
+        self.last_step, self.first_record_at = None, None
+
+    def _newest_committed(self) -> int:
+        steps = committed_steps(self.checkpoints)
+        return steps[-1] if steps else 0
+
+    def _drain(self) -> None:
+        """Read what the job logged since the last call: incidents first, then steps."""
+        now = time.monotonic()
+        for incident in self.incidents.poll():
+            for outcome in self.outcomes:
+                fault = outcome.fault
+                if INCIDENT_KIND.get(fault.kind) == incident.get("kind") and fault.step == incident.get("step"):
+                    self._anomaly_seen(outcome, incident, now)
+        for record in self.metrics.poll():
+            if "loss" not in record:
+                continue
+            if self.last_step is None:
+                self.first_record_at = now
+            else:  # a start's first step also waited for the first batch: not a step time
+                self.step_times.append(record["step_time_s"])
+            self.last_step = record["step"]
+            for outcome in self.outcomes:
+                if outcome.seen_at is not None and outcome.recover_s is None:
+                    outcome.recover_s = now - outcome.seen_at
+
+    @staticmethod
+    def _anomaly_seen(outcome: Outcome, incident: dict, now: float) -> None:
+        if outcome.injected:  # fired again after a restart from before its rollback: the same fault
+            return
+        action = str(incident.get("action", ""))
+        restored = incident.get("restored_step")
+        outcome.injected, outcome.at_step, outcome.seen_at = True, incident["step"], now
+        outcome.resumed = restored
+        outcome.steps_lost = incident["step"] - restored if restored is not None else 0
+        outcome.recovered = action.startswith(("rollback", "skip"))
+        outcome.detail = f"{incident.get('kind')}: {action}"
+
+    def _wait_for(self, target: int | None) -> bool:
+        """Wait until the current process logs a step >= `target` (True), or the job finishes (False); a job
+        that exits on its own with an error is restarted (an unplanned exit)."""
+        deadline = time.monotonic() + self.stall_timeout
+        seen = self.last_step
+        while True:
+            self._drain()
+            if target is not None and self.last_step is not None and self.last_step >= target:
+                return True
+            if self.last_step != seen:
+                seen, deadline = self.last_step, time.monotonic() + self.stall_timeout
+            rc = self.process.poll()
+            if rc is not None:
+                self._drain()
+                if target is not None and self.last_step is not None and self.last_step >= target:
+                    return True
+                if rc == 0:
+                    return False
+                self._unplanned_exit(rc)
+                deadline = time.monotonic() + self.stall_timeout
+            elif time.monotonic() > deadline:
+                self.process.signal(signal.SIGKILL)
+                raise DrillError(f"no new step in {self.stall_timeout:.0f}s; see {self.process.log_path}")
+            time.sleep(self.poll_s)
+
+    def _unplanned_exit(self, rc: int) -> None:
+        tail = (self.process.log().strip().splitlines() or [""])[-1]
+        self.unplanned.append(f"start {self.starts} exited with {rc}: {tail}")
+        if len(self.unplanned) > self.MAX_UNPLANNED_EXITS:
+            raise DrillError(f"the job exited on its own {len(self.unplanned)} times; last: {self.unplanned[-1]}")
+        self._start(self._newest_committed())
+
+    def _step_time(self) -> float:
+        recent = self.step_times[-10:]
+        return statistics.median(recent) if recent else 0.1
+
+    # -- landing a fault -------------------------------------------------------------------------------------
+
+    def _land(self, outcome: Outcome) -> None:
+        """Wait for the fault's step, then a random fraction of a step, land it, restart and check the resume."""
+        fault = outcome.fault
+        while True:
+            if not self._wait_for(fault.step):
+                outcome.detail = "the job finished before the fault landed"
+                return
+            time.sleep(fault.delay * self._step_time())
+            rc = self.process.poll()
+            if rc is None:
+                break
+            if rc == 0:
+                outcome.detail = "the job finished before the fault landed"
+                return
+            self._unplanned_exit(rc)  # failed on its own meanwhile: restarted, and the fault waits for its step
+        self._drain()
+        outcome.at_step, outcome.during_save = self.last_step, save_in_flight(self.checkpoints)
+        landed = time.monotonic()
+        victim = min(int(fault.pick * self.processes), self.processes - 1)
+        if fault.kind == "diskfull":
+            outcome.detail = f"checkpoint filesystem limited to {self.disk.fill() >> 10} KiB"
+        elif fault.kind == "peer":
+            self.process.signal(signal.SIGKILL, process=victim)
+        else:
+            self.process.signal(signal.SIGKILL if fault.kind == "kill9" else signal.SIGTERM)
+        try:
+            rc = self.process.wait(timeout=self.stall_timeout)
+        except subprocess.TimeoutExpired:
+            self.process.signal(signal.SIGKILL)
+            raise DrillError(f"the job did not stop within {self.stall_timeout:.0f}s of a {fault.kind} fault; "
+                             f"see {self.process.log_path}") from None
+        finally:
+            if fault.kind == "diskfull":
+                self.disk.free()
+        self._drain()
+        outcome.at_step = self.last_step  # a full disk stops the job at its next save, steps later
+        expected_rc = {"kill9": -signal.SIGKILL, "diskfull": 1}.get(fault.kind, 0)
+        stopped_as_expected = rc == expected_rc
+        if fault.kind == "diskfull":
+            errors = [line for line in self.process.log().splitlines() if line.startswith("error:")]
+            outcome.detail += f"; the job stopped with {rc}: {errors[-1] if errors else 'no error line'}"
+        elif fault.kind == "peer":  # the killed one, and every other stopping on its own with an error
+            codes = self.process.codes()
+            others = [rc for i, rc in enumerate(codes) if i != victim]
+            stopped_as_expected = codes[victim] == -signal.SIGKILL and all(rc not in (0, None) for rc in others)
+            outcome.detail = (f"killed process {victim} of {self.processes}; the others exited {others} after "
+                              f"{self.process.ended - landed:.1f}s")
+        elif not stopped_as_expected:
+            outcome.detail = f"exited with {rc}, not {expected_rc}"
+        if rc == 0 and not stopped_as_expected:  # it had finished before the fault landed: nothing to recover
+            return
+        outcome.injected = True
+        if fault.kind in ("sigterm", "corrupt"):
+            saved = PREEMPTED.search(self.process.log())
+            outcome.at_step = int(saved.group(1)) if saved else self.last_step
+        corrupted = None
+        if fault.kind == "corrupt":
+            corrupted = self._newest_committed()
+            if corrupted:
+                outcome.detail = f"checkpoint {corrupted}: " + corrupt_checkpoint(
+                    self.checkpoints / str(corrupted), fault.damage, fault.pick)
+        committed = [s for s in committed_steps(self.checkpoints) if s != corrupted]
+        outcome.expected_resume = committed[-1] if committed else 0
+        self._start(outcome.expected_resume)
+        started = self.process.started
+        if self._wait_for(0):
+            outcome.recover_s = self.first_record_at - started
+        else:  # the restart exited 0 without a new step: right only if the fault had stopped it at its last step
+            outcome.recover_s = self.process.ended - started
+            outcome.detail += "; the restart had no step left to run"
+        outcome.resumed = self.process.resumed_step()
+        outcome.steps_lost = (outcome.at_step or 0) - outcome.resumed
+        outcome.corrupt_load = corrupted is not None and outcome.resumed == corrupted
+        if corrupted:
+            outcome.quarantined = corrupted in self.process.quarantined()
+        outcome.recovered = (stopped_as_expected and outcome.resumed == outcome.expected_resume
+                             and not outcome.corrupt_load and outcome.quarantined is not False)
