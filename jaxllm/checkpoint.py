@@ -1,7 +1,8 @@
 """Orbax checkpoints of a run: async saves, retention, atomic commits, restore onto any mesh.
 
 A checkpoint `<workdir>/checkpoints/<step>/` holds the train state (parameters, optimizer state, step, LR scale,
-anomaly statistics), the data-iterator state and run metadata (RNG seed, resolved config, LR scale) as JSON.
+anomaly statistics), the data-iterator state and run metadata (RNG seed, resolved config, applied hot updates) as
+JSON.
 Orbax writes into a temporary directory and renames it on commit, so a crash at any moment leaves the previous
 committed checkpoint loadable; uncommitted directories are never listed as steps and are cleaned up on start.
 
@@ -224,17 +225,34 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} is unreadable: {problem}")
 
     def restore(self, step: int, abstract_state: Any, mesh, *, items=("state", "data", "meta"),
-                shardings: Any = None) -> dict:
+                shardings: Any = None, older: tuple | None = None) -> dict:
         """Restore `step` with every array placed per the sharding rules on `mesh` (resharding on load), or per
         `shardings` when given (a train state's from `jaxllm.train.state.state_shardings`: an offloaded optimizer
         state restores straight into pinned host memory, never through the device).
 
         `abstract_state` gives shapes and dtypes (e.g. `abstract_train_state(...)`); a checkpoint written on any
         other mesh or device count restores bit-exactly onto this one. The files are verified first (`verify`).
+        `older` is (abstract state, shardings, upgrade) of an earlier jaxllm's state layout, tried when the
+        checkpoint does not match the current one; `upgrade(state)` brings what it restores up to date.
         """
         self.verify(step)
         if shardings is None:
             shardings = sharding_tree(abstract_state, mesh)
+        try:
+            return self._restore(step, abstract_state, shardings, items)
+        except CheckpointError as exc:
+            if older is None or "state" not in items:
+                raise
+            error = exc
+        older_state, older_shardings, upgrade = older
+        try:
+            restored = self._restore(step, older_state, older_shardings, items)
+        except CheckpointError:
+            raise error from None
+        self.log(f"checkpoint {self.directory / str(step)} has an older jaxllm's train-state layout: upgraded on load")
+        return dict(restored, state=upgrade(restored["state"]))
+
+    def _restore(self, step: int, abstract_state: Any, shardings: Any, items) -> dict:
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_state, shardings)
         available = {"state": ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target)),

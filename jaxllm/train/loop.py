@@ -7,7 +7,8 @@ on the devices, so the host's Python (data, logging) overlaps device work instea
 The parts, each small: `Run` (the mutable position of the run: state, data offset, rollbacks, batch source),
 `StepRunner` (the compiled step and its drill variants), `MetricsLog` (jaxllm/train/metrics_log.py: metrics.jsonl,
 progress bar, timing), `HangWatchdog` (jaxllm/watchdog.py: exits when steps stop completing), `AnomalyPolicy`
-(jaxllm/train/recovery.py: what a flagged step calls for) and `train`, whose loop reads top to bottom as what
+(jaxllm/train/recovery.py: what a flagged step calls for), `HotUpdates` (jaxllm/train/control.py: an
+operator's changes from `<workdir>/control.json`) and `train`, whose loop reads top to bottom as what
 happens in a step.
 """
 
@@ -35,6 +36,7 @@ from jaxllm.preemption import PreemptionGuard
 from jaxllm.sample import greedy_generate
 from jaxllm.sharding import format_replicated, replicated_rows, sharding_tree
 from jaxllm.task_eval import format_table
+from jaxllm.train.control import HOT_UPDATES, HotUpdates
 from jaxllm.train.faults import planned_faults, planned_stalls, with_scaled_loss
 from jaxllm.train.metrics_log import MetricsLog
 from jaxllm.train.objective import BatchRequest, Objective
@@ -78,7 +80,7 @@ class PeakLiveBytes:
 class Run:
     """The mutable position of a run: the state the next step updates, the frozen variables, the data offset
     (data index = step - 1 + offset), the rollbacks so far, the open batch source, and the batch-source state
-    of the checkpoint the run last (re)started from."""
+    and hot updates of the checkpoint the run last (re)started from."""
 
     objective: Objective
     steps: int
@@ -89,6 +91,7 @@ class Run:
     rollbacks: int = 0
     batches: object = None
     data_state: dict | None = None
+    hot_updates: list = dataclasses.field(default_factory=list)
 
     def variables(self):
         """Trainable and frozen variables together: the whole model's state."""
@@ -239,7 +242,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     with jax.set_mesh(mesh):
         start = restore_start(cfg, objective, tx, checkpointer, abstract, mesh, log, on_loaded=peak_live.sample)
     run = Run(objective, tc.steps, rows, start.state, start.frozen, start.data_offset, start.rollbacks,
-              data_state=start.data_state)
+              data_state=start.data_state, hot_updates=list(start.hot_updates))
     start_step = int(run.state.step)
     run.reopen_batches()
     eval_batches = ([to_global(b, rows_sharding, tc.batch_size) for b in objective.eval_batches(rows)]
@@ -279,8 +282,9 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
         base_report = objective.report(objective.graphdef, run.variables(), mesh)
     recover = Recovery(cfg, checkpointer, incidents, abstract[0], mesh, log)
     meta = lambda: {"seed": tc.seed, "data_offset": run.data_offset, "rollbacks": run.rollbacks,
-                    "config": cfg.to_dict(), "base": start.base, "base_report": base_report}
+                    "config": cfg.to_dict(), "base": start.base, "base_report": base_report, HOT_UPDATES: hot.applied}
     guard = PreemptionGuard()
+    hot = HotUpdates(workdir, run.hot_updates, incidents, log, guard.check_every)  # <workdir>/control.json
     pending = None  # (step, metrics on device, host metrics) of the step dispatched last, not yet read
     held = False
     step = start_step
@@ -296,9 +300,10 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
             pending = None
             if not rolled_back:
                 holding = step == cfg.debug.hold_at_step and not held
-                stop = guard.should_stop(step)
-                boundary = step % cfg.checkpoint.every == 0 or step == tc.steps or stop
-                evaluating = step % tc.eval_every == 0 and step < tc.steps and eval_step is not None
+                due = hot.poll(step)  # operator's changes, applied below before this boundary's save
+                stop = guard.should_stop(step) or due.stop
+                boundary = step % cfg.checkpoint.every == 0 or step == tc.steps or stop or due.save
+                evaluating = (step % tc.eval_every == 0 or due.eval) and step < tc.steps and eval_step is not None
                 if boundary or evaluating or holding:  # known healthy before it is saved, evaluated or held
                     rolled_back = recover(run, metrics_log.report(*current))
                 else:
@@ -306,6 +311,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
             if rolled_back:
                 metrics_log.restart_clock()
                 step = int(run.state.step)
+                run.state = hot.after_rollback(run.state, run.hot_updates)
             else:
                 if holding:  # drills: this step's metrics are out, so whoever waits for them signals mid-run
                     held = True
@@ -313,6 +319,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                     stop = guard.wait_for_signal(HOLD_TIMEOUT_S) or stop
                     boundary = boundary or stop
                     metrics_log.restart_clock()
+                run.state = hot.apply(step, run.state, can_eval=eval_step is not None)
                 if boundary:
                     checkpointer.save(step, run.state, run.batches.get_state(), meta())
                 if evaluating:

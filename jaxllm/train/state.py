@@ -11,12 +11,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 
 from jaxllm.config import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.model.transformer import Transformer
 from jaxllm.offload import host_shardings
+from jaxllm.optim import current_clip_norm, with_clip_norm, without_clip_norm
 from jaxllm.sharding import sharding_tree
 from jaxllm.train.anomaly import empty_window
 
@@ -25,8 +27,9 @@ from jaxllm.train.anomaly import empty_window
 class TrainState:
     """Everything the train step updates and a checkpoint holds.
 
-    `params` are the objective's trainable variables and `opt_state` their optimizer state. `lr_scale`
-    multiplies every update (recovery lowers it; it survives restarts). `rng` is the run's key data: step N
+    `params` are the objective's trainable variables and `opt_state` their optimizer state (with the learning
+    rate and the clipping threshold as hyperparameters, jaxllm/optim.py). `lr_scale` multiplies every update
+    (recovery lowers it, hot updates change it; it survives restarts). `rng` is the run's key data: step N
     draws from `fold_in(rng, N)`, so dropout resumes bitwise. `loss_window` and `grad_window` hold the last
     healthy steps' loss and gradient norm (NaN = empty) for the anomaly checks inside the step.
     """
@@ -72,6 +75,18 @@ def abstract_model(cfg: ModelConfig, precision: PrecisionConfig,
     """
     graphdef, state = jax.eval_shape(lambda: nnx.split(build_model(cfg, precision, jax.random.key(0), pipeline)))
     return nnx.merge(graphdef, state)
+
+
+def older_layout(abstract_state: TrainState, shardings: TrainState, clip_norm: float) -> tuple:
+    """(abstract state, shardings, upgrade) of train states that jaxllm saved before the clipping threshold
+    moved into the optimizer state, for `Checkpointer.restore(older=...)`: `upgrade` adds the threshold
+    `clip_norm` (the configured `optim.clip_norm`, which such a run's step had baked in)."""
+    def upgrade(state: TrainState) -> TrainState:
+        value = jax.device_put(np.float32(clip_norm), current_clip_norm(shardings.opt_state))
+        return state.replace(opt_state=with_clip_norm(state.opt_state, value))
+
+    return (abstract_state.replace(opt_state=without_clip_norm(abstract_state.opt_state)),
+            shardings.replace(opt_state=without_clip_norm(shardings.opt_state)), upgrade)
 
 
 def abstract_objective_state(objective, tx, window: int = 50) -> tuple[TrainState, Any]:
