@@ -65,14 +65,25 @@ def adafactor(cfg: OptimConfig, learning_rate) -> optax.GradientTransformation:
 
 
 def clip_by_global_norm(max_norm) -> optax.GradientTransformation:
-    """`optax.clip_by_global_norm` (the same arithmetic, bit for bit) with `max_norm` a traced value, where
-    `max_norm <= 0` disables clipping: one compiled step serves every threshold."""
+    """`optax.clip_by_global_norm` with `max_norm` a traced value, where `max_norm <= 0` disables clipping: one
+    compiled step serves every threshold.
+
+    Why not optax's own with a traced threshold: optax scales a clipped gradient as `(t / norm) * max_norm`.
+    With its Python-float threshold 1.0 XLA folds the multiply away; a traced threshold keeps it (and an
+    unshielded `t / (norm / max_norm)` gets rewritten back into it), which changes the fused kernels of the
+    Adam moment updates that consume the clipped gradient and with them the rounding: ULP differences on every
+    clipped step, which a 60-step run amplifies into a different model (tests/test_grpo_run.py's rising reward
+    fell). Here the two scalars the element-wise kernels need, "keep" and the divisor `norm / max_norm`, come
+    through an optimization barrier, so those kernels are optax's `select(keep, t, t / divisor)` and, for the
+    default threshold 1.0 (divisor == norm exactly), the train step is bitwise the one with optax's constant
+    threshold (tests/test_optim.py). Other thresholds agree to float32 rounding.
+    """
 
     def update_fn(updates, state, params=None):
         del params
         g_norm = optax.tree.norm(updates)
-        keep = (g_norm < max_norm) | (max_norm <= 0)
-        clip = lambda t: jax.lax.select(keep, t, (t / g_norm.astype(t.dtype)) * max_norm.astype(t.dtype))
+        keep, divisor = jax.lax.optimization_barrier(((g_norm < max_norm) | (max_norm <= 0), g_norm / max_norm))
+        clip = lambda t: jax.lax.select(keep, t, t / divisor.astype(t.dtype))
         return jax.tree.map(clip, updates), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
