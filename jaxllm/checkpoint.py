@@ -25,11 +25,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxllm.checksums import MANIFEST, verify_manifest, write_manifest
+from jaxllm.typed_config import ConfigError
 from jaxllm.sharding import sharding_tree
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the directory."""
+
+
+def _field_names(tree) -> set[str]:
+    """The top-level names (dataclass fields, dict keys) under which `tree` has leaves."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0] if path]
+    return {str(getattr(path[0], "name", getattr(path[0], "key", path[0]))) for path in paths}
 
 
 def directory_bytes(path: Path) -> int:
@@ -236,6 +243,8 @@ class Checkpointer:
         checkpoint does not match the current one; `upgrade(state)` brings what it restores up to date.
         """
         self.verify(step)
+        if "state" in items:
+            self._check_fields(step, abstract_state)
         if shardings is None:
             shardings = sharding_tree(abstract_state, mesh)
         try:
@@ -266,6 +275,23 @@ class Checkpointer:
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from None
         return {k: restored[k] for k in items}
+
+    def _check_fields(self, step: int, abstract_state) -> None:
+        """A ConfigError when `step`'s train state lacks fields that `abstract_state` has: an older jaxllm wrote it
+        (before `loss_scale` existed, say). It is intact, so it must not fail like an unreadable checkpoint (a
+        resume would move it aside and fall back past it); its parameters still seed a new run."""
+        try:
+            saved = self.manager.item_metadata(step)["state"].tree
+        except Exception:  # metadata unreadable: the restore itself reports it as a CheckpointError
+            return
+        if not isinstance(saved, dict):
+            return
+        missing = sorted(_field_names(abstract_state) - set(saved))
+        if missing:
+            path = self.directory / str(step)
+            raise ConfigError("checkpoint", f"{path} was written by an older jaxllm: its train state has no "
+                                            f"{', '.join(missing)}; start a new run from its parameters with "
+                                            f"checkpoint.restore_from={path} and a new workdir")
 
     def read_meta(self, step: int) -> dict:
         """The run metadata (seed, config, base, ...) saved with `step`; no array is read."""

@@ -119,11 +119,15 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
     """Mixed-precision policy: storage of parameters/optimizer state, matmul compute, and logits. `compute`
-    "auto" picks bfloat16 where the hardware computes it natively, else float32 (jaxllm/auto_precision.py)."""
+    "auto" picks bfloat16 where the hardware computes it natively, else float32 (jaxllm/auto_precision.py).
+    `loss_scale` (jaxllm/loss_scale.py): "auto" (dynamic for float16 compute, else none), "dynamic", "static:<v>"
+    or "none"; the dynamic scale doubles after `loss_scale_growth_interval` consecutive finite steps."""
 
     params: str = "float32"
     compute: str = "bfloat16"
     output: str = "float32"
+    loss_scale: str = "auto"
+    loss_scale_growth_interval: int = 2000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -618,6 +622,10 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
 
     for key in ("params", "compute", "output"):
         _choice(f"precision.{key}", getattr(precision, key), DTYPES)
+    from jaxllm.loss_scale import loss_scaling, resolve_loss_scale  # imports jax: only when validating
+
+    loss_scaling(precision)  # checks both keys
+    precision = dataclasses.replace(precision, loss_scale=resolve_loss_scale(precision.loss_scale, precision.compute))
 
     _choice("optim.name", optim.name, OPTIMIZERS)
     _choice("optim.schedule", optim.schedule, SCHEDULES)

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
+from jaxllm.loss_scale import loss_scaling
 from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter
 from jaxllm.model.visibility import resolve_attention
@@ -117,7 +118,8 @@ class StepRunner:
         # Under `rollback` too an anomalous update is skipped inside the step: the next step, already dispatched
         # when the anomaly is seen, then starts from a healthy state, which is the fallback with no checkpoint.
         self._jit = lambda obj: jit_train_step(
-            make_train_step(obj, tx, cfg.optim.grad_accum, cfg.anomaly, skip_anomalies=skip),
+            make_train_step(obj, tx, cfg.optim.grad_accum, cfg.anomaly, skip_anomalies=skip,
+                            loss_scaling=loss_scaling(cfg.precision)),
             shardings, mesh, frozen_shardings)
         self.objective, self.mesh, self.log = objective, mesh, log
         self.compiled: dict = {}  # batch shapes -> compiled step

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxllm.checkpoint import CheckpointError, Checkpointer
 from jaxllm.config import Config, ConfigError
+from jaxllm.loss_scale import loss_scaling
 from jaxllm.train.anomaly import incident_kind
 from jaxllm.train.base_model import check_same_base, fingerprint
 from jaxllm.train.control import HOT_UPDATES
@@ -98,6 +99,7 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
     anything used to make it is released (the loop measures peak live bytes there).
     """
     seed, window, offload = cfg.train.seed, cfg.anomaly.window, cfg.optim.offload
+    init_scale = loss_scaling(cfg.precision).init_scale  # a fresh state's (a resume keeps the checkpoint's)
     abstract_state, _ = abstract
     shardings = state_shardings(abstract_state, mesh, offload)
     older = older_layout(abstract_state, shardings, cfg.optim.clip_norm)
@@ -113,9 +115,9 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         return Start(state, frozen, offset, int(meta.get("rollbacks", 0)), base, meta.get("base_report"),
                      meta["data"], tuple(meta.get(HOT_UPDATES, ())))
     if objective.base is not None:
-        return _start_from_base(objective, tx, abstract, mesh, seed, window, log, on_loaded, offload)
+        return _start_from_base(objective, tx, abstract, mesh, seed, window, log, on_loaded, offload, init_scale)
     if not cfg.checkpoint.restore_from:
-        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window, offload)
+        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window, offload, init_scale)
         on_loaded()
         return Start(state, frozen, 0, 0)
     directory, step = _locate(cfg.checkpoint.restore_from)
@@ -130,7 +132,7 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
             log(f"starting from {directory / str(step)} (everything: parameters, optimizer state, step)")
         else:  # parameters only: the source's optimizer state and windows are never read
             params = source.restore_params(step, abstract_state.params, mesh)
-            state = state_from_params(params, tx, shardings, seed, window)
+            state = state_from_params(params, tx, shardings, seed, window, init_scale)
             log(f"starting from the parameters of {directory / str(step)}")
         on_loaded()
     finally:
@@ -138,21 +140,23 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
     return Start(state, _frozen(objective, mesh, cfg, abstract, None)[0], 0, 0)
 
 
-def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log, on_loaded, offload: str) -> Start:
+def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log, on_loaded, offload: str,
+                     init_scale: float) -> Start:
     """A fresh fine-tuning run: the base loads into the frozen variables (new adapters train) or, when nothing
     is frozen (full fine-tuning), into the trainable ones; what the base lacks (`objective.fresh`) is initialised
-    from the seed. `offload` is `optim.offload` (where the optimizer state lives)."""
+    from the seed. `offload` is `optim.offload` (where the optimizer state lives), `init_scale` the loss
+    scale's start."""
     abstract_state, abstract_frozen = abstract
     base = objective.base
     if jax.tree.leaves(abstract_frozen):
         frozen = base.load(abstract_frozen, mesh)
         record = base.record(fingerprint(frozen))
-        state = init_trainable_state(objective, tx, mesh, seed, window, offload)
+        state = init_trainable_state(objective, tx, mesh, seed, window, offload, init_scale)
     else:
         params = _base_and_fresh(objective, abstract_state.params, mesh, seed)
         record = base.record(fingerprint(params[0]))
         state = state_from_params(nnx.merge_state(*params), tx, state_shardings(abstract_state, mesh, offload), seed,
-                                  window)
+                                  window, init_scale)
         frozen = abstract_frozen
     log(f"starting from the base model {base.path} (fingerprint {record['fingerprint']})")
     on_loaded()
