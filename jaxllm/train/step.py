@@ -8,7 +8,7 @@ whose leading axis is the global batch (rows split over the batch mesh axes).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config import AnomalyConfig
+from jaxllm.diagnostics.norms import step_norms
 from jaxllm.offload import on_host, stream_opt_state
 from jaxllm.optim import current_lr
 from jaxllm.sharding import active_mesh, constrain, logical_to_spec, spec_tree
@@ -122,10 +123,28 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
     return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count, metrics
 
 
+class StepTrace(NamedTuple):
+    """What one train step saw and did, for an `observe` callable of `make_train_step`: the state it started
+    from, its batch and frozen variables, the gradients (before clipping), the update it computed (scaled by
+    `lr_scale`; an update the step vetoed was still computed) and the state it returns."""
+
+    state: TrainState
+    batch: dict
+    frozen: object
+    grads: object
+    updates: object
+    new_state: TrainState
+
+
 def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int = 1,
-                    anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False) -> Callable:
+                    anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False, clip_norm: float = 0.0,
+                    observe: Callable[[StepTrace], dict] | None = None) -> Callable:
     """`step(state, batch, frozen=NO_FROZEN) -> (state, metrics)` for `objective` (see the module docstring).
-    Metrics are device scalars (the loop reads them one step late).
+    Metrics are device scalars (the loop reads them one step late), among them the global norms of
+    `jaxllm.diagnostics.norms.step_norms` (`clip_norm` is the optimizer's clipping threshold, 0: none).
+
+    With `observe`, the step returns `(state, metrics, observe(trace))` instead: the same computation with more
+    outputs (the diagnostic variant, jaxllm/diagnostics/variant.py). Without it nothing of it is traced.
 
     Every step checks for anomalies (`jaxllm.train.anomaly.detect` against the state's history windows); with
     `skip_anomalies` an anomalous step leaves parameters and optimizer state unchanged, decided inside the
@@ -154,6 +173,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
             **extra,
             "loss": loss,
             "grad_norm": grad_norm,
+            **step_norms(state.params, updates, grad_norm, clip_norm),
             "lr": current_lr(opt_state) * state.lr_scale,  # the rate this update used
             "target_tokens": count,
             **flags,
@@ -164,7 +184,9 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
             loss_window=push(state.loss_window, loss, healthy),
             grad_window=push(state.grad_window, grad_norm, healthy),
         )
-        return new_state, metrics
+        if observe is None:
+            return new_state, metrics
+        return new_state, metrics, observe(StepTrace(state, batch, frozen, grads, updates, new_state))
 
     return step
 
@@ -179,15 +201,17 @@ def make_eval_step(graphdef, loss_fn=next_token_loss) -> Callable:
     return eval_step
 
 
-def jit_train_step(step_fn, state_shardings, mesh, frozen_shardings=None):
+def jit_train_step(step_fn, state_shardings, mesh, frozen_shardings=None, outputs: int = 1):
     """Compile-once wrapper: state donated (frozen variables never), shardings pinned so every step reuses one
     executable. Without `frozen_shardings` the step takes (state, batch) only. An optimizer state whose
-    shardings are in host memory (`jaxllm.train.state.state_shardings`) streams to the device for the update."""
+    shardings are in host memory (`jaxllm.train.state.state_shardings`) streams to the device for the update.
+    `outputs`: how many replicated outputs follow the state (the metrics; 2 for the diagnostic variant)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     if on_host(state_shardings.opt_state):
         step_fn = stream_opt_state(step_fn, state_shardings)
     ins = (state_shardings, batch_sharding(mesh)) + (() if frozen_shardings is None else (frozen_shardings,))
-    return jax.jit(step_fn, in_shardings=ins, out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+    return jax.jit(step_fn, in_shardings=ins, out_shardings=(state_shardings,) + (replicated,) * outputs,
+                   donate_argnums=(0,))
 
 
 def jit_eval_step(eval_fn, param_shardings, mesh, frozen_shardings=None):
