@@ -201,17 +201,15 @@ def make_eval_step(graphdef, loss_fn=next_token_loss) -> Callable:
     return eval_step
 
 
-def jit_train_step(step_fn, state_shardings, mesh, frozen_shardings=None, outputs: int = 1):
+def jit_train_step(step_fn, state_shardings, mesh, frozen_shardings=None):
     """Compile-once wrapper: state donated (frozen variables never), shardings pinned so every step reuses one
     executable. Without `frozen_shardings` the step takes (state, batch) only. An optimizer state whose
-    shardings are in host memory (`jaxllm.train.state.state_shardings`) streams to the device for the update.
-    `outputs`: how many replicated outputs follow the state (the metrics; 2 for the diagnostic variant)."""
+    shardings are in host memory (`jaxllm.train.state.state_shardings`) streams to the device for the update."""
     replicated = NamedSharding(mesh, PartitionSpec())
     if on_host(state_shardings.opt_state):
         step_fn = stream_opt_state(step_fn, state_shardings)
     ins = (state_shardings, batch_sharding(mesh)) + (() if frozen_shardings is None else (frozen_shardings,))
-    return jax.jit(step_fn, in_shardings=ins, out_shardings=(state_shardings,) + (replicated,) * outputs,
-                   donate_argnums=(0,))
+    return jax.jit(step_fn, in_shardings=ins, out_shardings=(state_shardings, replicated), donate_argnums=(0,))
 
 
 def jit_eval_step(eval_fn, param_shardings, mesh, frozen_shardings=None):
