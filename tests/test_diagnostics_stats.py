@@ -216,7 +216,8 @@ def test_a_run_writes_per_step_norms_and_diag_records_every_n_steps(diag_run):
     periodic = [r for r in records if "diag/grad_norm/layer_0" in r and "diag/first_nonfinite" not in r]
     assert [r["step"] for r in periodic] == [2, 4]
     expected = ({f"diag/{s}/layer_{i}" for s in STATS for i in range(LAYERS)}
-                | {f"diag/{s}/{g}" for s in STATS for g in GROUPS if g != "lora"} | {"diag/adam_v_rms", "diag/adam_v_min"})
+                | {f"diag/{s}/{g}" for s in STATS for g in GROUPS if g != "lora"}
+                | {"diag/adam_v_rms", "diag/adam_v_min"})
     for r in periodic:
         assert set(r) == expected | {"step"}, set(r) ^ (expected | {"step"})
         assert all(np.isfinite(v) for v in r.values())
