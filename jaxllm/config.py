@@ -241,6 +241,16 @@ class DebugConfig:
     stall_s: float = 3600.0
 
 
+@dataclasses.dataclass(frozen=True)
+class DiagnosticsConfig:
+    """Per-layer statistics (jaxllm/diagnostics/): every `every` steps (0: never) that step runs a second compiled
+    variant of the train step, with the same update, that also measures per-layer and per-group norms of
+    gradients, parameters and updates and the optimizer's second moments (`diag/...` records of metrics.jsonl).
+    The production step is the same program whatever `every` is."""
+
+    every: int = 50
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -435,6 +445,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     anomaly: AnomalyConfig = AnomalyConfig()
     debug: DebugConfig = DebugConfig()
+    diagnostics: DiagnosticsConfig = DiagnosticsConfig()
     lora: LoRAConfig = LoRAConfig()
     sft: SFTConfig = SFTConfig()
     preference: PreferenceConfig = PreferenceConfig()
@@ -685,6 +696,8 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         raise ConfigError("anomaly.lr_factor", f"must be in (0, 1], got {anomaly.lr_factor}")
     if anomaly.max_rollbacks < 0:
         raise ConfigError("anomaly.max_rollbacks", f"must be >= 0, got {anomaly.max_rollbacks}")
+    if cfg.diagnostics.every < 0:
+        raise ConfigError("diagnostics.every", f"must be >= 0 (0: off), got {cfg.diagnostics.every}")
     _check_lora(lora)
     _choice("train.objective", train.objective, OBJECTIVES)
     if train.objective == "sft":
@@ -818,8 +831,8 @@ def default_config_dict() -> ml_collections.ConfigDict:
     """A ConfigDict holding every field with its dataclass default; config files start from it."""
     sections = dict(mesh=MeshConfig, model=ModelConfig, precision=PrecisionConfig, optim=OptimConfig,
                     train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
-                    anomaly=AnomalyConfig, debug=DebugConfig, lora=LoRAConfig, sft=SFTConfig,
-                    preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig,
+                    anomaly=AnomalyConfig, debug=DebugConfig, diagnostics=DiagnosticsConfig, lora=LoRAConfig,
+                    sft=SFTConfig, preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig,
                     ppo=PPOConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir

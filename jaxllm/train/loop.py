@@ -27,6 +27,7 @@ from flax import nnx
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
+from jaxllm.diagnostics.variant import DiagnosticSteps
 from jaxllm.loss_scale import loss_scaling
 from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter
@@ -114,16 +115,19 @@ class StepRunner:
     runs once at its step, compiled when first needed."""
 
     def __init__(self, objective: Objective, tx, cfg: Config, shardings, frozen_shardings, mesh, log=print):
-        skip = cfg.train.on_anomaly in ("skip", "rollback")
+        self.skips = cfg.train.on_anomaly in ("skip", "rollback")
         # Under `rollback` too an anomalous update is skipped inside the step: the next step, already dispatched
         # when the anomaly is seen, then starts from a healthy state, which is the fallback with no checkpoint.
-        self._jit = lambda obj: jit_train_step(
-            make_train_step(obj, tx, cfg.optim.grad_accum, cfg.anomaly, skip_anomalies=skip,
-                            loss_scaling=loss_scaling(cfg.precision)),
-            shardings, mesh, frozen_shardings)
+        step_args = dict(grad_accum=cfg.optim.grad_accum, anomaly=cfg.anomaly, skip_anomalies=self.skips,
+                         loss_scaling=loss_scaling(cfg.precision))
+        self._jit = lambda obj: jit_train_step(make_train_step(obj, tx, **step_args), shardings, mesh, frozen_shardings)
         self.objective, self.mesh, self.log = objective, mesh, log
         self.compiled: dict = {}  # batch shapes -> compiled step
         self.faults = planned_faults(cfg.debug)
+        # The diagnostic variant every diagnostics.every steps, and the analysis of non-finite steps. Activation
+        # statistics: pass `activations=` (jaxllm/diagnostics/variant.py) here.
+        self.diagnostics = DiagnosticSteps(objective, tx, step_args, cfg.diagnostics.every, shardings,
+                                           frozen_shardings, mesh, log)
 
     def compile(self, state, batch, frozen) -> float:
         start = time.perf_counter()
@@ -131,19 +135,28 @@ class StepRunner:
             self.compiled[_shapes(batch)] = self._jit(self.objective).lower(state, batch, frozen).compile()
         return time.perf_counter() - start
 
+    def explain(self, record: dict, run: "Run", writer) -> dict:
+        """`record` of a fetched step, named what went non-finite first when it is non-finite (see
+        `DiagnosticSteps.explain`)."""
+        return self.diagnostics.explain(record, run.state, run.frozen, writer, self.skips)
+
     def compiled_for(self, batch):
         """The compiled step of batches shaped like `batch` (`compile` made it)."""
         return self.compiled[_shapes(batch)]
 
     def __call__(self, step: int, state, batch, frozen):
         factor = self.faults.pop(step, None)
+        self.diagnostics.remember(step, batch, factor)
         if factor is None:
+            # Measured before the step: the step donates the state.
+            diag = self.diagnostics.measure(state, batch, frozen) if self.diagnostics.due(step) else {}
             compiled = self.compiled.get(_shapes(batch))
             if compiled is None:
                 seconds = self.compile(state, batch, frozen)
                 self.log(f"compiled the train step for batches of shape {batch['tokens'].shape} in {seconds:.1f}s")
                 compiled = self.compiled_for(batch)
-            return compiled(state, batch, frozen)
+            state, metrics = compiled(state, batch, frozen)
+            return state, {**metrics, **diag}
         with jax.set_mesh(self.mesh):
             return self._jit(with_scaled_loss(self.objective, factor))(state, batch, frozen)
 
@@ -287,6 +300,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                     "config": cfg.to_dict(), "base": start.base, "base_report": base_report, HOT_UPDATES: hot.applied}
     guard = PreemptionGuard()
     hot = HotUpdates(workdir, run.hot_updates, incidents, log, guard.check_every)  # <workdir>/control.json
+    read = lambda entry: runner.explain(metrics_log.report(*entry), run, metrics_log.writer)  # fetch one step
     pending = None  # (step, metrics on device, host metrics) of the step dispatched last, not yet read
     held = False
     step = start_step
@@ -298,7 +312,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
             step += 1
             run.state, metrics = runner(step, run.state, batch, run.frozen)  # dispatch this step ...
             current = (step, metrics, host, batch["tokens"].size)
-            rolled_back = pending is not None and recover(run, metrics_log.report(*pending))  # ... read the last
+            rolled_back = pending is not None and recover(run, read(pending))  # ... read the last
             pending = None
             if not rolled_back:
                 holding = step == cfg.debug.hold_at_step and not held
@@ -307,7 +321,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                 boundary = step % cfg.checkpoint.every == 0 or step == tc.steps or stop or due.save
                 evaluating = (step % tc.eval_every == 0 or due.eval) and step < tc.steps and eval_step is not None
                 if boundary or evaluating or holding:  # known healthy before it is saved, evaluated or held
-                    rolled_back = recover(run, metrics_log.report(*current))
+                    rolled_back = recover(run, read(current))
                 else:
                     pending = current
             if rolled_back:
@@ -337,7 +351,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                 host = host_metrics(local, run.batches)
                 batch = to_global(local, rows_sharding, tc.batch_size)
         if pending is not None:
-            recover(run, metrics_log.report(*pending))
+            recover(run, read(pending))
         checkpointer.wait()
     finally:
         watchdog.stop()

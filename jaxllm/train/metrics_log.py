@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxllm.config import Config
+from jaxllm.diagnostics.variant import split_diag
 from jaxllm.metrics import JsonlWriter, mfu, peak_flops_per_device
 from jaxllm.model.transformer import train_flops_per_token
 from jaxllm.progress import ProgressBar
@@ -56,7 +57,7 @@ class MetricsLog:
         """Fetch one step's metrics (blocks on that step only), log them with the `host` ones of its batch (see
         `host_metrics`) and its throughput (`tokens` slots in the batch), return them."""
         time.sleep(self.stalls.pop(step, 0.0))
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values, diag = split_diag({k: float(v) for k, v in jax.device_get(metrics).items()})
         now = time.perf_counter()
         step_time, self.last_ready = now - self.last_ready, now
         self.on_step(step, step_time)
@@ -64,6 +65,8 @@ class MetricsLog:
         record = dict(values, step=step, step_time_s=step_time, tokens_per_sec=tps, mfu=self.mfu(tps),
                       mfu_causal=self.mfu(tps, causal=True), **host)
         self.writer.write(record)
+        if diag:  # the diagnostic variant's statistics (jaxllm/diagnostics/): a record of their own
+            self.writer.write({"step": step, **diag})
         self.step_times.append(step_time)
         self.step_tokens.append(tokens)
         self.losses.append(values["loss"])

@@ -240,6 +240,8 @@ class Recovery:
         """Handle `record` (one step's fetched metrics) for `run`; True when `run` was rolled back."""
         step = record["step"]
         incident = dict(step=step, loss=record["loss"], grad_norm=record["grad_norm"], kind=incident_kind(record))
+        if "diag/first_nonfinite" in record:  # named by the diagnostic variant (jaxllm/diagnostics/variant.py)
+            incident["first_nonfinite"] = record["diag/first_nonfinite"]
         if record["grad_spike"] and not record["anomaly"]:  # counted and reported, not acted on
             self.grad_spikes += 1
             self.incidents.write(dict(incident, action="reported", kind="grad_spike"))

@@ -8,7 +8,7 @@ whose leading axis is the global batch (rows split over the batch mesh axes).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +17,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config import AnomalyConfig
+from jaxllm.diagnostics.norms import step_norms
 from jaxllm.loss_scale import NO_LOSS_SCALING, LossScaling, excuse_overflow, non_finite
 from jaxllm.offload import on_host, stream_opt_state
-from jaxllm.optim import current_lr
+from jaxllm.optim import current_clip_norm, current_lr
 from jaxllm.sharding import active_mesh, constrain, logical_to_spec, spec_tree
 from jaxllm.train.anomaly import detect, push
 from jaxllm.train.pretrain import next_token_loss
@@ -126,11 +127,29 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
     return jax.tree.map(lambda g: g / unscale, grads), loss_sum / denom, count, metrics
 
 
+class StepTrace(NamedTuple):
+    """What one train step saw and did, for an `observe` callable of `make_train_step`: the state it started
+    from, its batch and frozen variables, the gradients (before clipping), the update it computed (scaled by
+    `lr_scale`; an update the step vetoed was still computed) and the state it returns."""
+
+    state: TrainState
+    batch: dict
+    frozen: object
+    grads: object
+    updates: object
+    new_state: TrainState
+
+
 def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int = 1,
                     anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False,
-                    loss_scaling: LossScaling = NO_LOSS_SCALING) -> Callable:
+                    loss_scaling: LossScaling = NO_LOSS_SCALING,
+                    observe: Callable[[StepTrace], dict] | None = None) -> Callable:
     """`step(state, batch, frozen=NO_FROZEN) -> (state, metrics)` for `objective` (see the module docstring).
-    Metrics are device scalars (the loop reads them one step late).
+    Metrics are device scalars (the loop reads them one step late), among them the global norms of
+    `jaxllm.diagnostics.norms.step_norms` (against the clipping threshold in the optimizer state, 0: none).
+
+    With `observe`, the step returns `(state, metrics, observe(trace))` instead: the same computation with more
+    outputs (the diagnostic variant, jaxllm/diagnostics/variant.py). Without it nothing of it is traced.
 
     Every step checks for anomalies (`jaxllm.train.anomaly.detect` against the state's history windows); with
     `skip_anomalies` an anomalous step leaves parameters and optimizer state unchanged, decided inside the
@@ -165,6 +184,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
             **extra,
             "loss": loss,
             "grad_norm": grad_norm,
+            **step_norms(state.params, updates, grad_norm, current_clip_norm(state.opt_state)),
             "lr": current_lr(opt_state) * state.lr_scale,  # the rate this update used
             "target_tokens": count,
             **flags,
@@ -177,7 +197,9 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
             grad_window=push(state.grad_window, grad_norm, healthy),
             loss_scale=loss_scaling.update(state.loss_scale, overflow),
         )
-        return new_state, metrics
+        if observe is None:
+            return new_state, metrics
+        return new_state, metrics, observe(StepTrace(state, batch, frozen, grads, updates, new_state))
 
     return step
 
