@@ -1,0 +1,1 @@
+"""Training diagnostics: statistics of the model and the step, and what they say (DESIGN.md section 10)."""

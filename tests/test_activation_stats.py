@@ -1,0 +1,202 @@
+"""The diagnostic forward's per-layer statistics (jaxllm/diagnostics/activations.py): equal to a hand computation
+layer by layer, the same on every layout (fsdp/tensor, pipeline stages, unrolled layers, micro-batches), of the
+adapted model with LoRA, NaN from the layer where a NaN is planted on, and absent from the plain forward."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxllm.sharding as sharding
+from jaxllm.config import LoRAConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.data.synthetic import synthetic_batch
+from jaxllm.diagnostics.activations import GATE_SATURATION, activation_stats, first_nonfinite_layer
+from jaxllm.lora import merge
+from jaxllm.mesh import make_mesh
+from jaxllm.model.layers import apply_rope, rope_tables
+from jaxllm.model.reward import RewardModel
+from jaxllm.model.visibility import attention_mask
+from jaxllm.sharding import sharding_tree
+from jaxllm.train.loop import to_global
+from jaxllm.train.state import build_model
+from jaxllm.train.step import NO_FROZEN, batch_sharding
+
+MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48)
+F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
+B, T = 8, 16
+BATCH = {k: v for k, v in synthetic_batch(3, B, T, MODEL.vocab_size).items() if k != "targets"}
+PER_LAYER = ("act_rms", "act_max", "gate_saturation", "attn_logit_max")
+HEAD = ("logits_max", "logits_lse_mean")
+
+
+def _model_params(cfg=MODEL, **kw):
+    """(graphdef, params) of a model whose gates open and shut (gate_proj scaled up: some g < -6) and whose
+    logits are far from uniform (a larger head), so every statistic is away from its trivial value."""
+    graphdef, params = nnx.split(build_model(cfg, F32, jax.random.key(0), **kw))
+    params["layers"]["mlp"]["gate_proj"][...] = params["layers"]["mlp"]["gate_proj"][...] * 400.0
+    params["layers"]["self_attn"]["q_proj"][...] = params["layers"]["self_attn"]["q_proj"][...] * 30.0
+    return graphdef, params
+
+
+def _stats(graphdef, params, batch=BATCH, frozen=NO_FROZEN, micro_batches=1):
+    fn = jax.jit(lambda p, f, b: activation_stats(graphdef, p, f, b, micro_batches))
+    return jax.device_get(fn(params, frozen, batch))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    graphdef, params = _model_params()
+    return graphdef, params, _stats(graphdef, params)
+
+
+def _reference(model, batch) -> dict:
+    """The statistics by hand: each layer called on its own slice of the stacked weights, in order, its gate and
+    attention scores recomputed from its weights, everything reduced in numpy over the valid tokens."""
+    cfg = model.cfg
+    tokens, segment_ids, positions = (jnp.asarray(batch[k]) for k in ("tokens", "segment_ids", "positions"))
+    valid = np.asarray(segment_ids) > 0
+    sin, cos = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    mask = attention_mask(segment_ids)
+    layer_graphdef, stacked = nnx.split(model.layers)
+    x = model.embed_tokens(tokens, jnp.float32)
+    out = {name: [] for name in PER_LAYER}
+    for i in range(cfg.num_layers):
+        layer = nnx.merge(layer_graphdef, jax.tree.map(lambda a: a[i], stacked))
+        normed = layer.input_layernorm(x)
+        q = apply_rope(jnp.einsum("BTD,DNH->BTNH", normed, layer.self_attn.q_proj[...]), sin, cos)
+        k = apply_rope(jnp.einsum("BTD,DKH->BTKH", normed, layer.self_attn.k_proj[...]), sin, cos)
+        q, k, m = np.asarray(q), np.asarray(k), np.asarray(mask)
+        group = cfg.num_heads // cfg.num_kv_heads
+        logit_max = -np.inf
+        for n in range(cfg.num_heads):
+            scores = np.einsum("BTH,BSH->BTS", q[:, :, n], k[:, :, n // group]) / np.sqrt(cfg.head_dim)
+            logit_max = max(logit_max, scores[m & valid[:, :, None]].max())
+        h = x + layer.self_attn(normed, mask, sin, cos)
+        gate = np.asarray(jnp.einsum("BTD,DF->BTF", layer.post_attention_layernorm(h), layer.mlp.gate_proj[...]))
+        x = layer(x, mask, sin, cos)
+        xv = np.asarray(x)[valid]
+        out["act_rms"].append(np.sqrt(np.mean(xv**2)))
+        out["act_max"].append(np.abs(xv).max())
+        out["gate_saturation"].append(np.mean(gate[valid] < GATE_SATURATION))
+        out["attn_logit_max"].append(logit_max)
+    logits = np.asarray(model(tokens, segment_ids, positions), np.float64)[valid]
+    lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+    return {**{k: np.array(v) for k, v in out.items()}, "logits_max": logits.max(), "logits_lse_mean": lse.mean()}
+
+
+def test_stats_equal_a_hand_computation_layer_by_layer(plain):
+    graphdef, params, got = plain
+    want = _reference(nnx.merge(graphdef, params), BATCH)
+    for name in PER_LAYER + HEAD:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert got["act_rms"].shape == (MODEL.num_layers,)
+    # The model was set up so that no statistic is trivial: gates both shut and open, logits well above zero.
+    assert 0.05 < got["gate_saturation"].min() and got["gate_saturation"].max() < 0.95, got["gate_saturation"]
+    assert got["attn_logit_max"].min() > 0.1 and got["logits_max"] > 0.1
+    assert first_nonfinite_layer(got) is None
+
+
+def test_padding_is_left_out(plain):
+    """The same rows with their padding tokens changed: statistics over valid tokens only are unchanged (padding
+    attends only to padding, so valid tokens' activations do not see the change)."""
+    graphdef, params, got = plain
+    other = dict(BATCH, tokens=np.where(BATCH["segment_ids"] > 0, BATCH["tokens"], 5))
+    assert (other["tokens"] != BATCH["tokens"]).any()
+    changed = _stats(graphdef, params, other)
+    for name in PER_LAYER + HEAD:
+        np.testing.assert_allclose(changed[name], got[name], rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_nan_in_a_layer_shows_from_that_layer_on(plain, layer):
+    graphdef, params, _ = plain
+    broken = jax.tree.map(lambda a: a, params)
+    down = broken["layers"]["mlp"]["down_proj"]
+    down[...] = down[...].at[layer, 3, 5].set(jnp.nan)
+    got = _stats(graphdef, broken)
+    for name in PER_LAYER:
+        assert np.isfinite(got[name][:layer]).all(), (name, got[name])
+        assert np.isnan(got[name][layer:]).all(), (name, got[name])
+    assert first_nonfinite_layer(got) == layer
+    assert np.isnan(got["logits_max"]) and np.isnan(got["logits_lse_mean"])
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in it (scan, jit, checkpoint bodies)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _equations(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _equations(sub)
+
+
+def test_the_plain_forward_has_no_statistics_outputs(plain):
+    """Statistics are switched on statically: the training forward's layer scan has no per-layer outputs
+    (only its carry), the diagnostic forward's has them."""
+    graphdef, params, _ = plain
+    args = (BATCH["tokens"], BATCH["segment_ids"], BATCH["positions"])
+
+    def layer_scan(fn):
+        scans = [e for e in _equations(jax.make_jaxpr(fn)(params).jaxpr)
+                 if e.primitive.name == "scan" and e.params["length"] == MODEL.num_layers]
+        assert len(scans) == 1
+        return scans[0]
+
+    plain_scan = layer_scan(lambda p: nnx.merge(graphdef, p)(*args))
+    assert len(plain_scan.outvars) == plain_scan.params["num_carry"] == 1  # the residual stream only
+    probed_scan = layer_scan(lambda p: activation_stats(graphdef, p, NO_FROZEN, BATCH))
+    assert len(probed_scan.outvars) > probed_scan.params["num_carry"]
+
+
+def test_unrolled_layers_and_micro_batches_give_the_same_statistics(plain):
+    graphdef, params, want = plain
+    unrolled = dataclasses.replace(MODEL, scan_layers=False)
+    unrolled_graphdef, _ = nnx.split(build_model(unrolled, F32, jax.random.key(0)))
+    for got in (_stats(unrolled_graphdef, params), _stats(graphdef, params, micro_batches=2)):
+        for name in PER_LAYER + HEAD:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("mesh_shape, microbatches", [((2, 2, 2, 1), 1), ((2, 1, 2, 2), 2)],
+                         ids=["data-fsdp-tensor", "pipeline-2-stages"])
+def test_sharded_statistics_equal_single_device(plain, monkeypatch, mesh_shape, microbatches):
+    graphdef, params, want = plain
+    # The layout the pipeline is meant for (tests/test_pipeline.py): stacked layers split over `stage`.
+    monkeypatch.setitem(sharding.RULES, "layers", ("stage", None))
+    config = MeshConfig(*mesh_shape)
+    mesh = make_mesh(config, jax.devices()[:config.num_devices])
+    with jax.set_mesh(mesh):
+        model = build_model(MODEL, F32, jax.random.key(0), PipelineConfig(microbatches=microbatches))
+        mesh_graphdef, _ = nnx.split(model)
+        placed = jax.device_put(params, sharding_tree(params, mesh))
+        batch = to_global(BATCH, batch_sharding(mesh), B)
+        got = _stats(mesh_graphdef, placed, batch)
+    for name in PER_LAYER + HEAD:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_lora_statistics_are_the_adapted_model_s_and_a_reward_model_has_no_logits():
+    lora = LoRAConfig(rank=4, targets="q_proj,gate_proj,down_proj")
+    model = build_model(MODEL, F32, jax.random.key(0), lora=lora)
+    for adapter in jax.tree.leaves(nnx.state(model, nnx.LoRAParam), is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        adapter[...] = 0.5 * jax.random.normal(jax.random.key(1), adapter.shape)  # B != 0: adapters change things
+    graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    adapted = _stats(graphdef, params, frozen=frozen)
+    merged_graphdef, merged_params = nnx.split(merge(model))
+    want = _stats(merged_graphdef, merged_params)
+    base_graphdef, base_params = nnx.split(build_model(MODEL, F32, jax.random.key(0)))
+    base = _stats(base_graphdef, base_params)
+    for name in PER_LAYER + HEAD:
+        np.testing.assert_allclose(adapted[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    assert not np.allclose(adapted["act_rms"], base["act_rms"], rtol=1e-3)
+
+    reward_graphdef, reward_params = nnx.split(build_model(MODEL, F32, jax.random.key(0), model_class=RewardModel))
+    reward = _stats(reward_graphdef, reward_params)
+    assert set(reward) == set(PER_LAYER)
+    np.testing.assert_allclose(reward["act_rms"], base["act_rms"], rtol=1e-5)  # the same decoder body
