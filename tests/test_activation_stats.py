@@ -1,6 +1,7 @@
 """The diagnostic forward's per-layer statistics (jaxllm/diagnostics/activations.py): equal to a hand computation
 layer by layer, the same on every layout (fsdp/tensor, pipeline stages, unrolled layers, micro-batches), of the
-adapted model with LoRA, NaN from the layer where a NaN is planted on, and absent from the plain forward."""
+adapted model with LoRA, a bound with cuDNN attention, NaN from the layer where a NaN is planted on, and absent from
+the plain forward."""
 
 import dataclasses
 
@@ -16,13 +17,16 @@ from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.diagnostics.activations import GATE_SATURATION, activation_stats, first_nonfinite_layer
 from jaxllm.lora import merge
 from jaxllm.mesh import make_mesh
-from jaxllm.model.layers import apply_rope, rope_tables
+import jaxllm.model.layers as layers
+from jaxllm.model.layers import apply_rope, rope_tables, xla_attention
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.visibility import attention_mask
 from jaxllm.sharding import sharding_tree
 from jaxllm.train.loop import to_global
 from jaxllm.train.state import build_model
 from jaxllm.train.step import NO_FROZEN, batch_sharding
+
+from packed_layout import mask_from_packed_layout
 
 MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
@@ -41,9 +45,12 @@ def _model_params(cfg=MODEL, **kw):
     return graphdef, params
 
 
+# One jitted function: calls with the same graphdef, shapes and layouts reuse one executable.
+_JITTED = jax.jit(activation_stats, static_argnums=(0,), static_argnames=("micro_batches",))
+
+
 def _stats(graphdef, params, batch=BATCH, frozen=NO_FROZEN, micro_batches=1):
-    fn = jax.jit(lambda p, f, b: activation_stats(graphdef, p, f, b, micro_batches))
-    return jax.device_get(fn(params, frozen, batch))
+    return jax.device_get(_JITTED(graphdef, params, frozen, batch, micro_batches=micro_batches))
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +69,15 @@ def _reference(model, batch) -> dict:
     mask = attention_mask(segment_ids)
     layer_graphdef, stacked = nnx.split(model.layers)
     x = model.embed_tokens(tokens, jnp.float32)
-    out = {name: [] for name in PER_LAYER}
+    out = {name: [] for name in PER_LAYER + ("attn_logit_bound",)}
     for i in range(cfg.num_layers):
         layer = nnx.merge(layer_graphdef, jax.tree.map(lambda a: a[i], stacked))
         normed = layer.input_layernorm(x)
         q = apply_rope(jnp.einsum("BTD,DNH->BTNH", normed, layer.self_attn.q_proj[...]), sin, cos)
         k = apply_rope(jnp.einsum("BTD,DKH->BTKH", normed, layer.self_attn.k_proj[...]), sin, cos)
         q, k, m = np.asarray(q), np.asarray(k), np.asarray(mask)
+        norm = lambda a: np.linalg.norm(a[valid], axis=-1).max()
+        out["attn_logit_bound"].append(norm(q) * norm(k) / np.sqrt(cfg.head_dim))
         group = cfg.num_heads // cfg.num_kv_heads
         logit_max = -np.inf
         for n in range(cfg.num_heads):
@@ -87,9 +96,15 @@ def _reference(model, batch) -> dict:
     return {**{k: np.array(v) for k, v in out.items()}, "logits_max": logits.max(), "logits_lse_mean": lse.mean()}
 
 
-def test_stats_equal_a_hand_computation_layer_by_layer(plain):
-    graphdef, params, got = plain
-    want = _reference(nnx.merge(graphdef, params), BATCH)
+@pytest.fixture(scope="module")
+def reference(plain):
+    graphdef, params, _ = plain
+    return _reference(nnx.merge(graphdef, params), BATCH)
+
+
+def test_stats_equal_a_hand_computation_layer_by_layer(plain, reference):
+    _, _, got = plain
+    want = reference
     for name in PER_LAYER + HEAD:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
     assert got["act_rms"].shape == (MODEL.num_layers,)
@@ -181,22 +196,48 @@ def test_sharded_statistics_equal_single_device(plain, monkeypatch, mesh_shape, 
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_lora_statistics_are_the_adapted_model_s_and_a_reward_model_has_no_logits():
+def test_lora_statistics_are_those_of_the_adapted_model():
+    """With adapters (B != 0) the statistics equal those of the merged model W + scale * A @ B."""
     lora = LoRAConfig(rank=4, targets="q_proj,gate_proj,down_proj")
     model = build_model(MODEL, F32, jax.random.key(0), lora=lora)
     for adapter in jax.tree.leaves(nnx.state(model, nnx.LoRAParam), is_leaf=lambda v: isinstance(v, nnx.Variable)):
-        adapter[...] = 0.5 * jax.random.normal(jax.random.key(1), adapter.shape)  # B != 0: adapters change things
+        adapter[...] = 0.5 * jax.random.normal(jax.random.key(1), adapter.shape)
     graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
-    adapted = _stats(graphdef, params, frozen=frozen)
     merged_graphdef, merged_params = nnx.split(merge(model))
-    want = _stats(merged_graphdef, merged_params)
-    base_graphdef, base_params = nnx.split(build_model(MODEL, F32, jax.random.key(0)))
-    base = _stats(base_graphdef, base_params)
+    # The adapters change the kernels they target, so ignoring them could not pass.
+    assert not np.allclose(merged_params["layers"]["mlp"]["gate_proj"][...],
+                           frozen["layers"]["mlp"]["gate_proj"][...], atol=1e-2)
+    adapted, want = _stats(graphdef, params, frozen=frozen), _stats(merged_graphdef, merged_params)
     for name in PER_LAYER + HEAD:
         np.testing.assert_allclose(adapted[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
-    assert not np.allclose(adapted["act_rms"], base["act_rms"], rtol=1e-3)
 
+
+def test_a_reward_model_has_the_decoder_s_statistics_and_no_logits(plain):
+    graphdef, params, want = plain
     reward_graphdef, reward_params = nnx.split(build_model(MODEL, F32, jax.random.key(0), model_class=RewardModel))
-    reward = _stats(reward_graphdef, reward_params)
-    assert set(reward) == set(PER_LAYER)
-    np.testing.assert_allclose(reward["act_rms"], base["act_rms"], rtol=1e-5)  # the same decoder body
+    body = {k: v for k, v in params.items() if k != "lm_head"}  # the LM's decoder under the reward model's head
+    reward_params = nnx.State({**body, "score": reward_params["score"]})
+    got = _stats(reward_graphdef, reward_params)
+    assert set(got) == set(PER_LAYER)
+    for name in PER_LAYER:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
+
+
+def _packed_layout_attention(q_BTNH, k_BSKH, v_BSKH, segments):
+    """CPU stand-in for cuDNN's kernel (as tests/test_pipeline.py): attention under the mask its packed layout
+    describes. The probe's bound reads the real projections around it."""
+    return xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_from_packed_layout(segments.offsets, segments.lengths,
+                                                                         q_BTNH.shape[1]))
+
+
+def test_with_cudnn_the_logit_statistic_is_the_norm_bound(plain, reference, monkeypatch):
+    """cuDNN's scores never exist: attn_logit_max is max ||q|| * max ||k|| / sqrt(H), an upper bound of the exact
+    maximum; the other statistics are unchanged."""
+    graphdef, params, exact = plain
+    monkeypatch.setattr(layers, "cudnn_attention", _packed_layout_attention)
+    cudnn_graphdef, _ = nnx.split(build_model(dataclasses.replace(MODEL, attention="cudnn"), F32, jax.random.key(0)))
+    got = _stats(cudnn_graphdef, params)
+    np.testing.assert_allclose(got["attn_logit_max"], reference["attn_logit_bound"], rtol=1e-5)
+    assert (got["attn_logit_max"] >= exact["attn_logit_max"]).all()
+    for name in ("act_rms", "act_max", "gate_saturation") + HEAD:
+        np.testing.assert_allclose(got[name], exact[name], rtol=1e-5, atol=1e-6, err_msg=name)
