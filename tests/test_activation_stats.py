@@ -24,6 +24,7 @@ from jaxllm.model.visibility import attention_mask
 from jaxllm.sharding import sharding_tree
 from jaxllm.train.loop import to_global
 from jaxllm.train.state import build_model
+from jaxllm.train.pretrain import next_token_loss
 from jaxllm.train.step import NO_FROZEN, batch_sharding
 
 from packed_layout import mask_from_packed_layout
@@ -31,7 +32,8 @@ from packed_layout import mask_from_packed_layout
 MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
 B, T = 8, 16
-BATCH = {k: v for k, v in synthetic_batch(3, B, T, MODEL.vocab_size).items() if k != "targets"}
+FULL_BATCH = synthetic_batch(3, B, T, MODEL.vocab_size)
+BATCH = {k: v for k, v in FULL_BATCH.items() if k not in ("targets", "loss_mask")}
 PER_LAYER = ("act_rms", "act_max", "gate_saturation", "attn_logit_max")
 HEAD = ("logits_max", "logits_lse_mean")
 
@@ -137,6 +139,23 @@ def test_a_nan_in_a_layer_shows_from_that_layer_on(plain, layer):
         assert np.isnan(got[name][layer:]).all(), (name, got[name])
     assert first_nonfinite_layer(got) == layer
     assert np.isnan(got["logits_max"]) and np.isnan(got["logits_lse_mean"])
+
+
+def test_a_nan_in_padding_alone_still_shows(plain):
+    """A row of padding only, whose token embeds to NaN: no valid token sees it, but the loss does (its masked
+    terms are 0 * NaN), so the statistics must not hide it behind the valid-token masks."""
+    graphdef, params, _ = plain
+    pad = 1  # synthetic batches draw tokens from 4 up: only the padding row uses id 1
+    batch = dict(BATCH, tokens=BATCH["tokens"].copy(), segment_ids=BATCH["segment_ids"].copy())
+    batch["tokens"][0], batch["segment_ids"][0] = pad, 0
+    broken = jax.tree.map(lambda a: a, params)
+    table = broken["embed_tokens"]["embedding"]
+    table[...] = table[...].at[pad].set(jnp.nan)
+    loss_sum, _, _ = jax.jit(lambda p, b: next_token_loss(nnx.merge(graphdef, p), b))(broken, dict(FULL_BATCH, **batch))
+    assert np.isnan(loss_sum)
+    got = _stats(graphdef, broken, batch)
+    assert all(np.isnan(got[name]).all() for name in PER_LAYER + HEAD), got
+    assert first_nonfinite_layer(got) == 0
 
 
 def _equations(jaxpr):
