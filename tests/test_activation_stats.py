@@ -188,25 +188,29 @@ def test_the_plain_forward_has_no_statistics_outputs(plain):
     assert len(probed_scan.outvars) > probed_scan.params["num_carry"]
 
 
-def test_unrolled_layers_and_micro_batches_give_the_same_statistics(plain):
+def test_unrolled_layers_a_chunked_head_and_micro_batches_give_the_same_statistics(plain):
     graphdef, params, want = plain
-    unrolled = dataclasses.replace(MODEL, scan_layers=False)
-    unrolled_graphdef, _ = nnx.split(build_model(unrolled, F32, jax.random.key(0)))
-    for got in (_stats(unrolled_graphdef, params), _stats(graphdef, params, micro_batches=2)):
+    variant = lambda **kw: nnx.split(build_model(dataclasses.replace(MODEL, **kw), F32, jax.random.key(0)))[0]
+    for got in (_stats(variant(scan_layers=False), params), _stats(variant(loss_chunk=4), params),
+                _stats(graphdef, params, micro_batches=2)):
         for name in PER_LAYER + HEAD:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("mesh_shape, microbatches", [((2, 2, 2, 1), 1), ((2, 1, 2, 2), 2)],
-                         ids=["data-fsdp-tensor", "pipeline-2-stages"])
-def test_sharded_statistics_equal_single_device(plain, monkeypatch, mesh_shape, microbatches):
+# The pipeline case runs the circular schedule (2 stages x 2 repeats of 1 layer): its stats come back from
+# stages in neither layer nor row order.
+@pytest.mark.parametrize("mesh_shape, pipeline, sequence_parallel",
+                         [((2, 2, 2, 1), PipelineConfig(), True),
+                          ((2, 1, 2, 2), PipelineConfig(microbatches=2, repeats=2), False)],
+                         ids=["data-fsdp-tensor-sequence-parallel", "pipeline-2-stages-circular"])
+def test_sharded_statistics_equal_single_device(plain, monkeypatch, mesh_shape, pipeline, sequence_parallel):
     graphdef, params, want = plain
     # The layout the pipeline is meant for (tests/test_pipeline.py): stacked layers split over `stage`.
     monkeypatch.setitem(sharding.RULES, "layers", ("stage", None))
     config = MeshConfig(*mesh_shape)
     mesh = make_mesh(config, jax.devices()[:config.num_devices])
     with jax.set_mesh(mesh):
-        model = build_model(MODEL, F32, jax.random.key(0), PipelineConfig(microbatches=microbatches))
+        model = build_model(MODEL, F32, jax.random.key(0), pipeline, sequence_parallel=sequence_parallel)
         mesh_graphdef, _ = nnx.split(model)
         placed = jax.device_put(params, sharding_tree(params, mesh))
         batch = to_global(BATCH, batch_sharding(mesh), B)
