@@ -105,9 +105,9 @@ def activation_stats(graphdef, params, frozen, batch: dict, micro_batches: int =
     the adapted model; an actor-critic: its policy) on `batch` (a train batch: `tokens`, and `segment_ids` and
     `positions` when packed). Traceable: jit it, under the training mesh, as the diagnostic variant of a step.
 
-    `micro_batches` runs the batch in that many slices of rows one after the other (as `train.grad_accum` does),
-    so its activations take no more memory than a training micro-batch's forward pass; the statistics are of
-    the whole batch either way.
+    `micro_batches` (dividing the batch's rows) runs the batch in that many slices of rows one after the other
+    (as `train.grad_accum` does), so its activations take no more memory than a training micro-batch's forward
+    pass; the statistics are of the whole batch either way. Dropout is off: the statistics are deterministic.
     """
     model = nnx.merge(graphdef, params, frozen)
     tokens_BT = batch["tokens"]
