@@ -1,10 +1,13 @@
-"""Training diagnostics: statistics that cost the production step nothing, and what they say about a run.
+"""Training diagnostics: statistics that cost the production step nothing, and what they say about a run
+(DESIGN.md section 10).
 
 - `norms`: global norms the production step reports every step (gradient norm after clipping, parameter and
   update norms, their ratio), and the per-layer / per-group norms of gradients, parameters and updates and the
   optimizer's second-moment statistics that only the diagnostic variant computes.
-- `variant`: the diagnostic variant of the train step, run every `diagnostics.every` steps in place of the
-  production step (the same update, bitwise, with more outputs), and the analysis of a non-finite step.
+- `activations`: per-layer statistics of the residual stream, the SwiGLU gate and the attention logits, and of
+  the output logits, from one probed forward pass.
+- `variant`: the diagnostic variant of the train step, run every `diagnostics.every` steps beside the
+  production step (the same update, with more outputs), and the analysis of a non-finite step.
 - `nonfinite`: naming the first layer whose parameters, activations or gradients went non-finite.
 
 Every statistic reaches metrics.jsonl under a `diag/` prefix (jaxllm/train/metrics_log.py).
