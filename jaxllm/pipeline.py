@@ -181,7 +181,8 @@ def pipeline(
                 x = jnp.where(valid, x, jnp.nan)
             x = jnp.where(valid, x, jnp.zeros_like(x))  # select, not multiply: garbage cannot leak
             rep = jnp.clip(k // m, 0, r - 1)
-            y = body(w_local, aux_all, x, rep, jnp.mod(k, m))
+            with jax.named_scope("stage"):  # profiler traces: every device runs its own stage's layers here
+                y = body(w_local, aux_all, x, rep, jnp.mod(k, m))
             y = jnp.where(valid, y, jnp.zeros_like(y))
             y = constrain(jax.lax.ppermute(y, STAGE, ring), residual)
             # Stage 0 receives stage p-1's virtual micro-batch t-(p-1) and files it (next repeat's input / output).

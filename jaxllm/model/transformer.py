@@ -154,7 +154,8 @@ def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: s
     (None: deterministic)."""
     graphdef, stacked = nnx.split(layers)
     step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=False)
-    x_BTD, _ = jax.lax.scan(lambda x, xs: (step(x, xs), None), x_BTD, (stacked, keys_L))
+    with jax.named_scope("layers"):  # profiler traces: the scan's layer index is not static, so one name
+        x_BTD, _ = jax.lax.scan(lambda x, xs: (step(x, xs), None), x_BTD, (stacked, keys_L))
     return x_BTD
 
 
@@ -167,7 +168,8 @@ def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat:
     graphdef, stacked = nnx.split(layers)
     step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=True)
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-        x_BTD = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L)))
+        with jax.named_scope(f"layer_{i}"):  # profiler traces name each unrolled layer
+            x_BTD = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L)))
     return x_BTD
 
 

@@ -1,0 +1,1 @@
+"""Diagnostics: metric writers, profiler traces, memory reports and step-time breakdowns."""
