@@ -8,6 +8,7 @@ step (DESIGN.md section 7: ground truth for per-device bytes) and the abstract t
 from __future__ import annotations
 
 import jax
+
 from jaxllm.offload import HOST
 from jaxllm.sharding import report_rows
 
