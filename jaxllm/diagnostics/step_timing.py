@@ -6,8 +6,8 @@ A record takes the seconds spent since the previous step record was written. Rec
 (after the next step is dispatched), so at an ordinary step that is what happened at its own boundary; a step
 that checkpoints or evaluates is written before it does (its metrics must show it healthy first), so the save,
 the evaluation and the next batch land in the following step's record. Either way every second is counted once,
-inside the record whose `step_time_s` it lengthened (a mid-run evaluation excepted: the step clock restarts
-after it).
+inside the record whose `step_time_s` it lengthened, except that a mid-run evaluation restarts the step clock
+(its time, and a save made at the same step, are outside `step_time_s`).
 """
 
 from __future__ import annotations
