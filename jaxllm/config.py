@@ -7,6 +7,7 @@ Functions downstream take only their own sub-config (`ModelConfig`, `OptimConfig
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 from pathlib import Path
@@ -245,10 +246,32 @@ class DebugConfig:
 class DiagnosticsConfig:
     """Per-layer statistics (jaxllm/diagnostics/): every `every` steps (0: never) that step runs a second compiled
     variant of the train step, with the same update, that also measures per-layer and per-group norms of
-    gradients, parameters and updates and the optimizer's second moments (`diag/...` records of metrics.jsonl).
-    The production step is the same program whatever `every` is."""
+    gradients, parameters and updates, activation statistics and the optimizer's second moments (`diag/...`
+    records of metrics.jsonl). The production step is the same program whatever `every` is."""
 
     every: int = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """Where each metrics record goes besides `<workdir>/metrics.jsonl` (always written): TensorBoard event files
+    in `<workdir>/tb` (tensorboardX, no TensorFlow) with `tensorboard`, and a Weights & Biases run in project
+    `wandb_project` with `wandb` (the optional `wandb` extra; offline into `<workdir>/wandb` unless WANDB_MODE
+    asks otherwise and an API key is there). See jaxllm/diagnostics/writers.py."""
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "jaxllm"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A `jax.profiler` trace of `steps` train steps from step `start_step` (0: off) into `<workdir>/profile`
+    (TensorBoard's profile plugin / xprof, and Perfetto: perfetto_trace.json.gz). See
+    jaxllm/diagnostics/profiler.py."""
+
+    start_step: int = 0
+    steps: int = 3
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -453,6 +476,8 @@ class Config:
     dpo: DPOConfig = DPOConfig()
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    profile: ProfileConfig = ProfileConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
     # XLA compiler flags, name (without the leading --) -> value, put into XLA_FLAGS by the scripts before JAX
@@ -714,6 +739,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
     if not str(cd.get("workdir", "")):
         raise ConfigError("workdir", "must not be empty")
+    _check_diagnostics(cfg.metrics, cfg.profile)
 
     return dataclasses.replace(cfg, mesh=mesh, precision=precision, xla_flags=_xla_flags(cfg.xla_flags))
 
@@ -730,6 +756,14 @@ def _xla_flags(flags) -> dict:
         if not isinstance(value, (bool, int, float, str)):
             raise ConfigError(f"xla_flags.{name}", f"expected a bool, number or string, got {value!r}")
     return dict(flags.items())
+
+
+def _check_diagnostics(metrics: MetricsConfig, profile: ProfileConfig) -> None:
+    if metrics.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.wandb", "needs the wandb package: pip install 'jaxllm[wandb]' (or set it false)")
+    if profile.start_step < 0:
+        raise ConfigError("profile.start_step", f"must be >= 0 (0: no trace), got {profile.start_step}")
+    _positive("profile.steps", profile.steps)
 
 
 def _check_lora(cfg: LoRAConfig) -> None:
@@ -833,7 +867,7 @@ def default_config_dict() -> ml_collections.ConfigDict:
                     train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
                     anomaly=AnomalyConfig, debug=DebugConfig, diagnostics=DiagnosticsConfig, lora=LoRAConfig,
                     sft=SFTConfig, preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig,
-                    ppo=PPOConfig)
+                    ppo=PPOConfig, metrics=MetricsConfig, profile=ProfileConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

@@ -191,7 +191,8 @@ def pipeline(
                 x = jnp.where(valid, x, jnp.nan)
             x = jnp.where(valid, x, jnp.zeros_like(x))  # select, not multiply: garbage cannot leak
             rep = jnp.clip(k // m, 0, r - 1)
-            y, stats = body(w_local, aux_all, x, rep, jnp.mod(k, m))
+            with jax.named_scope("stage"):  # profiler traces: every device runs its own stage's layers here
+                y, stats = body(w_local, aux_all, x, rep, jnp.mod(k, m))
             filed_stats = jax.tree.map(lambda f, a: jnp.where(valid, f.at[rep, jnp.mod(k, m)].set(a), f),
                                        filed_stats, stats)
             y = jnp.where(valid, y, jnp.zeros_like(y))

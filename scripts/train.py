@@ -5,6 +5,8 @@
                may be larger than this machine; temporaries come from a compile on a GPU host that has the
                mesh's devices, else from a formula, see jaxllm/activation_memory.py)
 --print_sharding  print every parameter's path, shape, PartitionSpec and bytes per device, then exit
+--print_memory  print the 20 largest parameter and optimizer-state buffers (path, logical axes, PartitionSpec,
+               bytes per device) of the run's abstract train state, then exit (nothing is allocated)
 
 A config's `xla_flags` (configs/gpu/*.py) are checked against the installed XLA and put into XLA_FLAGS ahead of
 the environment's own before JAX starts (jaxllm/xla_flags.py); both are printed.
@@ -42,6 +44,7 @@ def main(argv):
     p.add_argument("--workdir", default=None, help="run directory (same as --config.workdir)")
     p.add_argument("--dry_run", action="store_true")
     p.add_argument("--print_sharding", action="store_true")
+    p.add_argument("--print_memory", action="store_true")
     p.add_argument("--coordinator_address", default=None, help="host:port of process 0 (multi-process runs)")
     p.add_argument("--num_processes", type=int, default=None, help="number of processes in the job")
     p.add_argument("--process_id", type=int, default=None, help="this process's index in [0, num_processes)")
@@ -55,7 +58,7 @@ def main(argv):
     try:
         cd = build_config(args.config, overrides, args.workdir)
         use_xla_flags(cd.get("xla_flags", {}))  # before anything starts JAX's backend
-        planning = args.dry_run or args.print_sharding  # plans need no other processes
+        planning = args.dry_run or args.print_sharding or args.print_memory  # plans need no other processes
         layout = None if planning else resolve_layout(args.coordinator_address, args.num_processes,
                                                       args.process_id)
         if args.init_timeout <= 0:
@@ -96,6 +99,14 @@ def main(argv):
         from jaxllm.plan import format_plan, memory_plan
 
         print(format_plan(memory_plan(cfg)))
+        return 0
+    if args.print_memory:
+        from jaxllm.diagnostics.memory import memory_report
+
+        try:
+            print(memory_report(cfg))
+        except ConfigError as exc:
+            fail(str(exc))
         return 0
     if args.print_sharding:
         from flax import nnx

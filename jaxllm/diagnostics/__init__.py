@@ -9,6 +9,9 @@
 - `variant`: the diagnostic variant of the train step, run every `diagnostics.every` steps beside the
   production step (the same update, with more outputs), and the analysis of a non-finite step.
 - `nonfinite`: naming the first layer whose parameters, activations or gradients went non-finite.
+- `writers` (`tensorboard`, `wandb_writer`): every metrics record to metrics.jsonl, TensorBoard and wandb.
+- `profiler`, `memory`, `step_timing`: jax.profiler traces of chosen steps, the compiled step's memory, and
+  the host's share of each step (data wait, checkpoint blocking, evaluation).
 
 Every statistic reaches metrics.jsonl under a `diag/` prefix (jaxllm/train/metrics_log.py).
 """

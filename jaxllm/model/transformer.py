@@ -165,7 +165,8 @@ def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: s
     outputs, or None without a probe (see `_layer_step`)."""
     graphdef, stacked = nnx.split(layers)
     step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=False, probe=probe)
-    return jax.lax.scan(step, x_BTD, (stacked, keys_L))
+    with jax.named_scope("layers"):  # profiler traces: the scan's layer index is not static, so one name
+        return jax.lax.scan(step, x_BTD, (stacked, keys_L))
 
 
 def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", keys_L=None,
@@ -178,7 +179,8 @@ def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat:
     step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=True, probe=probe)
     per_layer = []
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-        x_BTD, stats = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L)))
+        with jax.named_scope(f"layer_{i}"):  # profiler traces name each unrolled layer
+            x_BTD, stats = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L)))
         per_layer.append(stats)
     return x_BTD, None if probe is None else jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
 

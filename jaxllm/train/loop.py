@@ -27,6 +27,8 @@ from flax import nnx
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
+from jaxllm.diagnostics.memory import format_step_memory
+from jaxllm.diagnostics.profiler import StepProfiler
 from jaxllm.diagnostics.variant import DiagnosticSteps
 from jaxllm.loss_scale import loss_scaling
 from jaxllm.mesh import make_mesh
@@ -269,6 +271,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     t0 = time.perf_counter()
     runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh, log)
     runner.compile(run.state, batch, run.frozen)
+    log(format_step_memory(runner.compiled_for(batch), jax.local_devices()[0]))
     eval_step = None
     if eval_batches:
         with jax.set_mesh(mesh):
@@ -287,7 +290,9 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     if start.base is not None:
         summary["base"] = start.base
     eval_loss = lambda: evaluate(eval_step, run.state.params, run.frozen, eval_batches) if eval_step else float("nan")
-    summary["initial_eval_loss"] = initial_eval = eval_loss()
+    times = metrics_log.host_times  # data wait, checkpoint blocking and eval, into the step records
+    with times.measure("eval_s"):
+        summary["initial_eval_loss"] = initial_eval = eval_loss()
     if eval_step is not None:  # objectives without held-out batches (GRPO) report through their task metrics
         metrics_log.writer.write({"step": start_step, "eval_loss": initial_eval})
         log(f"step {start_step} held-out loss {initial_eval:.4f}")
@@ -301,6 +306,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     guard = PreemptionGuard()
     hot = HotUpdates(workdir, run.hot_updates, incidents, log, guard.check_every)  # <workdir>/control.json
     read = lambda entry: runner.explain(metrics_log.report(*entry), run, metrics_log.writer)  # fetch one step
+    profiler = StepProfiler(cfg.profile, workdir, log)
     pending = None  # (step, metrics on device, host metrics) of the step dispatched last, not yet read
     held = False
     step = start_step
@@ -310,7 +316,9 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
         while step < tc.steps:
             checkpointer.check_for_errors()  # a failed background save stops training here
             step += 1
-            run.state, metrics = runner(step, run.state, batch, run.frozen)  # dispatch this step ...
+            with profiler.step(step):
+                run.state, metrics = runner(step, run.state, batch, run.frozen)  # dispatch this step ...
+            profiler.after(step, metrics)
             current = (step, metrics, host, batch["tokens"].size)
             rolled_back = pending is not None and recover(run, read(pending))  # ... read the last
             pending = None
@@ -337,9 +345,11 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                     metrics_log.restart_clock()
                 run.state = hot.apply(step, run.state, can_eval=eval_step is not None)
                 if boundary:
-                    checkpointer.save(step, run.state, run.batches.get_state(), meta())
+                    with times.measure("checkpoint_block_s"):
+                        checkpointer.save(step, run.state, run.batches.get_state(), meta())
                 if evaluating:
-                    metrics_log.writer.write({"step": step, "eval_loss": eval_loss()})
+                    with times.measure("eval_s"):
+                        metrics_log.writer.write({"step": step, "eval_loss": eval_loss()})
                     metrics_log.restart_clock()  # eval time is not the next step's time
                 if stop:
                     checkpointer.wait()
@@ -347,13 +357,15 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                     summary["preempted_at"] = step
                     break
             if step < tc.steps:
-                local = next(run.batches)
-                host = host_metrics(local, run.batches)
-                batch = to_global(local, rows_sharding, tc.batch_size)
+                with times.measure("data_wait_s"):
+                    local = next(run.batches)
+                    host = host_metrics(local, run.batches)
+                    batch = to_global(local, rows_sharding, tc.batch_size)
         if pending is not None:
             recover(run, read(pending))
         checkpointer.wait()
     finally:
+        profiler.stop()
         watchdog.stop()
         guard.restore()
         run.batches.close()
