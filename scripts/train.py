@@ -95,6 +95,13 @@ def main(argv):
             cfg = planned_config(cfg, num_devices)
         except ConfigError as exc:
             fail(str(exc))
+    if args.dry_run or args.print_comms:  # plans of the step as it will run: "auto" settings chosen first
+        from jaxllm.auto_fit import resolve_auto
+
+        try:
+            cfg = resolve_auto(cfg)
+        except ConfigError as exc:
+            fail(str(exc))
     if args.dry_run:
         from jaxllm.plan import format_plan, memory_plan
 
