@@ -141,6 +141,11 @@ def main(argv):
         print(f"error: training stopped: {exc}", file=sys.stderr)
         return 3
     except jax.errors.JaxRuntimeError as exc:
+        from jaxllm.diagnostics.oom import format_oom, is_oom
+
+        if is_oom(exc):  # a summary instead of XLA's text (its first line stays in the summary)
+            print(format_oom(str(exc), cfg, jax.local_devices()[0].memory_stats()), file=sys.stderr)
+            return 1
         if jax.process_count() == 1:
             raise
         # Usually a peer died mid-collective; JAX's heartbeat check would stop this process shortly anyway.
