@@ -58,7 +58,8 @@ def test_grad_accum_auto_takes_the_largest_micro_batch_that_fits_and_trains_as_c
 def test_remat_auto_takes_the_least_recomputation_that_fits():
     base = _cfg()
     none, save_dots = (step_device_bytes(with_setting(base, r, 1)) for r in ("none", "save_dots"))
-    cfg = _cfg("--config.model.remat=auto", _budget_between(save_dots, none), f"--config.train.memory_fraction={FRACTION}")
+    cfg = _cfg("--config.model.remat=auto", _budget_between(save_dots, none),
+               f"--config.train.memory_fraction={FRACTION}")
     lines = []
     chosen = choose(cfg, lines.append)
     assert (chosen.model.remat, chosen.optim.grad_accum) == ("save_dots", 1)
