@@ -6,6 +6,7 @@ on one CPU device raised under `ulimit -v 4000000` (jax 0.10.2, XLA:CPU; jaxllm.
 then jax.block_until_ready): the 256 MiB it asked for is one of the stacked MLP kernels [4, 2048, 8192] in float32.
 """
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ import pytest
 from jaxllm.cli import build_config, split_overrides
 from jaxllm.config import validate
 from jaxllm.diagnostics.oom import format_oom, is_oom, parse_oom
+
+from train_runs import train_command, train_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_OOM = (ROOT / "tests" / "data" / "oom" / "cpu_init.txt").read_text()
@@ -80,3 +83,25 @@ def test_a_buffer_assignment_listing_maps_buffers_to_parameters_and_layer_scopes
     assert "BKGTS,BSKH->BTKGH/dot_general at /x/jaxllm/model/layers.py:139" in text
     # q_proj [L 4, D 256, N 4, H 64] split (stage, fsdp, tensor, -): [4, 128, 2, 64] on each device
     assert "256.00 KiB  parameter layers.self_attn.q_proj (or its optimizer state)" in text
+
+
+# Far above what the job needs but its embedding: that allocation fails, nothing else does. Set by the shell (not a
+# preexec_fn, which would fork this multithreaded JAX process).
+ADDRESS_SPACE_KIB = 6 * 10**9 // 1024
+
+
+def test_train_prints_the_summary_and_exits_1_on_a_real_oom(shakespeare_store, tmp_path):
+    """A vocabulary of 2^26 makes the embedding and the head 16 GiB each on one device: initialising them fails
+    under a 6 GB address-space limit (whatever the machine's memory), a real XLA:CPU RESOURCE_EXHAUSTED."""
+    command = train_command(shakespeare_store, tmp_path, "--config.mesh.data=1", "--config.mesh.fsdp=1",
+                            "--config.mesh.tensor=1", f"--config.model.vocab_size={2**26}",
+                            "--config.train.batch_size=1", "--config.train.steps=2")
+    limited = ["bash", "-c", f'ulimit -v {ADDRESS_SPACE_KIB} && exec "$@"', "bash", *command]
+    proc = subprocess.run(limited, capture_output=True, text=True, env=train_env(devices=1), timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()
+    assert err[0] == "error: out of device memory (XLA RESOURCE_EXHAUSTED)", proc.stderr[-3000:]
+    assert err[1] == f"  asked for: 16.00 GiB ({2**26 * 64 * 4:,} bytes)"
+    assert "parameter embed_tokens.embedding / lm_head (or its optimizer state)" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(err) < 25
+    assert "train.batch_size" not in proc.stderr  # one row per step: nothing to split

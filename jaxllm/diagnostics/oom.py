@@ -87,8 +87,9 @@ def suggestions(cfg) -> list[str]:
     if cfg.model.remat != "full":
         out.append(f"model.remat=full (now {cfg.model.remat}): keep only each layer's input for the backward pass")
     accum = cfg.optim.grad_accum
-    out.append(f"a smaller train.batch_size (now {cfg.train.batch_size}) or more micro-batches: optim.grad_accum="
-               f"{2 * accum if accum else 2} (now {accum or 'auto'}), or optim.grad_accum=auto")
+    if cfg.train.batch_size // (mesh.data * mesh.fsdp * max(accum, 1)) > 1:  # a micro-batch has rows to spare
+        out.append(f"a smaller train.batch_size (now {cfg.train.batch_size}) or more micro-batches: "
+                   f"optim.grad_accum={2 * accum if accum else 2} (now {accum or 'auto'}), or optim.grad_accum=auto")
     if cfg.optim.offload == "none":
         out.append("optim.offload=host: the optimizer state in pinned host memory")
     return out

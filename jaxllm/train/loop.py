@@ -59,8 +59,11 @@ def live_bytes() -> int:
     Buffers are counted once each: reading a shard makes a single-device array that is itself live and shares
     the shard's buffer.
     """
+    arrays = [x for x in jax.live_arrays() if x.sharding.memory_kind != HOST]
+    # An array whose allocation failed (out of memory) raises here; reading its buffer pointer would wait forever.
+    jax.block_until_ready(arrays)
     buffers = {(shard.device.id, shard.data.unsafe_buffer_pointer()): shard.data.nbytes
-               for x in jax.live_arrays() if x.sharding.memory_kind != HOST for shard in x.addressable_shards}
+               for x in arrays for shard in x.addressable_shards}
     return sum(buffers.values())
 
 
