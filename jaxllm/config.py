@@ -34,7 +34,10 @@ SFT_TEMPLATES = ("alpaca", "chatml", "model")
 OVERLONG_RULES = ("truncate", "drop")
 AUTO_VOCAB = 0  # model.vocab_size "auto": the tokenizer's size, padded (resolve_vocab_size)
 VOCAB_MULTIPLE = 128  # "auto" pads to a multiple of this times mesh.tensor (Megatron's make-vocab-size-divisible-by)
-AUTO_VALUES = {"model.vocab_size": AUTO_VOCAB}  # keys that accept "auto" on the command line, and what it stores
+AUTO_GRAD_ACCUM = 0  # optim.grad_accum "auto": the fewest micro-batches that fit (jaxllm/auto_fit.py)
+AUTO_REMAT = "auto"  # model.remat "auto": the least recomputation that fits (jaxllm/auto_fit.py)
+# keys that accept "auto" on the command line, and what it stores
+AUTO_VALUES = {"model.vocab_size": AUTO_VOCAB, "optim.grad_accum": AUTO_GRAD_ACCUM, "model.remat": AUTO_REMAT}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +105,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    remat: str = "none"
+    remat: str = "none"  # or "auto": chosen before training by jaxllm/auto_fit.py
     # "host": what `remat` saves for the backward pass (save_dots, minimal_with_context, save_qkv_proj) goes to
     # pinned host memory instead of staying on the device; "none": it stays (jaxllm/offload.py).
     remat_offload: str = "none"
@@ -146,7 +149,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0
-    grad_accum: int = 1
+    grad_accum: int = 1  # "auto" (stored as 0): the fewest micro-batches that fit (jaxllm/auto_fit.py)
     # "host": the optimizer state lives in pinned host memory and streams to the device for the update inside
     # the step (jaxllm/offload.py); "none": it stays on the device.
     offload: str = "none"
@@ -179,6 +182,10 @@ class TrainConfig:
     sample_prompt: str = ""
     on_anomaly: str = "rollback"
     hang_timeout_s: float = 1800.0
+    # optim.grad_accum / model.remat "auto" pick what fits memory_fraction x the device's memory, or x
+    # memory_budget_gb (10^9 bytes per device; > 0 stands in for the device's limit, e.g. on a CPU).
+    memory_budget_gb: float = 0.0
+    memory_fraction: float = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -609,8 +616,11 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         _positive("model.vocab_size", model.vocab_size)
     _positive("model.rope_theta", model.rope_theta)
     _positive("model.norm_eps", model.norm_eps)
-    _choice("model.remat", model.remat, REMAT_POLICIES)
+    _choice("model.remat", model.remat, REMAT_POLICIES + (AUTO_REMAT,))
     _choice("model.remat_offload", model.remat_offload, OFFLOADS)
+    if model.remat_offload == "host" and model.remat == AUTO_REMAT:
+        raise ConfigError("model.remat_offload", "'host' offloads what a named model.remat policy saves, and "
+                                                 "model.remat=auto may choose none or full: name the policy")
     if model.remat_offload == "host" and model.remat in ("none", "full"):
         raise ConfigError("model.remat_offload", f"'host' offloads what model.remat saves by name, and "
                                                  f"model.remat={model.remat!r} saves nothing to offload (use "
@@ -667,7 +677,13 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     _choice("optim.schedule", optim.schedule, SCHEDULES)
     _choice("optim.offload", optim.offload, OFFLOADS)
     _positive("optim.lr", optim.lr)
-    _positive("optim.grad_accum", optim.grad_accum)
+    if optim.grad_accum != AUTO_GRAD_ACCUM:
+        _positive("optim.grad_accum", optim.grad_accum)
+    if train.memory_budget_gb < 0:
+        raise ConfigError("train.memory_budget_gb", f"must be >= 0 (0: the device's own limit), got "
+                                                    f"{train.memory_budget_gb}")
+    if not 0.0 < train.memory_fraction <= 1.0:
+        raise ConfigError("train.memory_fraction", f"must be in (0, 1], got {train.memory_fraction}")
     if optim.warmup_steps < 0:
         raise ConfigError("optim.warmup_steps", f"must be >= 0, got {optim.warmup_steps}")
     if not 0.0 <= optim.min_lr_ratio <= 1.0:
@@ -687,13 +703,14 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
             "train.batch_size",
             f"{train.batch_size} is not divisible by mesh.data*mesh.fsdp={batch_shards}",
         )
-    if train.batch_size % (optim.grad_accum * batch_shards):
+    accum = max(optim.grad_accum, 1)  # "auto" chooses among the counts that split the batch
+    if train.batch_size % (accum * batch_shards):
         raise ConfigError(
             "optim.grad_accum",
             f"train.batch_size={train.batch_size} does not split into {optim.grad_accum} micro-batches "
             f"divisible by mesh.data*mesh.fsdp={batch_shards}",
         )
-    if check_batch and train.batch_size % (pipeline.microbatches * optim.grad_accum):
+    if check_batch and train.batch_size % (pipeline.microbatches * accum):
         raise ConfigError(
             "pipeline.microbatches",
             f"train.batch_size={train.batch_size} does not split into {pipeline.microbatches} pipeline micro-batches "

@@ -12,6 +12,8 @@
 - `writers` (`tensorboard`, `wandb_writer`): every metrics record to metrics.jsonl, TensorBoard and wandb.
 - `profiler`, `memory`, `step_timing`: jax.profiler traces of chosen steps, the compiled step's memory, and
   the host's share of each step (data wait, checkpoint blocking, evaluation).
+- `comms` (`hlo_text`, `replica_groups`): the bytes the compiled step's collectives move, by kind and mesh axes.
+- `oom`: a readable summary of an out-of-memory error.
 
 Every statistic reaches metrics.jsonl under a `diag/` prefix (jaxllm/train/metrics_log.py).
 """

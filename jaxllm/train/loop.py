@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.checkpoint import Checkpointer
-from jaxllm.config import AUTO_VOCAB, Config, ConfigError
+from jaxllm.config import AUTO_GRAD_ACCUM, AUTO_REMAT, AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
 from jaxllm.diagnostics.memory import format_step_memory
 from jaxllm.diagnostics.profiler import StepProfiler
@@ -65,8 +65,11 @@ def live_bytes() -> int:
     Buffers are counted once each: reading a shard makes a single-device array that is itself live and shares
     the shard's buffer.
     """
+    arrays = [x for x in jax.live_arrays() if x.sharding.memory_kind != HOST]
+    # An array whose allocation failed (out of memory) raises here; reading its buffer pointer would wait forever.
+    jax.block_until_ready(arrays)
     buffers = {(shard.device.id, shard.data.unsafe_buffer_pointer()): shard.data.nbytes
-               for x in jax.live_arrays() if x.sharding.memory_kind != HOST for shard in x.addressable_shards}
+               for x in arrays for shard in x.addressable_shards}
     return sum(buffers.values())
 
 
@@ -229,7 +232,13 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     if is_main:  # before any work: a run directory that cannot be made is a bad --workdir
         make_workdir(workdir)
     if objective is None:
+        from jaxllm.auto_fit import resolve_auto  # before the model is built: its remat policy is part of it
+
+        cfg = resolve_auto(cfg, log)
         cfg, objective = objective_for(cfg, log)
+    if cfg.model.remat == AUTO_REMAT or cfg.optim.grad_accum == AUTO_GRAD_ACCUM:
+        raise ConfigError("model.remat" if cfg.model.remat == AUTO_REMAT else "optim.grad_accum",
+                          "auto is chosen when train() builds the objective itself: give a value")
     if cfg.model.vocab_size == AUTO_VOCAB:  # an objective that had no tokenizer to size it from
         raise ConfigError("model.vocab_size", f"auto needs a tokenizer, and train.objective={cfg.train.objective} "
                                               "found none (no base model): give a number")
