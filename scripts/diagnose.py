@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from jaxllm.diagnostics.report import write_report
-from jaxllm.diagnostics.run_data import RunDirError
+from jaxllm.diagnostics.run_data import RunDirError, load_run
 
 USAGE = "usage: python scripts/diagnose.py RUNDIR"
 
@@ -21,10 +20,13 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     try:
-        outdir, diagnosis = write_report(argv[0])
+        run = load_run(argv[0])
     except RunDirError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from jaxllm.diagnostics.report import write_report  # after the checks: matplotlib and jax take seconds
+
+    outdir, diagnosis = write_report(run)
     for finding in diagnosis.findings:
         print(f"{finding.severity:8s} {finding.id}: {finding.evidence['summary']}")
     if not diagnosis.findings:

@@ -164,10 +164,11 @@ def to_html(blocks: list, title: str) -> str:
             f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_report(run_dir: str | Path) -> tuple[Path, Diagnosis]:
-    """Diagnose the run in `run_dir` and write `run_dir/report/` (report.md, report.html, findings.json, PNG
-    plots); returns (the report directory, the diagnosis). A RunDirError when the run cannot be read."""
-    run = load_run(run_dir)
+def write_report(run: RunData | str | Path) -> tuple[Path, Diagnosis]:
+    """Diagnose `run` (loaded, or its directory) and write `<run dir>/report/` (report.md, report.html,
+    findings.json, PNG plots); returns (the report directory, the diagnosis). A RunDirError when the run cannot
+    be read."""
+    run = run if isinstance(run, RunData) else load_run(run)
     outdir = run.root / "report"
     outdir.mkdir(exist_ok=True)
     diagnosis = diagnose(run)
