@@ -279,6 +279,28 @@ def test_a_run_with_only_step_and_loss_is_diagnosed(tmp_path):
     assert "clip_norm" in diagnosis.not_evaluated["clipping_dominant"]
 
 
+def test_a_run_that_went_non_finite_at_once_is_diagnosed(tmp_path):
+    run_dir = _copy(tmp_path)
+    records = _with_new_fields(_records(run_dir))
+    for r in records:
+        if "loss" in r:
+            r.update(loss=float("nan"), grad_norm=float("nan"), update_ratio=float("nan"))
+    _write(run_dir, records)
+    ids = {f.id for f in diagnose(load_run(run_dir)).findings}
+    assert {"loss_divergence", "gradient_explosion"} <= ids and "lr_too_low" not in ids
+
+
+def test_a_partial_last_line_is_dropped_and_a_bad_line_named(tmp_path):
+    run_dir = _copy(tmp_path)
+    text = (run_dir / "metrics.jsonl").read_text()
+    (run_dir / "metrics.jsonl").write_text(text + '{"step": 61, "lo')
+    assert load_run(run_dir).step[-1] == 60
+    lines = text.splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines[:5] + ["{oops"] + lines[5:]) + "\n")
+    proc = _diagnose_command(run_dir)
+    assert proc.returncode == 2 and "metrics.jsonl:6: not a JSON object per line" in proc.stderr
+
+
 def _diagnose_command(run_dir) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "diagnose.py"), str(run_dir)], capture_output=True,
                           text=True, timeout=300)

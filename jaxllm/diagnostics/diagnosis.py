@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+
+import numpy as np
 
 from jaxllm.diagnostics.findings import CRITICAL, INFO, RULES, THRESHOLDS, WARNING, Finding, NotEvaluated, Rule, Thresholds
 from jaxllm.diagnostics.layer_rules import LAYER_RULES
@@ -29,7 +32,10 @@ def diagnose(run: RunData, t: Thresholds = THRESHOLDS, rules: tuple[Rule, ...] =
     findings, skipped = [], {}
     for rule in rules:
         try:
-            found = rule(run, t)
+            # NaN records are expected (skipped non-finite steps): numpy's warnings about them are noise here
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                found = rule(run, t)
         except NotEvaluated as why:
             skipped[rule.__name__] = str(why)
             continue

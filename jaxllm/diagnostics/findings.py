@@ -117,7 +117,9 @@ def loss_divergence(run: RunData, t: Thresholds) -> Finding | None:
     low_step = int(run.step[shape.min_index])
     summary = (f"the smoothed loss fell to {shape.smoothed[shape.min_index]:.3f} at step {low_step}, then rose "
                f"{100 * shape.rise:.0f}% to {shape.smoothed[-1]:.3f} by step {int(run.step[-1])}")
-    if shape.nonfinite_steps:
+    if len(shape.nonfinite_steps) == len(run.step):
+        summary = f"the loss is non-finite on every step ({len(run.step)}), from the first"
+    elif shape.nonfinite_steps:
         summary = f"non-finite loss on {len(shape.nonfinite_steps)} steps (first {shape.nonfinite_steps[0]}); " + summary
     return Finding("loss_divergence", CRITICAL,
                    {"summary": summary, "steps": shape.nonfinite_steps[:20] or [low_step, int(run.step[-1])],
@@ -130,6 +132,8 @@ def loss_oscillation(run: RunData, t: Thresholds) -> Finding | None:
     """The smoothed loss climbed back up well above its low at some point, or after warmup it jumps by a
     large fraction from step to step."""
     shape = _loss_shape(run, t)
+    if not np.isfinite(shape.excursion):  # no finite loss at all: loss_divergence says so
+        return None
     if shape.excursion <= t.excursion and shape.wobble <= t.oscillation:
         return None
     start, peak = int(run.step[shape.excursion_from]), int(run.step[shape.excursion_to])
@@ -220,7 +224,8 @@ def gradient_explosion(run: RunData, t: Thresholds) -> Finding | None:
         return None
     return Finding("gradient_explosion", CRITICAL,
                    {"summary": f"gradient norm: {len(nonfinite)} non-finite steps, spikes (>{t.grad_spike_ratio:g}x "
-                               f"the recent median) on {100 * share:.0f}% of steps, level grew {growth:.1f}x",
+                               f"the recent median) on {100 * share:.0f}% of steps, level grew "
+                               + (f"{growth:.1f}x" if np.isfinite(growth) else "(no finite level)"),
                     "steps": (nonfinite + [int(s) for s in run.step[spikes]])[:20],
                     "values": {"spike_share": share, "growth": growth, "max_grad_norm": float(np.nanmax(grad))}},
                    "Check optim.clip_norm is set (1.0 is usual); lower optim.lr; look for bad batches at the "
@@ -264,6 +269,8 @@ def slow_convergence(run: RunData, t: Thresholds) -> Finding | None:
 def lr_too_low(run: RunData, t: Thresholds) -> Finding | None:
     """Updates tiny next to the parameters, and the loss barely moving."""
     ratio = _median_after_warmup(run, required_series(run, "update_ratio"))
+    if not np.isfinite(ratio):
+        raise NotEvaluated("`update_ratio` has no finite values")
     shape = _loss_shape(run, t)
     if ratio >= t.tiny_update_ratio or shape.progress >= t.min_progress:
         return None

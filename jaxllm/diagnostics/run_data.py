@@ -38,9 +38,9 @@ class RunData:
     incidents: list[dict]
 
     def series(self, name: str) -> np.ndarray | None:
-        """The step field `name`, or None when no step record carries a value for it."""
-        values = self.steps.get(name)
-        return None if values is None or np.all(np.isnan(values)) else values
+        """The step field `name`, or None when no step record carries it (a NaN value counts: a non-finite step
+        is evidence, not absence)."""
+        return self.steps.get(name)
 
     def config_value(self, dotted: str, default=None):
         """A value of config.json by dotted path (`optim.clip_norm`), `default` when absent."""
