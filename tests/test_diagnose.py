@@ -279,6 +279,16 @@ def test_a_run_with_only_step_and_loss_is_diagnosed(tmp_path):
     assert "clip_norm" in diagnosis.not_evaluated["clipping_dominant"]
 
 
+def test_a_non_finite_step_the_run_recovered_from_is_no_divergence(tmp_path):
+    run_dir = _copy(tmp_path)
+    records = _with_new_fields(_records(run_dir))
+    _scale_steps(records, "loss", lambda s, v: float("nan") if s == 40 else v)
+    _incidents(records, run_dir)
+    _write(run_dir, records)
+    ids = {f.id for f in diagnose(load_run(run_dir)).findings}
+    assert "anomaly_incidents" in ids and "loss_divergence" not in ids
+
+
 def test_a_run_that_went_non_finite_at_once_is_diagnosed(tmp_path):
     run_dir = _copy(tmp_path)
     records = _with_new_fields(_records(run_dir))

@@ -110,9 +110,11 @@ def _median_after_warmup(run: RunData, values: np.ndarray) -> float:
 
 
 def loss_divergence(run: RunData, t: Thresholds) -> Finding | None:
-    """The loss went non-finite, or ended well above its lowest (smoothed) point."""
+    """The loss is non-finite at the end, or ended well above its lowest (smoothed) point. Non-finite steps the
+    run recovered from (skipped or rolled back) are anomaly incidents, not divergence."""
     shape = _loss_shape(run, t)
-    if not shape.nonfinite_steps and shape.rise <= t.divergence_rise:
+    ends_nonfinite = any(s >= run.step[-t.smooth_window] for s in shape.nonfinite_steps)
+    if not ends_nonfinite and shape.rise <= t.divergence_rise:
         return None
     low_step = int(run.step[shape.min_index])
     summary = (f"the smoothed loss fell to {shape.smoothed[shape.min_index]:.3f} at step {low_step}, then rose "

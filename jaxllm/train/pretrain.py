@@ -99,9 +99,9 @@ def pretrain_objective(cfg: Config) -> Objective:
     def open_batches(request: BatchRequest):
         index, count = request.rows
         source = make_train_iterator(cfg.data.path, split="train", global_batch_size=tc.batch_size,
-                                   seq_len=tc.seq_len, seed=tc.seed, process_index=index, process_count=count,
-                                   start_step=request.first, num_steps=request.end,
-                                   num_workers=cfg.data.num_workers)
+                                     seq_len=tc.seq_len, seed=tc.seed, process_index=index, process_count=count,
+                                     start_step=request.first, num_steps=request.end,
+                                     num_workers=cfg.data.num_workers)
         return ThrottledBatches(source, cfg.debug.data_sleep_s) if cfg.debug.data_sleep_s > 0 else source
 
     def eval_batches(rows):
