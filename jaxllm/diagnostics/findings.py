@@ -139,11 +139,16 @@ def loss_oscillation(run: RunData, t: Thresholds) -> Finding | None:
     if shape.excursion <= t.excursion and shape.wobble <= t.oscillation:
         return None
     start, peak = int(run.step[shape.excursion_from]), int(run.step[shape.excursion_to])
+    parts = []
+    if shape.excursion > t.excursion:
+        parts.append(f"the smoothed loss climbed {100 * shape.excursion:.1f}% from "
+                     f"{shape.smoothed[shape.excursion_from]:.3f} at step {start} to "
+                     f"{shape.smoothed[shape.excursion_to]:.3f} at step {peak}")
+    if shape.wobble > t.oscillation:
+        parts.append(f"after warmup the loss changes by a median {100 * shape.wobble:.1f}% from one step to the "
+                     "next (healthy runs: 1-2%)")
     return Finding("loss_oscillation", WARNING,
-                   {"summary": f"the smoothed loss climbed {100 * shape.excursion:.1f}% from "
-                               f"{shape.smoothed[shape.excursion_from]:.3f} at step {start} to "
-                               f"{shape.smoothed[shape.excursion_to]:.3f} at step {peak}; after warmup it changes by a "
-                               f"median {100 * shape.wobble:.1f}% from one step to the next (healthy: 1-3%)",
+                   {"summary": "; ".join(parts),
                     "steps": [start, peak],
                     "values": {"excursion": shape.excursion, "wobble": shape.wobble,
                                "thresholds": {"excursion": t.excursion, "oscillation": t.oscillation}}},
