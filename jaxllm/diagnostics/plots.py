@@ -20,6 +20,7 @@ from jaxllm.diagnostics.run_data import RunData  # noqa: E402
 from jaxllm.diagnostics.signals import running_median  # noqa: E402
 
 SIZE = (7.5, 3.6)
+MAX_MARKED = 20  # incidents labelled on the loss curve (the report's finding counts them all)
 DPI = 100
 
 
@@ -39,7 +40,7 @@ def loss_plot(run: RunData, ax) -> None:
     eval_steps, eval_loss = run.evals
     if len(eval_steps):
         ax.plot(eval_steps, eval_loss, "o-", color="tab:orange", lw=1.5, ms=4, label="held-out loss")
-    for i, incident in enumerate(run.incidents):
+    for i, incident in enumerate(run.incidents[:MAX_MARKED]):
         ax.axvline(incident["step"], color="tab:red", alpha=0.6, lw=1, ls="--",
                    label="incident" if i == 0 else None)
         ax.annotate(f"{incident.get('kind', '?')}: {incident.get('action', '?')}", (incident["step"], 1.0),
