@@ -33,7 +33,9 @@ SEEDED = {
     "zero_layer": (("--config.debug.zero_layer=1",), ("dead_layer",)),
     "init_x50": ((f"--config.model.init_std={BASE_INIT_STD * 50:g}",),
                  ("saturated_gates", "attention_logit_growth", "output_logits_saturated")),
-    "data_sleep": (("--config.debug.data_sleep_s=1.0",), ("input_bound",)),
+    # longer than the default step (1-2.6 s on these shared CPUs): a shorter sleep hides behind the step already
+    # queued on the devices (the loop loads the next batch while the devices run the current step)
+    "data_sleep": (("--config.debug.data_sleep_s=3.0",), ("input_bound",)),
 }
 NEEDS = {  # the rule a pathology's finding comes from when the run lacks its fields
     "zero_layer": "dead_layer", "data_sleep": "input_bound", "lr_div1000": "lr_too_low",
