@@ -250,6 +250,19 @@ def test_each_rule_names_its_pathology(tmp_path, finding_id):
         assert found.evidence["layers"] == layers
 
 
+def test_diag_records_on_their_own_lines_are_read_the_same(tmp_path):
+    run_dir = _copy(tmp_path)
+    records = _with_new_fields(_records(run_dir))
+    _dead_layer(records, run_dir)
+    split = []
+    for r in records:
+        diag = {k: r.pop(k) for k in list(r) if k.startswith("diag/")}
+        split += [r] + ([{"step": r["step"], **diag}] if diag else [])
+    _write(run_dir, split)
+    findings = {f.id: f for f in diagnose(load_run(run_dir)).findings}
+    assert list(findings) == ["dead_layer"] and findings["dead_layer"].evidence["layers"] == [2]
+
+
 def test_lr_too_high_without_update_ratio_reads_the_lr_schedule(tmp_path):
     run_dir = _copy(tmp_path)
     records = _records(run_dir)
