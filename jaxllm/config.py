@@ -240,6 +240,9 @@ class DebugConfig:
     before going on, so that a test's signal or kill always lands mid-run however fast the steps are.
     `stall_at_step`: the loop waits `stall_s` seconds for step K's metrics, as if step K hung on the devices
     (a drill for `train.hang_timeout_s`; the default outlasts any watchdog timeout worth drilling).
+    Seeded pathologies for the diagnosis (scripts/seeded_pathologies.py), pretraining only: `zero_layer` (-1:
+    off) starts that layer with every weight zero, a dead layer (all-zero weights get zero gradients, so it
+    never trains); `data_sleep_s` sleeps that long before each train batch, a throttled loader.
     """
 
     inject_nan_at_step: int = 0
@@ -247,6 +250,8 @@ class DebugConfig:
     hold_at_step: int = 0
     stall_at_step: int = 0
     stall_s: float = 3600.0
+    zero_layer: int = -1
+    data_sleep_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -720,6 +725,11 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     if not train.hang_timeout_s >= 0:
         raise ConfigError("train.hang_timeout_s", f"must be >= 0 (0: no hang watchdog), got {train.hang_timeout_s}")
     _positive("debug.stall_s", debug.stall_s)
+    if not -1 <= debug.zero_layer < model.num_layers:
+        raise ConfigError("debug.zero_layer", f"must be -1 (off) or a layer index below model.num_layers="
+                                              f"{model.num_layers}, got {debug.zero_layer}")
+    if not debug.data_sleep_s >= 0:
+        raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {debug.data_sleep_s}")
     if debug.hold_at_step and num_processes is not None and num_processes > 1:
         raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
     _positive("checkpoint.every", checkpoint.every)

@@ -14,6 +14,8 @@
   the host's share of each step (data wait, checkpoint blocking, evaluation).
 - `comms` (`hlo_text`, `replica_groups`): the bytes the compiled step's collectives move, by kind and mesh axes.
 - `oom`: a readable summary of an out-of-memory error.
+- `run_data`, `signals`, `findings`, `layer_rules`, `system_rules`, `diagnosis`, `plots`, `report`: the
+  diagnosis of a finished run (scripts/diagnose.py): its records turned into findings, plots and a report.
 
 Every statistic reaches metrics.jsonl under a `diag/` prefix (jaxllm/train/metrics_log.py).
 """

@@ -295,7 +295,9 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     watchdog = HangWatchdog(tc.hang_timeout_s, workdir / f"hang-stacks-{jax.process_index()}.txt")
     metrics_log = MetricsLog(cfg, mesh, workdir, start_step, is_main, stream, objective.progress_metrics,
                              on_step=watchdog.beat, stalls=planned_stalls(cfg.debug))
-    summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak}
+    summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak,
+                     # which device ran it: the diagnosis judges MFU only against a known peak (jaxllm.metrics)
+                     "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind}
     if start.base is not None:
         summary["base"] = start.base
     eval_loss = lambda: evaluate(eval_step, run.state.params, run.frozen, eval_batches) if eval_step else float("nan")
