@@ -15,6 +15,7 @@ happens in a step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -27,6 +28,7 @@ from flax import nnx
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import AUTO_GRAD_ACCUM, AUTO_REMAT, AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
+from jaxllm.diagnostics.activations import activation_stats
 from jaxllm.diagnostics.memory import format_step_memory
 from jaxllm.diagnostics.profiler import StepProfiler
 from jaxllm.diagnostics.variant import DiagnosticSteps
@@ -129,10 +131,11 @@ class StepRunner:
         self.objective, self.mesh, self.log = objective, mesh, log
         self.compiled: dict = {}  # batch shapes -> compiled step
         self.faults = planned_faults(cfg.debug)
-        # The diagnostic variant every diagnostics.every steps, and the analysis of non-finite steps. Activation
-        # statistics: pass `activations=` (jaxllm/diagnostics/variant.py) here.
+        # The diagnostic variant every diagnostics.every steps, and the analysis of non-finite steps; its probed
+        # forward pass runs in the step's micro-batches, so it needs no more activation memory than the step.
+        activations = functools.partial(activation_stats, micro_batches=cfg.optim.grad_accum)
         self.diagnostics = DiagnosticSteps(objective, tx, step_args, cfg.diagnostics.every, shardings,
-                                           frozen_shardings, mesh, log)
+                                           frozen_shardings, mesh, log, activations=activations)
 
     def compile(self, state, batch, frozen) -> float:
         start = time.perf_counter()
