@@ -204,6 +204,9 @@ def diag_run(shakespeare_store, tmp_path_factory):
     return workdir, summary, out.getvalue()
 
 
+ACTIVATION_STATS = ("act_rms", "act_max", "gate_saturation", "attn_logit_max")  # jaxllm/diagnostics/activations.py
+
+
 def test_a_run_writes_per_step_norms_and_diag_records_every_n_steps(diag_run):
     workdir, summary, _ = diag_run
     records = metrics(workdir)
@@ -217,7 +220,8 @@ def test_a_run_writes_per_step_norms_and_diag_records_every_n_steps(diag_run):
     assert [r["step"] for r in periodic] == [2, 4]
     expected = ({f"diag/{s}/layer_{i}" for s in STATS for i in range(LAYERS)}
                 | {f"diag/{s}/{g}" for s in STATS for g in GROUPS if g != "lora"}
-                | {"diag/adam_v_rms", "diag/adam_v_min"})
+                | {"diag/adam_v_rms", "diag/adam_v_min", "diag/logits_max", "diag/logits_lse_mean"}
+                | {f"diag/{s}/layer_{i}" for s in ACTIVATION_STATS for i in range(LAYERS)})
     for r in periodic:
         assert set(r) == expected | {"step"}, set(r) ^ (expected | {"step"})
         assert all(np.isfinite(v) for v in r.values())
