@@ -18,6 +18,7 @@ import pytest
 from jaxllm.diagnostics.diagnosis import diagnose
 from jaxllm.diagnostics.findings import THRESHOLDS, WARNING, CRITICAL
 from jaxllm.diagnostics.run_data import load_run
+from jaxllm.diagnostics.sizes import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "tests" / "data" / "diagnose" / "healthy"
@@ -437,8 +438,25 @@ def test_a_real_run_with_the_lr_x30_is_named(shakespeare_store, tmp_path):
     proc = subprocess.run(train_command(shakespeare_store, workdir, "--config.train.steps=24",
                                         "--config.optim.warmup_steps=8", "--config.optim.lr=0.09",
                                         "--config.train.eval_every=1000", "--config.checkpoint.every=1000",
-                                        "--config.train.on_anomaly=skip"),
+                                        "--config.train.on_anomaly=skip",
+                                        # a CPU reports no memory limit: a budget the step overfills stands in
+                                        "--config.train.memory_budget_gb=0.001"),
                           capture_output=True, text=True, env=train_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ids = {f.id for f in diagnose(load_run(workdir)).findings}
     assert ids & {"loss_oscillation", "lr_too_high"}, ids
+    assert "memory_headroom" in ids  # the compiled step's bytes, recorded at start-up, against the budget
+
+    # The report carries the compiled step's memory and collectives the run recorded in summary.json.
+    summary = json.loads((workdir / "summary.json").read_text())
+    memory, comms = summary["memory"], summary["comms"]
+    assert memory["limit_bytes"] == 10**6 and memory["per_device_bytes"] > 10**6
+    axes = {row["axes"] for row in comms["by_kind_axes"]}
+    assert {"tensor", "fsdp"} <= axes and comms["total_bytes_per_step"] > 0  # the default 2x2x2x1 mesh
+    proc = _diagnose_command(workdir)
+    assert proc.returncode == 0, proc.stderr
+    markdown = (workdir / "report" / "report.md").read_text()
+    section = markdown[markdown.index("## Memory and communication"):markdown.index("## Checks that could not run")]
+    assert format_bytes(memory["per_device_bytes"]) in section
+    assert format_bytes(comms["total_bytes_per_step"]) in section
+    assert all(f"| {row['kind']} | {row['axes']} |" in section for row in comms["by_kind_axes"])

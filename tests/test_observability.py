@@ -24,7 +24,7 @@ from train_runs import ROOT, metrics, run_command, train_command, train_env
 
 from jaxllm.cli import build_config
 from jaxllm.config import ConfigError, MetricsConfig, validate
-from jaxllm.diagnostics.memory import format_step_memory
+from jaxllm.diagnostics.memory import format_step_memory, step_memory
 from jaxllm.diagnostics.tensorboard import read_scalars
 from jaxllm.diagnostics.wandb_writer import wandb_mode
 from jaxllm.diagnostics.writers import MetricsWriter
@@ -171,12 +171,18 @@ def test_memory_line_numbers_come_from_the_compiled_step():
     x = np.ones((256, 1024), np.float32)  # 1 MiB
     compiled = jax.jit(lambda a: (a * 2, a.sum()), donate_argnums=0).lower(x).compile()
     stats = compiled.memory_analysis()
-    line = format_step_memory(compiled, jax.devices()[0])
-    assert f"arguments {stats.argument_size_in_bytes / 2**20:.2f} MiB" in line
-    assert line.endswith("(no limit reported by cpu)")
+    memory = step_memory(compiled, jax.devices()[0])
     total = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
              + stats.temp_size_in_bytes)
-    assert f"(device limit 2.00 GiB, {100 * total / 2**31:.1f}% used)" in format_step_memory(compiled, _Device())
+    assert memory["per_device_bytes"] == total and memory["limit_bytes"] is None
+    line = format_step_memory(memory, jax.devices()[0])
+    assert f"arguments {stats.argument_size_in_bytes / 2**20:.2f} MiB" in line
+    assert line.endswith("(no limit reported by cpu)")
+    on_gpu = step_memory(compiled, _Device())
+    assert on_gpu["limit_bytes"] == 2**31
+    assert f"(device limit 2.00 GiB, {100 * total / 2**31:.1f}% used)" in format_step_memory(on_gpu, _Device())
+    budget = step_memory(compiled, jax.devices()[0], budget_bytes=2**30)  # train.memory_budget_gb=1 on a CPU
+    assert (budget["limit_bytes"], budget["limit_of"]) == (2**30, "train.memory_budget_gb")
 
 
 def test_print_memory_lists_the_largest_buffers_with_their_layout(shakespeare_store, tmp_path):

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxllm.diagnostics.hlo_text import HloModule, Instruction, DTYPE_BYTES, array_shapes
 from jaxllm.diagnostics.replica_groups import groups_of
+from jaxllm.diagnostics.sizes import format_bytes
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 TOP = 10
@@ -140,13 +141,6 @@ def summarize(found: list[Collective], unknown_loops: int = 0, top: int = TOP) -
                 unknown_loops=unknown_loops)
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def _short_op(op_name: str) -> str:
     """The last step of an op_name (the JAX primitive, e.g. `BTD,DF->BTF/dot_general`), at most 48 characters."""
     tail = "/".join(op_name.split("/")[-2:]).strip("()")
@@ -158,29 +152,38 @@ def format_comms(summary: dict, mesh: dict[str, int]) -> str:
     loops = ("every loop's trip count known" if not summary["unknown_loops"] else
              f"{summary['unknown_loops']} loops of unknown trip count counted once")
     lines = [f"collectives of the compiled train step on mesh "
-             f"{' x '.join(f'{k}={v}' for k, v in mesh.items())}: {_size(summary['total_bytes_per_step'])} per "
+             f"{' x '.join(f'{k}={v}' for k, v in mesh.items())}: {format_bytes(summary['total_bytes_per_step'])} per "
              f"device per step (ops inside loops counted once per iteration, {loops})",
              f"{'kind':<20} {'mesh axes':<22} {'ops':>5} {'runs/step':>10} {'bytes/step':>12}"]
-    lines += [f"{r['kind']:<20} {r['axes']:<22} {r['ops']:>5} {r['runs']:>10} {_size(r['bytes_per_step']):>12}"
+    lines += [f"{r['kind']:<20} {r['axes']:<22} {r['ops']:>5} {r['runs']:>10} {format_bytes(r['bytes_per_step']):>12}"
               for r in summary["by_kind_axes"]]
     lines += ["", f"top {len(summary['top'])} collectives by bytes per step:",
               f"{'bytes/step':>12} {'runs':>5} {'kind':<18} {'mesh axes':<16} {'pass':<8} source (op)"]
     for c in summary["top"]:
         where = c["source"] or "?"
-        lines.append(f"{_size(c['bytes_per_step']):>12} {c['runs']:>5} {c['kind']:<18} {c['axes_label']:<16} "
+        lines.append(f"{format_bytes(c['bytes_per_step']):>12} {c['runs']:>5} {c['kind']:<18} {c['axes_label']:<16} "
                      f"{'backward' if c['backward'] else 'forward':<8} {where} ({_short_op(c['op_name'])})")
     return "\n".join(lines)
 
 
-def comms_report(cfg) -> dict:
-    """`summarize` of the train step of `cfg` compiled ahead of time on this machine's first
-    `cfg.mesh.num_devices` devices (nothing allocated), with the parameter each collective's source line uses."""
+def step_comms(compiled, mesh_shape: tuple[int, ...], params) -> dict:
+    """`summarize` of a compiled train step's collectives on a mesh of `mesh_shape` (`MESH_AXES` order), naming
+    the parameter of `params` (an nnx.State, abstract or real) that each collective's source line uses."""
     from flax import nnx
 
     from jaxllm.config import MESH_AXES
+
+    names = {str(path[-1]) for path, _ in nnx.to_flat_state(params)}
+    found, unknown = collectives(compiled.as_text(), mesh_shape, MESH_AXES, names)
+    return summarize(found, unknown)
+
+
+def comms_report(cfg) -> dict:
+    """`step_comms` of the train step of `cfg` compiled ahead of time on this machine's first
+    `cfg.mesh.num_devices` devices (nothing allocated)."""
+    from flax import nnx
+
     from jaxllm.plan import compiled_step
     from jaxllm.train.state import abstract_model
 
-    names = {str(path[-1]) for path, _ in nnx.to_flat_state(nnx.state(abstract_model(cfg.model, cfg.precision)))}
-    found, unknown = collectives(compiled_step(cfg).as_text(), cfg.mesh.shape, MESH_AXES, names)
-    return summarize(found, unknown)
+    return step_comms(compiled_step(cfg), cfg.mesh.shape, nnx.state(abstract_model(cfg.model, cfg.precision)))

@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import jax
 
+from jaxllm.diagnostics.sizes import format_bytes
 from jaxllm.offload import HOST
 from jaxllm.sharding import report_rows
-
-
-def _size(n: float) -> str:
-    if n >= 1024**3:
-        return f"{n / 1024**3:.2f} GiB"
-    return f"{n / 1024**2:.2f} MiB" if n >= 1024**2 / 10 else f"{n / 1024:.1f} KiB"
 
 
 def device_limit(device) -> int | None:
@@ -26,20 +21,35 @@ def device_limit(device) -> int | None:
     return None if not stats or "bytes_limit" not in stats else int(stats["bytes_limit"])
 
 
-def format_step_memory(compiled, device) -> str:
-    """One line: a compiled step's arguments, outputs, temporaries and aliased bytes per device (aliased: outputs
-    that reuse a donated argument's buffer, counted in both) next to `device`'s limit."""
+def step_memory(compiled, device, budget_bytes: int = 0) -> dict | None:
+    """A compiled step's bytes per device (`memory_analysis()`): arguments, outputs, temporaries, aliased
+    (outputs that reuse a donated argument's buffer, counted in both), `per_device_bytes` (all of them, aliased
+    once) and `limit_bytes`: `budget_bytes` when given (`train.memory_budget_gb`, what a CPU run plans
+    against), else `device`'s limit, else None. None when the backend reports no analysis."""
     stats = compiled.memory_analysis()
     if stats is None:
+        return None
+    memory = dict(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
+                  temporaries=stats.temp_size_in_bytes, aliased=stats.alias_size_in_bytes)
+    memory = {k: int(v) for k, v in memory.items()}
+    memory["per_device_bytes"] = (memory["arguments"] + memory["outputs"] - memory["aliased"]
+                                  + memory["temporaries"])
+    memory["limit_bytes"] = int(budget_bytes) or device_limit(device)
+    memory["limit_of"] = "train.memory_budget_gb" if budget_bytes else "device"
+    return memory
+
+
+def format_step_memory(memory: dict | None, device) -> str:
+    """One line of `step_memory`: arguments, outputs, temporaries and aliased bytes per device next to the
+    limit."""
+    if memory is None:
         return "compiled step memory per device: not reported by this backend"
-    arguments, outputs = stats.argument_size_in_bytes, stats.output_size_in_bytes
-    temporaries, aliased = stats.temp_size_in_bytes, stats.alias_size_in_bytes
-    total = arguments + outputs - aliased + temporaries
-    limit = device_limit(device)
-    against = (f"device limit {_size(limit)}, {100 * total / limit:.1f}% used" if limit
+    total, limit = memory["per_device_bytes"], memory["limit_bytes"]
+    against = (f"{memory['limit_of']} limit {format_bytes(limit)}, {100 * total / limit:.1f}% used" if limit
                else f"no limit reported by {device.platform}")
-    return (f"compiled step memory per device: arguments {_size(arguments)}, outputs {_size(outputs)}, "
-            f"temporaries {_size(temporaries)}, aliased {_size(aliased)}; in all {_size(total)} ({against})")
+    return (f"compiled step memory per device: arguments {format_bytes(memory['arguments'])}, outputs "
+            f"{format_bytes(memory['outputs'])}, temporaries {format_bytes(memory['temporaries'])}, aliased "
+            f"{format_bytes(memory['aliased'])}; in all {format_bytes(total)} ({against})")
 
 
 def buffer_rows(state, frozen, mesh, shardings) -> list[dict]:
@@ -70,7 +80,7 @@ def format_buffers(rows: list[dict], count: int = 20) -> str:
     on_device = sum(r["bytes_per_device"] for r in rows if r["memory"] == "device")
     on_host = sum(r["bytes_per_device"] for r in rows if r["memory"] == "host")
     lines.append(f"{min(count, len(rows))} largest of {len(rows)} buffers; all of them: {on_device:,} bytes per "
-                 f"device ({_size(on_device)})" + (f", {on_host:,} in host memory" if on_host else ""))
+                 f"device ({format_bytes(on_device)})" + (f", {on_host:,} in host memory" if on_host else ""))
     return "\n".join(lines)
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import re
 
-UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+from jaxllm.diagnostics.sizes import BYTE_UNITS, format_bytes
+
+UNITS = {"B": 1, **BYTE_UNITS}
 _REQUESTED = re.compile(r"(?:allocating|allocate)\s+(\d+)\s+bytes")
 _REQUESTED_ROUNDED = re.compile(r"rounded to (\d+)\)")
 _STAT = re.compile(r"^\s*([a-z_ ]+?) allocation:\s+([\d.]+)(B|KiB|MiB|GiB|TiB)", re.MULTILINE)
@@ -68,13 +70,6 @@ def name_buffer(buffer: dict, parameters: list[dict]) -> str:
     return where or "an intermediate of the step (no op named)"
 
 
-def _size(n: float) -> str:
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        if n >= UNITS[unit]:
-            return f"{n / UNITS[unit]:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def suggestions(cfg) -> list[str]:
     """What to change in `cfg` to need less memory per device, most effective first."""
     mesh, out = cfg.mesh, []
@@ -114,26 +109,28 @@ def format_oom(text: str, cfg, device_limit: dict | None = None, top: int = 5) -
     facts = parse_oom(text)
     asked = facts["requested"]
     lines = ["error: out of device memory (XLA RESOURCE_EXHAUSTED)",
-             f"  asked for: {_size(asked) + f' ({asked:,} bytes)' if asked else 'not said'}"]
+             f"  asked for: {format_bytes(asked) + f' ({asked:,} bytes)' if asked else 'not said'}"]
     if facts["stats"].get("total"):
-        parts = ", ".join(f"{k} {_size(v)}" for k, v in facts["stats"].items() if k != "total" and v)
-        lines.append(f"  the compiled program needs {_size(facts['stats']['total'])} per device ({parts})")
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in facts["stats"].items() if k != "total" and v)
+        lines.append(f"  the compiled program needs {format_bytes(facts['stats']['total'])} per device ({parts})")
     limit = (device_limit or {}).get("bytes_limit")
     if limit:
         in_use = device_limit.get("bytes_in_use", 0)
-        lines.append(f"  available: {_size(limit - in_use)} of {_size(limit)} per device ({_size(in_use)} in use)")
+        lines.append(f"  available: {format_bytes(limit - in_use)} of {format_bytes(limit)} per device "
+                     f"({format_bytes(in_use)} in use)")
     else:
         lines.append("  available: not reported by this backend (a CPU has no device limit; the host ran out)")
     parameters = _parameters(cfg) if cfg.model.vocab_size else []  # "auto" vocabularies are sized later
     buffers = facts["buffers"] or ([dict(size=asked, shape="")] if asked else [])
     if buffers:
         lines.append("  largest buffers:" if facts["buffers"] else "  the allocation that failed:")
-        lines += [f"    {_size(b['size']):>10}  " + (f"{b['shape']}  " if b.get("shape") else "")
+        lines += [f"    {format_bytes(b['size']):>10}  " + (f"{b['shape']}  " if b.get("shape") else "")
                   + name_buffer(b, parameters) for b in buffers[:top]]
     if parameters:
         biggest = sorted(parameters, key=lambda p: -p["bytes_per_device"])[:top]
         lines.append("  largest parameters per device (AdamW keeps two more buffers of each):")
-        lines += [f"    {_size(p['bytes_per_device']):>10}  {p['path']} {tuple(p['local_shape'])}" for p in biggest]
+        lines += [f"    {format_bytes(p['bytes_per_device']):>10}  {p['path']} {tuple(p['local_shape'])}"
+                  for p in biggest]
     lines.append("  to need less memory per device:")
     lines += [f"    - {s}" for s in suggestions(cfg)]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from jaxllm.diagnostics.diagnosis import Diagnosis, diagnose
 from jaxllm.diagnostics.findings import THRESHOLDS, Finding
 from jaxllm.diagnostics.plots import make_plots
 from jaxllm.diagnostics.run_data import RunData, load_run
+from jaxllm.diagnostics.sizes import format_bytes
 
 TITLES = {
     "loss_divergence": "The loss diverged",
@@ -96,9 +97,42 @@ def _overview(run: RunData) -> Paragraph:
     return Paragraph(text + ".")
 
 
+def _memory_blocks(memory: dict | None) -> list:
+    """The compiled step's bytes per device that the run logged at start-up (summary.json `memory`)."""
+    if not memory:
+        return [Paragraph("Compiled step memory: not recorded in summary.json (a run from an older version, or a "
+                          "backend without `memory_analysis()`).")]
+    limit = memory.get("limit_bytes")
+    against = (f", {100 * memory['per_device_bytes'] / limit:.1f}% of the {memory.get('limit_of', 'device')} limit "
+               f"{format_bytes(limit)}" if limit else "; the device reports no limit")
+    parts = ", ".join(f"{k} {format_bytes(memory[k])}" for k in ("arguments", "outputs", "temporaries", "aliased")
+                      if k in memory)
+    return [Paragraph(f"Compiled step memory per device: {format_bytes(memory['per_device_bytes'])} in all"
+                      + (f" ({parts})" if parts else "") + f"{against}.")]
+
+
+def _comms_blocks(comms: dict | None) -> list:
+    """The compiled step's collectives (summary.json `comms`, `jaxllm.diagnostics.comms.summarize`)."""
+    if comms is None:
+        return [Paragraph("Collectives: not recorded in summary.json (a run from an older version).")]
+    if not comms["by_kind_axes"]:
+        return [Paragraph("Collectives: none (one device, or nothing sharded).")]
+    loops = (f" {comms['unknown_loops']} loops of unknown trip count are counted once." if comms["unknown_loops"]
+             else "")
+    return [Paragraph(f"Collectives of the compiled train step: {format_bytes(comms['total_bytes_per_step'])} per device "
+                      f"per step, by kind and the mesh axes their device groups span.{loops}"),
+            Table(["kind", "mesh axes", "ops", "runs/step", "bytes/step"],
+                  [[r["kind"], r["axes"], str(r["ops"]), str(r["runs"]), format_bytes(r["bytes_per_step"])]
+                   for r in comms["by_kind_axes"]]),
+            Paragraph("The largest collectives:"),
+            Table(["bytes/step", "runs", "kind", "mesh axes", "pass", "source"],
+                  [[format_bytes(c["bytes_per_step"]), str(c["runs"]), c["kind"], c["axes_label"],
+                    "backward" if c["backward"] else "forward", c["source"] or "?"] for c in comms["top"]])]
+
+
 def build_report(run: RunData, diagnosis: Diagnosis, plots: dict, missing_plots: dict[str, str]) -> list:
-    """The report's blocks: findings first (plain language, evidence, action), then plots, the checks that
-    could not run, and the thresholds."""
+    """The report's blocks: findings first (plain language, evidence, action), then plots, the compiled step's
+    memory and communication, the checks that could not run, and the thresholds."""
     blocks: list = [Heading(1, f"Diagnosis of {run.root}"), _overview(run), Heading(2, "Findings")]
     if not diagnosis.findings:
         blocks.append(Paragraph("No findings: every check that could run passed."))
@@ -109,6 +143,8 @@ def build_report(run: RunData, diagnosis: Diagnosis, plots: dict, missing_plots:
         blocks += [Heading(3, title), Image(path.name, title)]
     if missing_plots:
         blocks += [Paragraph("Not drawn:"), Bullets([f"{name}: {why}" for name, why in missing_plots.items()])]
+    blocks.append(Heading(2, "Memory and communication"))
+    blocks += _memory_blocks(run.summary.get("memory")) + _comms_blocks(run.summary.get("comms"))
     blocks.append(Heading(2, "Checks that could not run"))
     blocks.append(Table(["check", "why"], [[name, why] for name, why in diagnosis.not_evaluated.items()])
                   if diagnosis.not_evaluated else Paragraph("None: every check ran."))

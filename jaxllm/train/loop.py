@@ -25,11 +25,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxllm.auto_fit import GB
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import AUTO_GRAD_ACCUM, AUTO_REMAT, AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
 from jaxllm.diagnostics.activations import activation_stats
-from jaxllm.diagnostics.memory import format_step_memory
+from jaxllm.diagnostics.comms import step_comms
+from jaxllm.diagnostics.memory import format_step_memory, step_memory
 from jaxllm.diagnostics.profiler import StepProfiler
 from jaxllm.diagnostics.variant import DiagnosticSteps
 from jaxllm.loss_scale import loss_scaling
@@ -283,7 +285,11 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     t0 = time.perf_counter()
     runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh, log)
     runner.compile(run.state, batch, run.frozen)
-    log(format_step_memory(runner.compiled_for(batch), jax.local_devices()[0]))
+    # Recorded in summary.json for scripts/diagnose.py (memory headroom, communication). train.memory_budget_gb
+    # stands in for the limit a CPU does not report.
+    memory = step_memory(runner.compiled_for(batch), jax.local_devices()[0], int(tc.memory_budget_gb * GB))
+    log(format_step_memory(memory, jax.local_devices()[0]))
+    comms = step_comms(runner.compiled_for(batch), tuple(mesh.axis_sizes), run.state.params) if is_main else None
     eval_step = None
     if eval_batches:
         with jax.set_mesh(mesh):
@@ -300,7 +306,8 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                              on_step=watchdog.beat, stalls=planned_stalls(cfg.debug))
     summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak,
                      # which device ran it: the diagnosis judges MFU only against a known peak (jaxllm.metrics)
-                     "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind}
+                     "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
+                     "memory": memory, "comms": comms}
     if start.base is not None:
         summary["base"] = start.base
     eval_loss = lambda: evaluate(eval_step, run.state.params, run.frozen, eval_batches) if eval_step else float("nan")
