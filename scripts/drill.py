@@ -29,7 +29,8 @@ def main(argv):
     args_list, overrides = split_overrides(argv)
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="a configs/*.py file with get_config()")
-    p.add_argument("--faults", required=True, help="kind:count,... (kill9, sigterm, corrupt, diskfull, peer, nan, spike, hotlr)")
+    p.add_argument("--faults", required=True,
+                   help="kind:count,... (kill9, sigterm, corrupt, diskfull, peer, nan, spike, hotlr)")
     p.add_argument("--seed", type=int, default=0, help="draws the faults' steps and moments (default 0)")
     p.add_argument("--workdir", default="runs/drill", help="the drill's directory, empty or new (default runs/drill)")
     p.add_argument("--reference", default=None, help="a finished uninterrupted run of the same config")
