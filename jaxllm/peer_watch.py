@@ -1,13 +1,13 @@
 """Naming the process that died: a survivor of a multi-process job says which process is gone, then exits.
 
-The start-up rendezvous (jaxllm/distributed.py) leaves one TCP link open between process 0 and every other
-process for the life of the job. However a process dies (SIGKILL, the OOM killer, a crash), its kernel closes its
-links at once, so the process at the other end learns which one went: process 0 learns of process k directly
-and tells the others ("gone k") before it exits itself; a process k > 0 whose link to process 0 closes with no
-such word names process 0, the coordinator. A process that exits through Python's normal shutdown says "bye"
-first (atexit), so a clean exit is never taken for a death. The survivor prints one line naming the dead
-process(es) and exits 1 at once: the job cannot go on without them (a collective would fail, or on GPUs hang),
-and a scheduler's requeue restarts it from its last checkpoint.
+The start-up rendezvous (jaxllm/distributed.py) leaves one TCP link open between process 0 and every other process
+for the life of the job. However a process dies (SIGKILL, the OOM killer, a crash), its kernel closes its links at
+once (they are not inherited by child processes: PEP 446, and grain's workers are spawned), so the process at the
+other end learns which one went: process 0 learns of process k directly and tells the others ("gone k") before it
+exits itself; a process k > 0 whose link to process 0 closes with no such word names process 0, the coordinator. A
+process that exits through Python's normal shutdown says "bye" first (atexit), so a clean exit is never taken for a
+death. The survivor prints one line naming the dead process(es) and exits 1 at once: the job cannot go on without
+them (a collective would fail, or on GPUs hang), and a scheduler's requeue restarts it from its last checkpoint.
 
 Why not JAX's own liveness (measured with jaxlib 0.10.2 on 2 CPU processes): `client.get_live_nodes` answers only
 once the coordination service has declared the process dead, `heartbeat_timeout` seconds after it died (19.8 s
@@ -16,7 +16,9 @@ process because the JAX distributed service detected fatal errors"), before Pyth
 coordinator itself dies, that termination comes within milliseconds. A `missed_heartbeat_callback` given to the
 client from Python, which would replace the termination, aborts the process with std::bad_cast when it fires. A
 host that vanishes without closing its connections (power loss) is still left to that heartbeat, whose own
-message names the task ("The following tasks are unhealthy (stopped sending heartbeats): 1").
+message names the task ("The following tasks are unhealthy (stopped sending heartbeats): 1"). When process 0
+dies, that C++ termination of the others races this watch's line; the line has come out first in every run
+measured here (12 of 12: JAX logs a stack trace before it aborts; the line followed its first log line by ~1-3 ms).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ process faults) after a further random fraction of a step time, so that kills al
   to what it holds, so the job's next save finds no space and the job must stop with an error (exit 1); once it
   is down the space comes back and it restarts.
 - `peer`: SIGKILL to one process of a 2-process job (the whole drill then runs the job, and its reference, as
-  2 processes on this host); the other must stop on its own with an error (jaxllm/distributed.py's heartbeat),
-  then both restart.
+  2 processes on this host); the other must stop on its own with an error naming the dead process
+  (jaxllm/peer_watch.py), then both restart.
 - `nan`, `spike`: the loop's own injections (`debug.inject_nan_at_step`, `debug.inject_spike_at_step`), at most
   one of each per run; the job handles them in process per `train.on_anomaly` (rollback by default).
 - `hotlr`: a hot update (jaxllm/train/control.py) that halves the LR scale at the drawn step, written to the job's
