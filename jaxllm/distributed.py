@@ -10,8 +10,9 @@ Why a rendezvous of our own before `jax.distributed.initialize`: when a process 
 service aborts every process with `DEADLINE_EXCEEDED` and no word of which one is missing. Process 0 listens one
 port above the coordinator's; every other process checks in there with its id, so on a timeout process 0 can name
 the processes that did not arrive (and tells those that did), and a process that cannot reach process 0 says so.
-Once everyone is in, JAX's own initialisation follows immediately. After it, the coordination service's
-heartbeats make every survivor exit non-zero within `heartbeat_timeout` seconds when a process dies.
+Once everyone is in, JAX's own initialisation follows immediately. The rendezvous links stay open: when a process
+dies, every survivor names it and exits 1 at once (jaxllm/peer_watch.py); a host that vanishes without closing
+them is caught by the coordination service's heartbeats within `heartbeat_timeout` seconds.
 """
 
 from __future__ import annotations
@@ -142,8 +143,9 @@ def _recv_line(sock: socket.socket, deadline: float) -> str | None:
     return data.split(b"\n", 1)[0].decode(errors="replace")
 
 
-def _host_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout: float) -> None:
-    """Process 0: wait for every other process to check in; name the missing ones on timeout."""
+def _host_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout: float) -> dict[int, socket.socket]:
+    """Process 0: wait for every other process to check in; name the missing ones on timeout. Returns the open
+    link to each of them (jaxllm/peer_watch.py)."""
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -180,14 +182,16 @@ def _host_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout:
             arrived[pid] = conn
         for conn in arrived.values():
             _send(conn, "go")
+        links, arrived = arrived, {}
+        return links
     finally:
         for conn in arrived.values():
             conn.close()
         server.close()
 
 
-def _join_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout: float) -> None:
-    """Process k > 0: check in with process 0 and wait for everyone else."""
+def _join_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout: float) -> dict[int, socket.socket]:
+    """Process k > 0: check in with process 0 and wait for everyone else. Returns the open link to process 0."""
     host = layout.host_port[0]
     while True:
         try:
@@ -207,24 +211,28 @@ def _join_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout:
     try:
         _send(conn, f"hello {layout.process_id}")
         reply = _recv_line(conn, deadline + 5)  # process 0 answers at its own deadline at the latest
-    finally:
+    except BaseException:
         conn.close()
+        raise
     if reply == "go":
-        return
+        return {0: conn}
+    conn.close()
     if reply and reply.startswith("abort "):
         raise DistributedError(reply[len("abort "):])
     raise DistributedError(f"process 0 at {host}:{port} stopped answering during the rendezvous "
                            f"(this is process {layout.process_id} of {layout.num_processes})")
 
 
-def rendezvous(layout: ProcessLayout, timeout: float) -> None:
-    """Block until all `layout.num_processes` processes have checked in, or raise naming the ones missing."""
+def rendezvous(layout: ProcessLayout, timeout: float) -> dict[int, socket.socket]:
+    """Block until all `layout.num_processes` processes have checked in, or raise naming the ones missing.
+
+    Returns this process's links, left open for jaxllm/peer_watch.py: process 0's to every other process, the
+    others' to process 0."""
     port = layout.host_port[1] + 1
     deadline = time.monotonic() + timeout
     if layout.process_id == 0:
-        _host_rendezvous(layout, port, deadline, timeout)
-    else:
-        _join_rendezvous(layout, port, deadline, timeout)
+        return _host_rendezvous(layout, port, deadline, timeout)
+    return _join_rendezvous(layout, port, deadline, timeout)
 
 
 def initialize(layout: ProcessLayout, *, init_timeout: float = 300, heartbeat_timeout: int = 100) -> None:
@@ -235,9 +243,11 @@ def initialize(layout: ProcessLayout, *, init_timeout: float = 300, heartbeat_ti
     """
     import jax
 
+    from jaxllm.peer_watch import watch
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     start = time.monotonic()
-    rendezvous(layout, init_timeout)
+    watch(layout.process_id, layout.num_processes, rendezvous(layout, init_timeout))  # names a peer that dies
     remaining = max(int(init_timeout - (time.monotonic() - start)), 10)
     jax.distributed.initialize(
         layout.coordinator_address, num_processes=layout.num_processes, process_id=layout.process_id,

@@ -6,7 +6,9 @@ DIR/run and lands the faults on it at moments drawn from the seed: kill9 (SIGKIL
 sigterm, corrupt (a file of the newest committed checkpoint truncated or deleted while the job is down), diskfull
 (root only: the checkpoint directory on a tmpfs that fills up, so a save fails), peer (one process of a
 2-process job killed: with peer faults the job and its reference run as 2 processes on this host, the fake CPU
-devices of XLA_FLAGS split between them), nan and spike (the loop's injections, rolled back in process). After each it restarts the job as SLURM --requeue would,
+devices of XLA_FLAGS split between them), nan and spike (the loop's injections, rolled back in process), hotlr (a
+hot update through the job's control.json halving the LR at a drawn step, which every restart must keep; the
+reference gets it too). After each process fault it restarts the job as SLURM --requeue would,
 until the last step. The uninterrupted reference runs first in DIR/reference, unless --reference names a
 finished run of the same config. Prints a table, then as the last line one JSON object (bitwise_equal,
 corrupt_loads, recoveries, steps_lost, recover_s, goodput, ...). Exit 0 when the drill passed (every fault
@@ -27,7 +29,8 @@ def main(argv):
     args_list, overrides = split_overrides(argv)
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="a configs/*.py file with get_config()")
-    p.add_argument("--faults", required=True, help="kind:count,... (kill9, sigterm, corrupt, diskfull, peer, nan, spike)")
+    p.add_argument("--faults", required=True,
+                   help="kind:count,... (kill9, sigterm, corrupt, diskfull, peer, nan, spike, hotlr)")
     p.add_argument("--seed", type=int, default=0, help="draws the faults' steps and moments (default 0)")
     p.add_argument("--workdir", default="runs/drill", help="the drill's directory, empty or new (default runs/drill)")
     p.add_argument("--reference", default=None, help="a finished uninterrupted run of the same config")

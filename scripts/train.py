@@ -17,7 +17,8 @@ Multi-process (one process per host): under SLURM (and Open MPI) the processes f
 elsewhere pass --coordinator_address host:port --num_processes N --process_id i, or set the same names in the
 environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Process 0 also listens on the
 coordinator's port + 1 for a rendezvous that names processes that do not arrive within --init_timeout seconds.
-A process that dies makes the others exit non-zero within --heartbeat_timeout seconds.
+A process that dies makes the others exit 1 at once, naming it (jaxllm/peer_watch.py); one that hangs, within
+--heartbeat_timeout seconds.
 """
 
 import os
@@ -159,9 +160,13 @@ def main(argv):
             return 1
         if jax.process_count() == 1:
             raise
-        # Usually a peer died mid-collective; JAX's heartbeat check would stop this process shortly anyway.
+        # Usually a peer died mid-collective: the peer watch names it and exits this process (within ms).
+        from jaxllm.peer_watch import await_verdict
+
+        await_verdict()
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"error: process {jax.process_index()}: lost the other processes ({first})", file=sys.stderr)
+        print(f"error: process {jax.process_index()}: lost the other processes ({first}); none is known to have "
+              f"died", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

@@ -9,7 +9,7 @@ import pytest
 from train_runs import RESUME, run_drill
 
 from jaxllm.drill.disk import mount_problem
-from jaxllm.drill.plan import FaultSpecError, anomaly_flags, parse_faults, schedule
+from jaxllm.drill.plan import FaultSpecError, anomaly_flags, hot_changes, parse_faults, schedule
 
 JOB = (*RESUME, "--config.train.steps=8")  # the job of the shared `uninterrupted` run (tests/conftest.py)
 
@@ -68,6 +68,13 @@ def test_fault_plan_is_seeded_and_checked():
     assert anomaly_flags(plan, 0, 0) == [f"--config.debug.inject_{k}_at_step={s}" for s, k in (first, second)]
     assert anomaly_flags(plan, first[0] - 1, 1) == [f"--config.debug.inject_{second[1]}_at_step={second[0]}"]
     assert anomaly_flags(plan, first[0] - 1, 0)[0].endswith(f"={first[0]}")
+    # Hot updates are drawn last: adding them leaves the other faults of a seed where they were; each is one
+    # control.json change (halving the LR) that lands on its step exactly.
+    hot = schedule({**counts, "hotlr": 3}, seed=3, steps=300, every=100, min_history=20)
+    assert hot[:len(plan)] == plan and [f.kind for f in hot[len(plan):]] == ["hotlr"] * 3
+    assert hot_changes(hot) == [{"id": f"drill-hotlr-{f.index}", "lr_scale": 0.5, "at_step": f.step}
+                                for f in hot[len(plan):]]
+    assert all(1 <= f.step <= 298 for f in hot[len(plan):]) and hot_changes(plan) == []
     for spec, message in [("kill9", "is not kind:count"), ("kill9:0", "positive"), ("nan:2", "at most 1"),
                           ("kill9:1,kill9:2", "given twice"), ("boom:1", "unknown kind")]:
         with pytest.raises(FaultSpecError, match=message):

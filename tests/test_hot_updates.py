@@ -48,6 +48,9 @@ def incidents(path):
     ('{"id": "a", "clip_norm": -1}', "clip_norm must be a finite number >= 0"),
     ('{"id": "a", "stop": false}', "stop must be true"),
     ('[3]', "a change is a JSON object"),
+    ('{"id": "a", "lr_scale": 0.5, "at_step": 0}', "at_step must be an integer >= 1"),
+    ('{"id": "a", "lr_scale": 0.5, "at_step": 2.5}', "at_step must be an integer >= 1"),
+    ('{"id": "a", "at_step": 3}', "no action"),
 ])
 def test_bad_changes_are_rejected_with_the_reason(text, reason):
     changes, rejections = parse_control(text)
@@ -97,6 +100,25 @@ def test_each_change_applies_once_and_rejections_leave_the_state_unchanged(tmp_p
 
     resumed = HotUpdates(tmp_path, hot.applied, writer, log=lambda msg: None)  # from a checkpoint's metadata
     assert resumed.poll(10).changes == ()
+
+
+def test_a_change_with_at_step_waits_for_its_step_and_a_late_one_applies_at_once(tmp_path):
+    _, state = tiny_state()
+    writer = JsonlWriter(tmp_path / "incidents.jsonl")
+    hot = HotUpdates(tmp_path, [], writer, log=lambda msg: None)
+    write_control(tmp_path, [{"id": "later", "lr_scale": 0.5, "at_step": 3}, {"id": "now", "clip_norm": 0.5}])
+    for step in (1, 2, 3, 4):
+        due = hot.poll(step)
+        state = hot.apply(step, state)
+        assert [c.id for c in due.changes] == {1: ["now"], 3: ["later"]}.get(step, []), step
+        assert float(state.lr_scale) == (0.5 if step >= 3 else 1.0), step
+    assert hot.applied == [{"id": "now", "clip_norm": 0.5, "step": 1},
+                           {"id": "later", "lr_scale": 0.5, "at_step": 3, "step": 3}]
+    write_control(tmp_path, [{"id": "late", "lr_scale": 0.5, "at_step": 2}])  # read after its step: applied now
+    assert [c.id for c in hot.poll(5).changes] == ["late"]
+    hot.apply(5, state)
+    assert [(r["id"], r["step"], r.get("at_step")) for r in incidents(tmp_path / "incidents.jsonl")] == [
+        ("now", 1, None), ("later", 3, 3), ("late", 5, 2)]
 
 
 def test_a_rollback_past_a_change_re_applies_it(tmp_path):

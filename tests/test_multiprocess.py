@@ -1,6 +1,7 @@
 """Multi-process training on localhost: real `scripts/train.py` processes (2 x 4 CPU devices, gloo collectives)
 against one process with 8 devices, cross-process-count checkpoints, and start-up / peer-death failures."""
 
+import json
 import re
 import shutil
 import signal
@@ -17,14 +18,23 @@ from train_runs import ROOT, TINY, free_port_pair, losses, metrics, run_drill, t
 
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import MeshConfig, validate
+from jaxllm.config import MeshConfig, OptimConfig, validate
+from jaxllm.drill.plan import hot_changes, parse_faults, schedule
 from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
+from jaxllm.optim import learning_rate_schedule, make_optimizer
+from jaxllm.preemption import CHECK_EVERY
+from jaxllm.train.control import write_control
 from jaxllm.train.state import abstract_train_state
 
 STEPS = 8  # the drill's peer fault lands on steps 1..6 and the job still has steps to run
 RUN = ("--config.train.eval_every=1000", "--config.optim.warmup_steps=2", "--config.checkpoint.every=2",
        f"--config.train.steps={STEPS}")
+# The drill of the killed-peer test, and its hot update (an LR change at a drawn step) that the 2-process run,
+# its reference, and the 1-process run it is compared with get in their control.json before they start.
+# Seed 5 kills process 1 at step 5 and halves the LR at step 6 (the restart resumes step 4: it must apply the
+# change at step 6 again).
+DRILL_FAULTS, DRILL_SEED = "peer:1,hotlr:1", 5
+HOT = hot_changes(schedule(parse_faults(DRILL_FAULTS), DRILL_SEED, STEPS, 2, 20, CHECK_EVERY))
 
 
 def launch(store, workdir, *args, processes=2, how="flags", extra_env=None):
@@ -94,9 +104,13 @@ def lone_processes(shakespeare_store, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(shakespeare_store, tmp_path_factory, lone_processes):
-    """The same 4-step run twice from scratch: 1 process x 8 devices and 2 processes x 4 devices."""
+    """The same 8-step run twice from scratch, each with the drill's hot update in its control.json: 1 process
+    x 8 devices and 2 processes x 4 devices."""
     base = tmp_path_factory.mktemp("mp")
     one, two = base / "one", base / "two"
+    for workdir in (one, two):
+        workdir.mkdir()
+        write_control(workdir, HOT)
     logs_one = finish(launch(shakespeare_store, one, processes=1), one)
     # Launched the way SLURM does it (JAX detects the cluster from SLURM_* variables); the drill's peer test
     # launches with flags, the resume test with JAX_* variables.
@@ -116,6 +130,20 @@ def test_two_processes_train_like_one(runs):
     assert "process 1 of 2: 4 local devices, reading batch rows block 1 of 2" in log1
     assert "process 0 of 1: 8 local devices, reading batch rows block 0 of 1" in runs["logs_one"][0]
     assert "held-out loss" in log0 and "held-out loss" not in log1  # progress is logged by process 0 only
+    # The hot update, read by process 0 from control.json at the first step and shared: both processes apply it
+    # at its step (each says so in its own log), and the LR of every later step is halved.
+    (change,) = HOT
+    applied = f"step {change['at_step']}: hot update {change['id']} applied: lr_scale 1 -> 0.5"
+    assert log0.count("hot update") == log1.count("hot update") == 1, (log0[-3000:], log1[-3000:])
+    assert applied in log0 and f"process 1: {applied}" in log1
+    incidents = [json.loads(line) for line in (runs["two"] / "incidents.jsonl").read_text().splitlines()]
+    assert [(r["action"], r["id"], r["step"]) for r in incidents if r["kind"] == "hot_update"] == [
+        ("applied", change["id"], change["at_step"])]
+    schedule_ = learning_rate_schedule(OptimConfig(**json.loads((runs["two"] / "config.json").read_text())["optim"]),
+                                       STEPS)
+    for record in (r for r in metrics(runs["two"]) if "lr" in r):
+        scale = 0.5 if record["step"] > change["at_step"] else 1.0
+        assert record["lr"] == pytest.approx(float(schedule_(record["step"] - 1)) * scale, rel=1e-6), record
 
 
 def _restored_params(workdir, step, mesh):
@@ -180,11 +208,20 @@ def test_missing_process_times_out_naming_it(lone_processes):
 
 def test_killed_peer_stops_the_survivor_and_the_job_resumes_bitwise(runs, shakespeare_store, tmp_path):
     """The drill's peer fault (scripts/drill.py): one process of the 2-process job SIGKILLed at a random moment;
-    the survivor stops on its own with an error, and the restarted job ends on the uninterrupted 2-process run's
-    parameters and losses bit for bit."""
-    result = run_drill(shakespeare_store, runs["two"], tmp_path / "drill", "peer:1", *RUN)
-    (event,) = result["events"]
-    assert event["recovered"] and result["bitwise_equal"] and result["losses_equal"] and result["starts"] == 2
-    survived_s = float(re.search(r"killed process \d of 2; the others exited \[-?[1-9]\d*\] after ([\d.]+)s",
-                                 event["detail"]).group(1))
-    assert survived_s < 60, event
+    the survivor stops on its own, naming the dead process in its log, and the restarted job ends on the
+    uninterrupted 2-process run's parameters and losses bit for bit. The drill's hot update (an LR change at its
+    step, in the reference too) is applied at that step by every start that reaches it without it."""
+    result = run_drill(shakespeare_store, runs["two"], tmp_path / "drill", DRILL_FAULTS, *RUN, seed=DRILL_SEED)
+    peer, hot = result["events"]
+    assert peer["recovered"] and result["bitwise_equal"] and result["losses_equal"] and result["starts"] == 2
+    victim, survived_s = re.search(r"killed process (\d) of 2; the others exited \[-?[1-9]\d*\] after ([\d.]+)s",
+                                   peer["detail"]).groups()
+    assert float(survived_s) < 60, peer
+    survivor_log = tmp_path / "drill" / "logs" / ("start-1.log" if victim == "1" else "start-1.p1.log")
+    named = ("jaxllm: process 1 of 2 stopped responding" if victim == "1" else
+             "jaxllm: process 0 (the coordinator) is unreachable")
+    assert named in survivor_log.read_text(), survivor_log.read_text()[-3000:]
+    (change,) = HOT
+    assert hot["kind"] == "hotlr" and hot["recovered"] and hot["step"] == change["at_step"], hot
+    assert hot["detail"].startswith(f"lr_scale x0.5 at step {change['at_step']}: applied at steps "
+                                    f"[{change['at_step']}"), hot

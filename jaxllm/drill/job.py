@@ -132,6 +132,11 @@ def recorded_rollbacks(checkpoints: Path, step: int) -> int:
     return int(json.loads((checkpoints / str(step) / "meta" / "metadata").read_text()).get("rollbacks", 0))
 
 
+def recorded_hot_updates(checkpoints: Path, step: int) -> list[dict]:
+    """The hot updates a checkpoint's run metadata lists as applied (jaxllm/train/control.py's records)."""
+    return json.loads((checkpoints / str(step) / "meta" / "metadata").read_text()).get("hot_updates", [])
+
+
 def final_history(metrics_path: Path) -> dict[int, dict]:
     """The last logged record of each step (what a resumed or rolled-back run finally kept), by step."""
     history: dict[int, dict] = {}

@@ -11,10 +11,15 @@ process faults) after a further random fraction of a step time, so that kills al
   to what it holds, so the job's next save finds no space and the job must stop with an error (exit 1); once it
   is down the space comes back and it restarts.
 - `peer`: SIGKILL to one process of a 2-process job (the whole drill then runs the job, and its reference, as
-  2 processes on this host); the other must stop on its own with an error (jaxllm/distributed.py's heartbeat),
-  then both restart.
+  2 processes on this host); the other must stop on its own with an error naming the dead process
+  (jaxllm/peer_watch.py), then both restart.
 - `nan`, `spike`: the loop's own injections (`debug.inject_nan_at_step`, `debug.inject_spike_at_step`), at most
   one of each per run; the job handles them in process per `train.on_anomaly` (rollback by default).
+- `hotlr`: a hot update (jaxllm/train/control.py) that halves the LR scale at the drawn step, written to the job's
+  control.json as it starts, with `at_step` so that it lands on that step exactly (from outside, the drill cannot
+  tell which step a running job has reached, so a change written mid-run could land a step late). Every restart
+  before the step must apply it there again, every restart after it must find it in its checkpoint; the
+  reference gets the same change.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import random
 
 PROCESS_KINDS = ("kill9", "sigterm", "corrupt", "diskfull", "peer")
 ANOMALY_KINDS = ("nan", "spike")
+HOT_KINDS = ("hotlr",)
 STOPPED_BY_SIGTERM = ("sigterm", "corrupt")
-KINDS = PROCESS_KINDS + ANOMALY_KINDS
+KINDS = PROCESS_KINDS + ANOMALY_KINDS + HOT_KINDS
+HOT_LR_SCALE = 0.5  # what a hotlr change multiplies the LR scale by
 # The loop injects at most one non-finite loss and one spike per run (one debug.inject_*_at_step each).
 MAX_PER_RUN = {"nan": 1, "spike": 1}
 
@@ -75,7 +82,8 @@ def schedule(counts: dict[str, int], seed: int, steps: int, every: int, min_hist
     """The faults of `counts` on a run of `steps` steps saved every `every`, drawn from `seed`: process faults
     sorted by step, then the anomaly faults at distinct steps after the first checkpoint (so that each one
     rolls back and is counted in the checkpoints' rollbacks, see `anomaly_flags`), a spike only once
-    `min_history` healthy steps are known. `stop_every`: a SIGTERM stops the job at the next multiple of it (a
+    `min_history` healthy steps are known, then the hot updates (drawn last, so that adding them leaves the
+    other faults of a seed where they were). `stop_every`: a SIGTERM stops the job at the next multiple of it (a
     multi-process job's processes agree every jaxllm.preemption.CHECK_EVERY steps): sigterm and corrupt faults
     land early enough for the job to stop before its last step."""
     rng = random.Random(seed)
@@ -104,7 +112,21 @@ def schedule(counts: dict[str, int], seed: int, steps: int, every: int, min_hist
             step = rng.choice(choices)
             taken.add(step)
             faults.append(Fault(len(faults), kind, step))
+    for _ in range(counts.get("hotlr", 0)):
+        faults.append(Fault(len(faults), "hotlr", rng.randint(1, last)))
     return faults
+
+
+def hot_change_id(fault: Fault) -> str:
+    """The control.json id of a hotlr fault."""
+    return f"drill-{fault.kind}-{fault.index}"
+
+
+def hot_changes(faults: list[Fault]) -> list[dict]:
+    """The control.json changes of the plan's hot updates (jaxllm/train/control.py's format), for the drilled
+    job and its reference alike."""
+    return [{"id": hot_change_id(f), "lr_scale": HOT_LR_SCALE, "at_step": f.step}
+            for f in faults if f.kind in HOT_KINDS]
 
 
 def anomaly_flags(faults: list[Fault], resume_step: int, rollbacks: int) -> list[str]:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from jaxllm.cli import UsageError, build_config
 from jaxllm.drill.disk import DiskError, SmallDisk
-from jaxllm.drill.job import Start, final_history
-from jaxllm.drill.plan import ANOMALY_KINDS, Fault, anomaly_flags, parse_faults, schedule
+from jaxllm.drill.job import Start, final_history, recorded_hot_updates
+from jaxllm.drill.plan import ANOMALY_KINDS, Fault, anomaly_flags, hot_changes, parse_faults, schedule
 from jaxllm.drill.report import compare_params, summarize
 from jaxllm.drill.supervisor import DrillError, Supervisor
 from jaxllm.preemption import CHECK_EVERY
@@ -75,7 +75,8 @@ def _config(workdir: Path) -> dict:
 
 
 def check_reference(drill: Drill) -> None:
-    """The reference ran the drilled job's config (apart from `UNCOMPARED`) with the drill's injections."""
+    """The reference ran the drilled job's config (apart from `UNCOMPARED`) with the drill's injections and hot
+    updates (each applied at its step)."""
     ours, theirs = _config(drill.workdir), _config(drill.reference)
     for key in sorted(set(ours) | set(theirs)):
         if key not in UNCOMPARED and ours.get(key) != theirs.get(key):
@@ -84,12 +85,28 @@ def check_reference(drill: Drill) -> None:
     got = {k: theirs.get("debug", {}).get(k, 0) for k in ("inject_nan_at_step", "inject_spike_at_step")}
     if any(got[k] != want.get(k, 0) for k in got):
         raise DrillError(f"--reference: {drill.reference} ran with injections {got}, the drill needs {want}")
+    hot = lambda records: sorted((r["id"], r.get("lr_scale"), r["step"]) for r in records)
+    want_hot = hot(dict(c, step=c["at_step"]) for c in hot_changes(drill.faults))
+    try:
+        got_hot = hot(recorded_hot_updates(drill.reference / "checkpoints", drill.steps))
+    except FileNotFoundError:
+        raise DrillError(f"--reference: {drill.reference} has no checkpoint of step {drill.steps}") from None
+    if got_hot != want_hot:
+        raise DrillError(f"--reference: {drill.reference} applied hot updates (id, lr_scale, step) {got_hot}, the "
+                         f"drill needs {want_hot}")
 
 
 def run_reference(drill: Drill, env: dict | None, timeout: float = 24 * 3600) -> None:
-    """The uninterrupted job in `drill.reference`, with every injection of the drill fired once."""
+    """The uninterrupted job in `drill.reference`, with every injection of the drill fired once and its hot
+    updates in its control.json from the start."""
     command = [*drill.command, *anomaly_flags(drill.faults, 0, 0)]
     command[command.index("--workdir") + 1] = str(drill.reference)
+    changes = hot_changes(drill.faults)
+    if changes:
+        from jaxllm.train.control import write_control  # imports JAX: only for drills that need it
+
+        drill.reference.mkdir(parents=True, exist_ok=True)
+        write_control(drill.reference, changes)
     process = Start(command, drill.directory / "logs" / "reference.log", env, drill.processes)
     rc = process.wait(timeout=timeout)
     if rc != 0:

@@ -2,7 +2,7 @@
 SLURM `--requeue` would (the same command; it resumes from its newest committed checkpoint), until it finishes.
 
 It watches the job only from outside, as an operator could: the job's log, metrics.jsonl, incidents.jsonl and
-its checkpoint directory.
+its checkpoint directory; and steers it as an operator would, through its control.json (hotlr faults).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 from jaxllm.drill.damage import corrupt_checkpoint
 from jaxllm.drill.disk import SmallDisk
 from jaxllm.drill.job import JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight
-from jaxllm.drill.plan import PROCESS_KINDS, Fault, anomaly_flags
+from jaxllm.drill.plan import (HOT_KINDS, HOT_LR_SCALE, PROCESS_KINDS, Fault, anomaly_flags, hot_change_id,
+                              hot_changes)
 
 PREEMPTED = re.compile(r"preempted: saved step (\d+)")
 # The incident each injection must cause (jaxllm/train/anomaly.py), not one a healthy step may report by chance.
@@ -34,7 +35,9 @@ class Outcome:
     """What became of one fault. `at_step`: the last step the job had logged (or saved, for SIGTERM) when it
     landed; `resumed`: the checkpoint step the restart resumed (anomalies: the step rolled back to);
     `expected_resume`: the newest committed checkpoint the drill left in place; `steps_lost`: steps computed
-    again; `recover_s`: from the restart to its first new step logged (anomalies: from the incident)."""
+    again; `recover_s`: from the restart to its first new step logged (anomalies: from the incident);
+    `applied_at`: hot updates: the steps the job logged applying it at (once per start that reached its step
+    without it in the checkpoint it resumed)."""
 
     fault: Fault
     injected: bool = False
@@ -49,6 +52,7 @@ class Outcome:
     quarantined: bool | None = None
     detail: str = ""
     seen_at: float | None = None  # anomalies: when the drill saw the incident
+    applied_at: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -99,12 +103,14 @@ class Supervisor:
         first_start = time.monotonic()
         finished, error = False, None
         try:
+            self._write_hot_updates()
             self._start(resume=0)
             for outcome in self.outcomes:
                 if outcome.fault.kind in PROCESS_KINDS:
                     self._land(outcome)
             finished = not self._wait_for(None)
             self._drain()
+            self._settle_hot_updates()
         except DrillError as exc:  # reported with everything seen until then
             error = str(exc)
         finally:  # never leave a job running behind a failed drill
@@ -137,6 +143,9 @@ class Supervisor:
                 fault = outcome.fault
                 if INCIDENT_KIND.get(fault.kind) == incident.get("kind") and fault.step == incident.get("step"):
                     self._anomaly_seen(outcome, incident, now)
+                if (fault.kind in HOT_KINDS and incident.get("kind") == "hot_update"
+                        and incident.get("action") == "applied" and incident.get("id") == hot_change_id(fault)):
+                    outcome.applied_at.append(incident["step"])
         for record in self.metrics.poll():
             if "loss" not in record:
                 continue
@@ -160,6 +169,28 @@ class Supervisor:
         outcome.steps_lost = incident["step"] - restored if restored is not None else 0
         outcome.recovered = action.startswith(("rollback", "skip"))
         outcome.detail = f"{incident.get('kind')}: {action}"
+
+    def _write_hot_updates(self) -> None:
+        """The hot updates into the job's control.json, before its first start (see jaxllm/drill/plan.py)."""
+        changes = hot_changes(self.faults)
+        if not changes:
+            return
+        from jaxllm.train.control import write_control  # imports JAX: only for drills that need it
+
+        self.checkpoints.parent.mkdir(parents=True, exist_ok=True)
+        write_control(self.checkpoints.parent, changes)
+        for outcome in self.outcomes:
+            if outcome.fault.kind in HOT_KINDS:
+                outcome.injected, outcome.steps_lost = True, 0
+
+    def _settle_hot_updates(self) -> None:
+        """A hot update recovered when every start that applied it did so at its step (and one did)."""
+        for outcome in (o for o in self.outcomes if o.fault.kind in HOT_KINDS):
+            step = outcome.fault.step
+            outcome.at_step = outcome.applied_at[0] if outcome.applied_at else None
+            outcome.recovered = bool(outcome.applied_at) and set(outcome.applied_at) == {step}
+            outcome.detail = (f"lr_scale x{HOT_LR_SCALE:g} at step {step}: applied at steps {outcome.applied_at}"
+                              if outcome.applied_at else f"lr_scale x{HOT_LR_SCALE:g} at step {step}: never applied")
 
     def _wait_for(self, target: int | None) -> bool:
         """Wait until the current process logs a step >= `target` (True), or the job finishes (False); a job

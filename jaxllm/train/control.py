@@ -8,7 +8,10 @@ The file holds one change or a list of them; each is an object with an `id` and 
 - `lr_scale` (> 0): multiplies the run's LR scale (`TrainState.lr_scale`, which every update is multiplied by);
 - `clip_norm` (>= 0, 0: off): the new global-norm clipping threshold (a hyperparameter in the optimizer state);
 - `save: true`: save a checkpoint at this boundary; `eval: true`: evaluate the held-out loss now;
-- `stop: true`: save and stop cleanly, as on SIGTERM.
+- `stop: true`: save and stop cleanly, as on SIGTERM;
+- `at_step` (an integer >= 1, optional): apply the change at the boundary after that step rather than the next one
+  (read earlier, it waits; read later, it applies at once). A drill's or an operator's scheduled change lands on
+  its step exactly, in every process and in every restart that reaches the step without it.
 
 Neither value is a constant of the compiled step, so no change recompiles. Each id is applied once: the applied
 changes are remembered in each checkpoint's metadata (`hot_updates`), so a resumed run keeps their effect (it is
@@ -19,8 +22,9 @@ by each process that reads it) and the run goes on unchanged. Write the file ato
 then rename: `write_control` does) so a half-written file is never read.
 
 Only process 0 reads the file. With one process it is checked (one `stat`) at every step boundary; with several,
-every `check_every` steps (the preemption guard's cadence) process 0 broadcasts the new changes (at most
-`MAX_FILE_BYTES`) to every process in one collective, so all apply them at the same step. Every applied,
+at the first boundary of each start and then every `check_every` steps (the preemption guard's cadence) process
+0 broadcasts the new changes (at most `MAX_FILE_BYTES`) to every process in one collective, so all apply them at
+the same step (each process logs what it applied). Every applied,
 re-applied or rejected change is a line of `incidents.jsonl` (kind `hot_update`).
 """
 
@@ -59,6 +63,11 @@ class Change:
     save: bool = False
     eval: bool = False
     stop: bool = False
+    at_step: int | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether the change applies at the boundary after `step`."""
+        return self.at_step is None or self.at_step <= step
 
     def to_dict(self) -> dict:
         """The change as the file states it (no unset action)."""
@@ -72,9 +81,9 @@ def parse_change(item) -> Change:
     ident = item.get("id")
     if not isinstance(ident, str) or not ident or len(ident) > MAX_ID_CHARS:
         raise Rejected(f"a change needs an \"id\": a string of 1..{MAX_ID_CHARS} characters, got {ident!r}")
-    unknown = sorted(set(item) - {"id", *ACTIONS})
+    unknown = sorted(set(item) - {"id", "at_step", *ACTIONS})
     if unknown:
-        raise Rejected(f"unknown key {unknown[0]!r} (known: id, {', '.join(ACTIONS)})")
+        raise Rejected(f"unknown key {unknown[0]!r} (known: id, at_step, {', '.join(ACTIONS)})")
     if not set(item) & set(ACTIONS):
         raise Rejected(f"no action (one of {', '.join(ACTIONS)})")
     for key, low in (("lr_scale", "> 0"), ("clip_norm", ">= 0")):
@@ -87,8 +96,11 @@ def parse_change(item) -> Change:
     for key in ("save", "eval", "stop"):
         if key in item and item[key] is not True:
             raise Rejected(f"{key} must be true, got {json.dumps(item[key])}")
+    at_step = item.get("at_step")
+    if at_step is not None and (isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 1):
+        raise Rejected(f"at_step must be an integer >= 1, got {json.dumps(at_step)}")
     return Change(ident, *(float(item[k]) if k in item else None for k in ("lr_scale", "clip_norm")),
-                  *(k in item for k in ("save", "eval", "stop")))
+                  *(k in item for k in ("save", "eval", "stop")), at_step)
 
 
 def parse_control(text: str) -> tuple[list[Change], list[dict]]:
@@ -161,18 +173,23 @@ class HotUpdates:
         self._known = {r["id"] for r in applied}  # ids applied or queued
         self._rejected: set[str] = set()  # rejections already logged, so each is logged once
         self._version: tuple | None = None  # (mtime, size) of the file last read
+        self._polled = False  # whether this start has read the file yet
 
     def poll(self, step: int) -> Due:
         """The changes due after `step`: new ones in the file (read by process 0; with several processes
-        shared every `check_every` steps), and any polled earlier but not yet applied."""
+        shared at this start's first boundary, then every `check_every` steps), and any polled earlier but not
+        yet applied (a rollback came between, or their `at_step` is this one)."""
         multi = jax.process_count() > 1
-        if not multi or step % self.check_every == 0:
+        # Every process polls at the same steps, so the first boundary of a start is one they agree on: a change
+        # written while the job was down, or before its start, is read at once rather than up to 10 steps late.
+        if not multi or step % self.check_every == 0 or not self._polled:
+            self._polled = True
             new = self._read(step) if jax.process_index() == 0 else []
             if multi:
                 new = share(new)
             self._queue += new
             self._known.update(c.id for c in new)
-        return Due(tuple(self._queue))
+        return Due(tuple(c for c in self._queue if c.due(step)))
 
     def _read(self, step: int) -> list[Change]:
         try:
@@ -204,17 +221,19 @@ class HotUpdates:
     def apply(self, step: int, state, can_eval: bool = True):
         """`state` with the due changes' LR scale and clipping threshold (the save, eval and stop they ask for
         are the loop's); each is logged, written as an incident and added to `applied`."""
-        for change in self._queue:
+        for change in (c for c in self._queue if c.due(step)):
             state, effects = _set(state, change.lr_scale, change.clip_norm)
             actions = {k: True for k in ("save", "eval", "stop") if getattr(change, k)}
             if change.eval and not can_eval:
                 actions["eval"] = "not done: this objective has no held-out batches"
+            scheduled = {} if change.at_step is None else {"at_step": change.at_step}
             self.incidents.write(dict(kind="hot_update", action="applied", id=change.id, step=step,
-                                      **effects, **actions))
+                                      **scheduled, **effects, **actions))
             self.log(f"step {step}: hot update {change.id} applied: "
-                     + ", ".join([f"{k} {old:g} -> {new:g}" for k, (old, new) in effects.items()] + list(actions)))
+                     + ", ".join([f"{k} {old:g} -> {new:g}" for k, (old, new) in effects.items()] + list(actions))
+                     + (f" (late: at_step {change.at_step})" if change.at_step not in (None, step) else ""))
             self.applied.append(dict(change.to_dict(), step=step))
-        self._queue = []
+        self._queue = [c for c in self._queue if not c.due(step)]
         return state
 
     def after_rollback(self, state, in_checkpoint: list[dict]):

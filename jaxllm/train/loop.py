@@ -325,7 +325,9 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     meta = lambda: {"seed": tc.seed, "data_offset": run.data_offset, "rollbacks": run.rollbacks,
                     "config": cfg.to_dict(), "base": start.base, "base_report": base_report, HOT_UPDATES: hot.applied}
     guard = PreemptionGuard()
-    hot = HotUpdates(workdir, run.hot_updates, incidents, log, guard.check_every)  # <workdir>/control.json
+    # Every process logs the changes it applies (the others to their own stderr): they must agree on the step.
+    own_log = lambda msg: print(f"process {jax.process_index()}: {msg}", file=sys.stderr, flush=True)
+    hot = HotUpdates(workdir, run.hot_updates, incidents, log if is_main else own_log, guard.check_every)
     read = lambda entry: runner.explain(metrics_log.report(*entry), run, metrics_log.writer)  # fetch one step
     profiler = StepProfiler(cfg.profile, workdir, log)
     pending = None  # (step, metrics on device, host metrics) of the step dispatched last, not yet read
