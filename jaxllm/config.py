@@ -124,6 +124,8 @@ class PrecisionConfig:
     params: str = "float32"
     compute: str = "bfloat16"
     output: str = "float32"
+    # Quantised weight matmuls in training: "none", "int8" (qwix, forward and backward; jaxllm/quant.py), "fp8".
+    quant: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -618,6 +620,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
 
     for key in ("params", "compute", "output"):
         _choice(f"precision.{key}", getattr(precision, key), DTYPES)
+    _check_quant(precision)
 
     _choice("optim.name", optim.name, OPTIMIZERS)
     _choice("optim.schedule", optim.schedule, SCHEDULES)
@@ -698,6 +701,24 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
 
 
 XLA_FLAG_NAME = re.compile(r"xla_[a-z0-9_]+")
+
+
+def _check_quant(precision: PrecisionConfig) -> None:
+    """`precision.quant`: a known mode, and one that can work with the rest of the precision policy."""
+    from jaxllm.quant import QUANT_MODES
+
+    _choice("precision.quant", precision.quant, QUANT_MODES)
+    if precision.quant == "fp8":
+        import jax
+
+        backend = jax.default_backend()
+        if backend != "gpu":
+            raise ConfigError("precision.quant", f"fp8 needs a GPU (this run's backend is {backend}); use int8 or none")
+        raise ConfigError("precision.quant", "fp8 is not implemented yet; use int8 or none")
+    if precision.quant == "int8" and precision.compute == "float16":
+        # Measured (qwix 0.1.8, CPU): with float16 operands its int8 backward dots return all-zero gradients.
+        raise ConfigError("precision.quant", "int8 needs precision.compute float32 or bfloat16 (with float16 the "
+                                             "int8 backward dots give all-zero gradients)")
 
 
 def _xla_flags(flags) -> dict:

@@ -20,6 +20,7 @@ from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, par
 from jaxllm.model.visibility import attention_visibility, resolve_attention
 from jaxllm.offload import DEVICE, HOST
 from jaxllm.pipeline import num_stages, pipeline
+from jaxllm.quant import weight_einsum
 from jaxllm.sharding import constrain
 
 _QKV = ("query_proj", "key_proj", "value_proj")
@@ -65,12 +66,12 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None,
-                 seq_axis: str = "seq"):
+                 seq_axis: str = "seq", quant: str = "none"):
         self.seq_axis = seq_axis  # static: in the graphdef, not a parameter
         self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
-        self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora)
+        self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
         self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
-        self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora)
+        self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
 
     def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None):
         attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
@@ -219,7 +220,7 @@ class Transformer(nnx.Module):
         self.lora = lora if lora is not None and lora.rank else None
         self.embed_tokens = Embed(cfg.vocab_size, cfg.dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
         self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs, lora=self.lora,
-                                   seq_axis=self.seq_axis)
+                                   seq_axis=self.seq_axis, quant=precision.quant)
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, rngs=rngs)
         if lm_head and not cfg.tie_embeddings:  # a reward model (jaxllm/model/reward.py) has a score head instead
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, cfg.init_std)
@@ -251,9 +252,10 @@ class Transformer(nnx.Module):
     def logits(self, x_BTD):
         """Project hidden states to vocabulary logits [B, T, V] in the output dtype."""
         if self.cfg.tie_embeddings:
-            logits_BTV = self.embed_tokens.attend(x_BTD)
+            logits_BTV = self.embed_tokens.attend(x_BTD, self.precision.quant)
         else:
-            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head[...].astype(x_BTD.dtype))
+            logits_BTV = weight_einsum("BTD,DV->BTV", x_BTD, self.lm_head[...].astype(x_BTD.dtype),
+                                       self.precision.quant)
         return constrain(logits_BTV.astype(self.output_dtype), ("batch", "seq", "vocab"))
 
     def __call__(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):
