@@ -38,6 +38,8 @@ BAD = [
     (["--config.precision.quant=fp8"], "precision.quant: fp8 needs a GPU (this run's backend is cpu)"),
     (["--config.precision.quant=int8", "--config.precision.compute=float16"],
      "precision.quant: int8 needs precision.compute float32 or bfloat16"),
+    (["--config.precision.loss_scale=static:abc"],
+     "precision.loss_scale: expected auto, dynamic, none or static:<positive scale>, got 'static:abc'"),
     (["--config.optim.name=sgdx"], "optim.name: 'sgdx' is not one of"),
     (["--config.model.preset=llama_3t"], "model.preset: unknown preset 'llama_3t'"),
     (["--config.data.path=/nonexistent/store"], "data.path: no token store at /nonexistent/store"),
