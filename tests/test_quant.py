@@ -1,6 +1,6 @@
-"""`precision.quant` (jaxllm/quant.py): with int8 the compiled train step's weight matmuls are int8 x int8 dots in
-the forward and both backward passes, the default step has none, the tiny model trains to float32's loss within
-2%, and combinations that cannot work are one-line config errors."""
+"""`precision.quant` (jaxllm/quant.py): with int8 the compiled train step's block weight matmuls are int8 x int8
+dots in the forward and both backward passes while the output head's stay in float, the default step has none,
+the tiny model trains to float32's loss within 2%, and combinations that cannot work are one-line config errors."""
 
 import re
 
@@ -19,26 +19,34 @@ from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 MODEL = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
 LAYOUT = MeshConfig(2, 2, 2, 1)
 ROWS, SEQ, STEPS = 8, 16, 5
-# q, k, v, o, gate, up, down and the output head: each has a forward dot and two backward dots.
-QUANTISED_MATMULS = 8
+# q, k, v, o, gate, up, down: each has a forward dot and two backward dots (einsum specs as in the op names).
+BLOCK_MATMULS = {"BTD,DNH->BTNH", "BSD,DKH->BSKH", "BTNH,NHD->BTD", "BTD,DF->BTF", "BTF,FD->BTD"}
+QUANTISED_MATMULS = 7
+HEAD_MATMUL = "BTD,DV->BTV"  # the output head: kept in float (jaxllm/quant.py says why)
 # HLO instructions: `%name = type[shape]... ` and dots `%name = type[...] dot(%lhs, %rhs), ... op_name="..."`.
 DEFINITION = re.compile(r"^\s*(?:ROOT )?(%\S+) = (\w+)\[")
 DOT = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[[^=]*? dot\((%[^,\s)]+), (%[^,\s)]+)\)")
 
 
-def int8_dots(hlo: str) -> list[str]:
-    """The metadata op_name of every s8 x s8 -> s32 dot in compiled HLO text (operand types are looked up in
-    the computation that holds the dot: in a fusion they are its parameters)."""
+def dots(hlo: str) -> list[tuple[tuple[str, str, str], str]]:
+    """((output, lhs, rhs) element types, metadata op_name) of every dot in compiled HLO text (operand types are
+    looked up in the computation that holds the dot: in a fusion they are its parameters)."""
     found, types = [], {}
     for line in hlo.splitlines():
         if line and not line.startswith(" "):  # a new computation: its own instruction names
             types = {}
         if definition := DEFINITION.match(line):
             types[definition.group(1)] = definition.group(2)
-        if (dot := DOT.match(line)) and (dot.group(1), types.get(dot.group(2)), types.get(dot.group(3))) == (
-                "s32", "s8", "s8"):
-            found.append(re.search(r'op_name="([^"]*)"', line).group(1))
+        if dot := DOT.match(line):
+            name = re.search(r'op_name="([^"]*)"', line)
+            operand_types = (dot.group(1), types.get(dot.group(2)), types.get(dot.group(3)))
+            found.append((operand_types, name.group(1) if name else ""))
     return found
+
+
+def int8_dots(hlo: str) -> list[str]:
+    """The op_name of every s8 x s8 -> s32 dot in compiled HLO text."""
+    return [name for types, name in dots(hlo) if types == ("s32", "s8", "s8")]
 
 
 def _train(quant: str):
@@ -64,10 +72,17 @@ def runs():
 
 
 def test_int8_step_has_int8_dots_forward_and_backward(runs):
-    dots = int8_dots(runs["int8"][0])
-    backward = [name for name in dots if "transpose(" in name]  # autodiff's transpose: the backward pass
-    assert len(dots) - len(backward) >= QUANTISED_MATMULS, dots
-    assert len(backward) >= 2 * QUANTISED_MATMULS, dots
+    names = int8_dots(runs["int8"][0])
+    backward = [name for name in names if "transpose(" in name]  # autodiff's transpose: the backward pass
+    assert len(names) - len(backward) >= QUANTISED_MATMULS, names
+    assert len(backward) >= 2 * QUANTISED_MATMULS, names
+    assert {spec for spec in BLOCK_MATMULS if any(f"/{spec}/" in name for name in names)} == BLOCK_MATMULS, names
+
+
+def test_int8_step_keeps_the_output_head_in_float(runs):
+    head = [(types, name) for types, name in dots(runs["int8"][0]) if HEAD_MATMUL in name]
+    assert len(head) >= 3, head  # its forward dot and both backward dots are there ...
+    assert all(types == ("f32", "f32", "f32") for types, _ in head), head  # ... and none is int8
 
 
 def test_default_step_has_no_int8(runs):

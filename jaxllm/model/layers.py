@@ -26,7 +26,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.lora import adapter, project
 from jaxllm.model.cudnn_attention import cudnn_attention
-from jaxllm.quant import weight_einsum
 from jaxllm.sharding import constrain
 
 # Masked attention scores use a large finite negative: -inf would turn fully masked rows (padding) into NaN.
@@ -58,8 +57,8 @@ class Embed(nnx.Module):
         x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(dtype)
         return constrain(x_BTD, ("batch", seq_axis, "embed"))
 
-    def attend(self, x_BTD: jax.Array, quant: str = "none") -> jax.Array:
-        return weight_einsum("BTD,VD->BTV", x_BTD, self.embedding[...].astype(x_BTD.dtype), quant)
+    def attend(self, x_BTD: jax.Array) -> jax.Array:
+        return jnp.einsum("BTD,VD->BTV", x_BTD, self.embedding[...].astype(x_BTD.dtype))
 
 
 class RMSNorm(nnx.Module):

@@ -20,7 +20,6 @@ from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, par
 from jaxllm.model.visibility import attention_visibility, resolve_attention
 from jaxllm.offload import DEVICE, HOST
 from jaxllm.pipeline import num_stages, pipeline
-from jaxllm.quant import weight_einsum
 from jaxllm.sharding import constrain
 
 _QKV = ("query_proj", "key_proj", "value_proj")
@@ -283,10 +282,9 @@ class Transformer(nnx.Module):
     def logits(self, x_BTD):
         """Project hidden states to vocabulary logits [B, T, V] in the output dtype."""
         if self.cfg.tie_embeddings:
-            logits_BTV = self.embed_tokens.attend(x_BTD, self.precision.quant)
+            logits_BTV = self.embed_tokens.attend(x_BTD)
         else:
-            logits_BTV = weight_einsum("BTD,DV->BTV", x_BTD, self.lm_head[...].astype(x_BTD.dtype),
-                                       self.precision.quant)
+            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head[...].astype(x_BTD.dtype))
         return constrain(logits_BTV.astype(self.output_dtype), ("batch", "seq", "vocab"))
 
     def __call__(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):
