@@ -6,6 +6,13 @@ prints a table of each run's held-out loss after the last step (the loop's final
 metrics.jsonl), its training time, and the int8/float32 ratio; then one JSON line of the figures. The issue's
 target: the int8 held-out loss within 3% of float32's after the job's 300 steps. Extra `--config.` overrides go
 to both runs. On CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8, as for `make train`.
+
+Measured on CPU (8 fake devices, the default job's 300 steps; held-out loss after the last step):
+
+    variant                                          held-out loss   int8 / float32
+    float32 (precision.quant=none)                          3.3347           1.0000
+    int8, output head in float (shipped)                    3.3126           0.9934
+    int8, output head in int8 too (an earlier version)      3.8085           1.1421
 """
 
 import argparse
