@@ -790,9 +790,10 @@ def _check_quant(precision: PrecisionConfig) -> None:
             raise ConfigError("precision.quant", f"fp8 needs a GPU (this run's backend is {backend}); use int8 or none")
         raise ConfigError("precision.quant", "fp8 is not implemented yet; use int8 or none")
     if precision.quant == "int8" and precision.compute == "float16":
-        # Measured (qwix 0.1.8, CPU): with float16 operands its int8 backward dots return all-zero gradients.
+        # Measured (qwix 0.1.8, CPU, the default job's first step, loss scaling off): with float16 operands the
+        # int8 backward dots give a gradient norm of 0.73 where float32, int8 in float32 and plain float16 give 3.21.
         raise ConfigError("precision.quant", "int8 needs precision.compute float32 or bfloat16 (with float16 the "
-                                             "int8 backward dots give all-zero gradients)")
+                                             "int8 backward dots give wrong gradients)")
 
 
 def _xla_flags(flags) -> dict:
