@@ -11,9 +11,9 @@ compute dtype.
 
 Why the head stays out: its backward dots take the softmax gradient p - onehot(target), whose per-token range is
 set by the target's -1, so an int8 absmax scale (~1/127) rounds every other vocabulary entry's p (~1/V) to zero.
-Measured on the default job's model after 40 steps: the head's weight gradient was 86% off float32's (relative
-L2), and through the hidden states every other gradient 4-60% off; with the head in float32 no gradient was more
-than 1.6% off (scripts/bench_quant.py measures what that does to the held-out loss).
+Measured on the default job's model after 40 float32 AdamW steps: the head's weight gradient was 86% off
+float32's (relative L2), and through the hidden states every other gradient 4-60% off; with the head in float32
+no gradient was more than 1.6% off (scripts/bench_quant.py measures what that does to the held-out loss).
 
 qwix is the kept library that does the quantisation (no hand-written kernels here). Its public interception API
 (`qwix.QtProvider` / `quantize_model`) rewrites calls it can see in a model, which misses our raw einsums on
