@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import LoRAConfig
+from jaxllm.quant import weight_einsum
 
 MODULE_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -81,10 +82,11 @@ def adapter(cfg: LoRAConfig | None, target: str, in_shape, out_shape, in_names, 
                 rngs=rngs)
 
 
-def project(spec: str, x, kernel, lora: LoRA | None, rng=None):
+def project(spec: str, x, kernel, lora: LoRA | None, rng=None, quant: str = "none"):
     """`einsum(spec, x, kernel)` plus the adapter's contribution when there is one (the one place model code
-    applies LoRA: training, evaluation and KV-cache decoding all go through it)."""
-    y = jnp.einsum(spec, x, kernel[...].astype(x.dtype))
+    applies LoRA: training, evaluation and KV-cache decoding all go through it). `quant` (`precision.quant`)
+    quantises the kernel's matmul only, never the adapter's (jaxllm/quant.py)."""
+    y = weight_einsum(spec, x, kernel[...].astype(x.dtype), quant)
     return y if lora is None else y + lora(x, rng).astype(y.dtype)
 
 

@@ -6,11 +6,13 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from jaxllm.checkpoint import _array_registry
 from jaxllm.distributed import _detected_cluster
 from jaxllm.model.cudnn_attention import private_cudnn_attention
+from jaxllm.quant import weight_einsum
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,6 +22,8 @@ PRIVATE = [
      _array_registry),
     ("jax._src.cudnn.fused_attention_stablehlo", "jax", "jaxllm/model/cudnn_attention.py", private_cudnn_attention),
     ("jax._src.clusters", "jax", "jaxllm/distributed.py", lambda: _detected_cluster({})),
+    ("qwix._src.core.dot_general_qt", "qwix", "jaxllm/quant.py",
+     lambda: weight_einsum("ab,bc->ac", jnp.ones((2, 4)), jnp.ones((4, 3)), "int8")),
 ]
 
 
@@ -41,6 +45,6 @@ def test_private_import_is_where_jaxllm_expects_it(module, distribution, site, u
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("distribution", ["jax", "flax", "orbax-checkpoint"])
+@pytest.mark.parametrize("distribution", ["jax", "flax", "orbax-checkpoint", "qwix"])
 def test_jax_flax_and_orbax_are_pinned_from_above(distribution):
     assert "<" in pinned_range(distribution), f"pyproject.toml: {distribution} needs an upper bound (the versions tested)"

@@ -144,7 +144,7 @@ class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions (q_proj, k_proj, v_proj, o_proj), each projection with
     an optional LoRA adapter (`lora`: a `jaxllm.lora.LoRAConfig`)."""
 
-    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None):
+    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None, quant: str = "none"):
         D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lead = ("layers",) * len(stack)
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
@@ -158,12 +158,16 @@ class Attention(nnx.Module):
         self.v_proj_lora = adapter(lora, "v_proj", (D,), (K, H), ("embed",), ("kv_heads", "head_dim"), **kw)
         self.o_proj_lora = adapter(lora, "o_proj", (N, H), (D,), ("heads", "head_dim"), ("embed",), **kw)
         self.impl = cfg.attention
+        self.quant = quant  # precision.quant of the projections (static; q.k and p.v stay unquantised)
 
     def _project(self, x_BTD, sin_BTh, cos_BTh, rng=None):
         """Rotated queries [B, T, N, H] and rotated keys / values [B, T, K, H] of `x_BTD`."""
-        q_BTNH = project("BTD,DNH->BTNH", x_BTD, self.q_proj, self.q_proj_lora, _fold(rng, 0))
-        k_BSKH = project("BSD,DKH->BSKH", x_BTD, self.k_proj, self.k_proj_lora, _fold(rng, 1))
-        v_BSKH = project("BSD,DKH->BSKH", x_BTD, self.v_proj, self.v_proj_lora, _fold(rng, 2))
+        q_BTNH = project("BTD,DNH->BTNH", x_BTD, self.q_proj, self.q_proj_lora, _fold(rng, 0),
+                         quant=self.quant)
+        k_BSKH = project("BSD,DKH->BSKH", x_BTD, self.k_proj, self.k_proj_lora, _fold(rng, 1),
+                         quant=self.quant)
+        v_BSKH = project("BSD,DKH->BSKH", x_BTD, self.v_proj, self.v_proj_lora, _fold(rng, 2),
+                         quant=self.quant)
         q_BTNH = constrain(apply_rope(q_BTNH, sin_BTh, cos_BTh), ("batch", "seq", "heads", "head_dim"))
         k_BSKH = constrain(apply_rope(k_BSKH, sin_BTh, cos_BTh), ("batch", "seq", "kv_heads", "head_dim"))
         v_BSKH = constrain(v_BSKH, ("batch", "seq", "kv_heads", "head_dim"))
@@ -184,7 +188,8 @@ class Attention(nnx.Module):
         else:  # jax.nn's XLA implementation (it handles grouped-query heads itself)
             out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible[:, None])
         out_BTNH = checkpoint_name(constrain(out_BTNH, ("batch", "seq", "heads", "head_dim")), "context")
-        out_BTD = project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora, _fold(rng, 3))
+        out_BTD = project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora, _fold(rng, 3),
+                          quant=self.quant)
         return checkpoint_name(out_BTD, "out_proj")
 
     def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
@@ -201,13 +206,14 @@ class Attention(nnx.Module):
         # Always the XLA path: T is 1 per step, where fused kernels bring nothing and cuDNN needs T == S.
         out_BTNH = xla_attention(q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), mask_BTS)
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))
-        return project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora), k_BTKH, v_BTKH
+        out_BTD = project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora, quant=self.quant)
+        return out_BTD, k_BTKH, v_BTKH
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), each projection with an optional LoRA adapter."""
 
-    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None):
+    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None, quant: str = "none"):
         D, F = cfg.dim, cfg.mlp_dim
         lead = ("layers",) * len(stack)
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
@@ -218,16 +224,20 @@ class MLP(nnx.Module):
         self.gate_proj_lora = adapter(lora, "gate_proj", (D,), (F,), ("embed",), ("mlp",), **kw)
         self.up_proj_lora = adapter(lora, "up_proj", (D,), (F,), ("embed",), ("mlp",), **kw)
         self.down_proj_lora = adapter(lora, "down_proj", (F,), (D,), ("mlp",), ("embed",), **kw)
+        self.quant = quant  # precision.quant of the three projections (static)
 
     def __call__(self, x_BTD, rng=None, taps: dict | None = None):
         """The feed-forward of `x_BTD`; a `taps` dict (diagnostics) receives the gate's pre-activations as "gate"."""
-        gate_BTF = project("BTD,DF->BTF", x_BTD, self.gate_proj, self.gate_proj_lora, _fold(rng, 4))
+        gate_BTF = project("BTD,DF->BTF", x_BTD, self.gate_proj, self.gate_proj_lora, _fold(rng, 4),
+                           quant=self.quant)
         if taps is not None:
             taps["gate"] = gate_BTF
-        up_BTF = project("BTD,DF->BTF", x_BTD, self.up_proj, self.up_proj_lora, _fold(rng, 5))
+        up_BTF = project("BTD,DF->BTF", x_BTD, self.up_proj, self.up_proj_lora, _fold(rng, 5),
+                         quant=self.quant)
         gate_BTF, up_BTF = checkpoint_name(gate_BTF, "mlp_gate"), checkpoint_name(up_BTF, "mlp_up")
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
-        out_BTD = project("BTF,FD->BTD", h_BTF, self.down_proj, self.down_proj_lora, _fold(rng, 6))
+        out_BTD = project("BTF,FD->BTD", h_BTF, self.down_proj, self.down_proj_lora, _fold(rng, 6),
+                         quant=self.quant)
         return checkpoint_name(out_BTD, "mlp_out")
 
 

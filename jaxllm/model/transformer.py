@@ -65,12 +65,12 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None,
-                 seq_axis: str = "seq"):
+                 seq_axis: str = "seq", quant: str = "none"):
         self.seq_axis = seq_axis  # static: in the graphdef, not a parameter
         self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
-        self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora)
+        self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
         self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
-        self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora)
+        self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
 
     def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None, taps: dict | None = None):
         """The block's output; a `taps` dict (diagnostics, jaxllm/diagnostics/activations.py) receives the
@@ -238,7 +238,7 @@ class Transformer(nnx.Module):
         self.lora = lora if lora is not None and lora.rank else None
         self.embed_tokens = Embed(cfg.vocab_size, cfg.dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
         self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs, lora=self.lora,
-                                   seq_axis=self.seq_axis)
+                                   seq_axis=self.seq_axis, quant=precision.quant)
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, rngs=rngs)
         if lm_head and not cfg.tie_embeddings:  # a reward model (jaxllm/model/reward.py) has a score head instead
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, cfg.init_std)
