@@ -20,6 +20,7 @@ from jaxllm.typed_config import ConfigError, build
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "minimal_with_context", "save_qkv_proj")
+GRAD_COMPRESSIONS = ("none", "powersgd")  # optim.grad_compression (jaxllm/powersgd.py)
 OFFLOADS = ("none", "host")  # optim.offload, model.remat_offload (jaxllm/offload.py)
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
@@ -145,6 +146,13 @@ class OptimConfig:
     # "host": the optimizer state lives in pinned host memory and streams to the device for the update inside
     # the step (jaxllm/offload.py); "none": it stays on the device.
     offload: str = "none"
+    # "powersgd": gradients cross the `data` mesh axis as rank-`powersgd_rank` PowerSGD factors with error
+    # feedback, after `powersgd_start_step` uncompressed steps (jaxllm/powersgd.py); "none": whole, as XLA
+    # all-reduces them. 10 warm-up steps: the first updates' gradients change fastest, and a random Q has not
+    # yet met them (the paper and torch start later on long runs).
+    grad_compression: str = "none"
+    powersgd_rank: int = 4
+    powersgd_start_step: int = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,6 +640,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         raise ConfigError("optim.decay_fraction", f"must be in [0, 1], got {optim.decay_fraction}")
     if optim.clip_norm < 0:
         raise ConfigError("optim.clip_norm", f"must be >= 0 (0 disables clipping), got {optim.clip_norm}")
+    _check_compression(optim, mesh)
 
     for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every"):
         _positive(f"train.{key}", getattr(train, key))
@@ -709,6 +718,21 @@ def _xla_flags(flags) -> dict:
         if not isinstance(value, (bool, int, float, str)):
             raise ConfigError(f"xla_flags.{name}", f"expected a bool, number or string, got {value!r}")
     return dict(flags.items())
+
+
+def _check_compression(optim: OptimConfig, mesh: MeshConfig) -> None:
+    _choice("optim.grad_compression", optim.grad_compression, GRAD_COMPRESSIONS)
+    _positive("optim.powersgd_rank", optim.powersgd_rank)
+    if optim.powersgd_start_step < 0:
+        raise ConfigError("optim.powersgd_start_step", f"must be >= 0, got {optim.powersgd_start_step}")
+    if optim.grad_compression != "powersgd":
+        return
+    if mesh.data == 1:
+        raise ConfigError("optim.grad_compression", "powersgd compresses gradients across mesh.data, which is 1: "
+                                                    "nothing to compress (use none)")
+    if mesh.stage > 1:
+        raise ConfigError("optim.grad_compression", f"powersgd does not support pipeline stages (mesh.stage="
+                                                    f"{mesh.stage}); use mesh.stage=1 or none")
 
 
 def _check_lora(cfg: LoRAConfig) -> None:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from jaxllm import powersgd
 from jaxllm.config import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.model.transformer import Transformer
 from jaxllm.offload import host_shardings
@@ -28,7 +29,8 @@ class TrainState:
     `params` are the objective's trainable variables and `opt_state` their optimizer state. `lr_scale`
     multiplies every update (recovery lowers it; it survives restarts). `rng` is the run's key data: step N
     draws from `fold_in(rng, N)`, so dropout resumes bitwise. `loss_window` and `grad_window` hold the last
-    healthy steps' loss and gradient norm (NaN = empty) for the anomaly checks inside the step.
+    healthy steps' loss and gradient norm (NaN = empty) for the anomaly checks inside the step. `powersgd` is
+    the gradient compression's state (`jaxllm.powersgd.PowerSGDState`; None without compression).
     """
 
     step: jax.Array
@@ -38,6 +40,7 @@ class TrainState:
     rng: jax.Array
     loss_window: jax.Array
     grad_window: jax.Array
+    powersgd: Any = None
 
     def step_key(self) -> jax.Array:
         """The key of the step this state's next update is (derived, never stored)."""
@@ -88,6 +91,9 @@ def state_shardings(abstract_state: TrainState, mesh, offload: str = "none") -> 
     optimizer state's are in pinned host memory. Every placement of a train state (init, the step, checkpoint
     restore) takes its shardings from here."""
     shardings = sharding_tree(abstract_state, mesh)
+    if abstract_state.powersgd is not None:
+        shardings = shardings.replace(powersgd=powersgd.state_shardings(abstract_state.powersgd,
+                                                                        abstract_state.params, mesh))
     if offload == "host":
         shardings = shardings.replace(opt_state=host_shardings(shardings.opt_state))
     return shardings

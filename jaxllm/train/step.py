@@ -8,6 +8,7 @@ whose leading axis is the global batch (rows split over the batch mesh axes).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxllm.config import AnomalyConfig
 from jaxllm.offload import on_host, stream_opt_state
 from jaxllm.optim import current_lr
+from jaxllm.powersgd import PowerSGD, compressed_grads_and_loss
 from jaxllm.sharding import active_mesh, constrain, logical_to_spec, spec_tree
 from jaxllm.train.anomaly import detect, push
 from jaxllm.train.pretrain import next_token_loss
@@ -123,19 +125,29 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
 
 
 def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int = 1,
-                    anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False) -> Callable:
+                    anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False,
+                    compression: PowerSGD | None = None) -> Callable:
     """`step(state, batch, frozen=NO_FROZEN) -> (state, metrics)` for `objective` (see the module docstring).
     Metrics are device scalars (the loop reads them one step late).
 
     Every step checks for anomalies (`jaxllm.train.anomaly.detect` against the state's history windows); with
     `skip_anomalies` an anomalous step leaves parameters and optimizer state unchanged, decided inside the
     compiled step (no host round trip), so the step dispatched after it starts from a healthy state.
+
+    With `compression` (PowerSGD, jaxllm/powersgd.py; the state carries its `powersgd` state) the gradients are
+    computed per `data` shard and reduced over `data` as low-rank factors; the optimizer sees the decompressed mean.
     """
     graphdef, loss_fn = objective.graphdef, objective.loss_fn
 
     def step(state: TrainState, batch, frozen=NO_FROZEN):
-        grads, loss, count, extra = grads_and_loss(graphdef, state.params, batch, grad_accum, loss_fn=loss_fn,
-                                                   frozen=frozen, rng=state.step_key())
+        if compression is None:
+            grads, loss, count, extra = grads_and_loss(graphdef, state.params, batch, grad_accum, loss_fn=loss_fn,
+                                                       frozen=frozen, rng=state.step_key())
+            compressor = state.powersgd  # None
+        else:
+            grads, loss, count, extra, compressor = compressed_grads_and_loss(
+                functools.partial(grads_and_loss, graphdef, grad_accum=grad_accum, loss_fn=loss_fn), state.params,
+                batch, frozen, state.step_key(), state.powersgd, state.step, compression)
         grad_norm = optax.tree.norm(grads)
         flags = detect(loss, grad_norm, state.loss_window, state.grad_window, anomaly)
         is_anomaly = flags["anomaly"]
@@ -150,6 +162,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
             keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(keep, o, n), new, old)
             params = keep_old(params, state.params)
             opt_state = keep_old(opt_state, state.opt_state)
+            compressor = keep_old(compressor, state.powersgd)
         metrics = {
             **extra,
             "loss": loss,
@@ -162,7 +175,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state,
             loss_window=push(state.loss_window, loss, healthy),
-            grad_window=push(state.grad_window, grad_norm, healthy),
+            grad_window=push(state.grad_window, grad_norm, healthy), powersgd=compressor,
         )
         return new_state, metrics
 
