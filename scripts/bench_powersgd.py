@@ -8,7 +8,10 @@ reduce-scatter whose replica groups cross the `data` axis are summed from the HL
   llama_8b  the llama_8b preset on a (data=8, fsdp=8) mesh of 64 fake CPU devices (this script re-runs itself
             with XLA_FLAGS=--xla_force_host_platform_device_count=64), batch 64 x 256 (the traffic of gradients
             does not depend on the batch).
-Prints a table and one JSON line of the figures.
+Prints a table and one JSON line of the figures. Measured here (rank 4): default 3.55 MB -> 0.18 MB (20x);
+llama_8b 35.9 GB -> 52 MB. The uncompressed llama_8b figure is XLA:CPU's program, which all-reduces each layer's
+whole gradient over all 64 devices (data and fsdp together) inside the layer loop; an all-reduce of the
+fsdp-split float32 gradients over `data` alone would be 8.03e9 * 4 / 8 = 4.0 GB, 77x the compressed figure.
 """
 
 import argparse
