@@ -1,7 +1,8 @@
 """Orbax checkpoints of a run: async saves, retention, atomic commits, restore onto any mesh.
 
 A checkpoint `<workdir>/checkpoints/<step>/` holds the train state (parameters, optimizer state, step, LR scale,
-anomaly statistics), the data-iterator state and run metadata (RNG seed, resolved config, LR scale) as JSON.
+anomaly statistics), the data-iterator state and run metadata (RNG seed, resolved config, applied hot updates) as
+JSON.
 Orbax writes into a temporary directory and renames it on commit, so a crash at any moment leaves the previous
 committed checkpoint loadable; uncommitted directories are never listed as steps and are cleaned up on start.
 
@@ -24,11 +25,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxllm.checksums import MANIFEST, verify_manifest, write_manifest
+from jaxllm.typed_config import ConfigError
 from jaxllm.sharding import sharding_tree
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the directory."""
+
+
+def _field_names(tree) -> set[str]:
+    """The top-level names (dataclass fields, dict keys) under which `tree` has leaves."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0] if path]
+    return {str(getattr(path[0], "name", getattr(path[0], "key", path[0]))) for path in paths}
 
 
 def directory_bytes(path: Path) -> int:
@@ -224,17 +232,36 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} is unreadable: {problem}")
 
     def restore(self, step: int, abstract_state: Any, mesh, *, items=("state", "data", "meta"),
-                shardings: Any = None) -> dict:
+                shardings: Any = None, older: tuple | None = None) -> dict:
         """Restore `step` with every array placed per the sharding rules on `mesh` (resharding on load), or per
         `shardings` when given (a train state's from `jaxllm.train.state.state_shardings`: an offloaded optimizer
         state restores straight into pinned host memory, never through the device).
 
         `abstract_state` gives shapes and dtypes (e.g. `abstract_train_state(...)`); a checkpoint written on any
         other mesh or device count restores bit-exactly onto this one. The files are verified first (`verify`).
+        `older` is (abstract state, shardings, upgrade) of an earlier jaxllm's state layout, tried when the
+        checkpoint does not match the current one; `upgrade(state)` brings what it restores up to date.
         """
         self.verify(step)
+        if "state" in items:
+            self._check_fields(step, abstract_state)
         if shardings is None:
             shardings = sharding_tree(abstract_state, mesh)
+        try:
+            return self._restore(step, abstract_state, shardings, items)
+        except CheckpointError as exc:
+            if older is None or "state" not in items:
+                raise
+            error = exc
+        older_state, older_shardings, upgrade = older
+        try:
+            restored = self._restore(step, older_state, older_shardings, items)
+        except CheckpointError:
+            raise error from None
+        self.log(f"checkpoint {self.directory / str(step)} has an older jaxllm's train-state layout: upgraded on load")
+        return dict(restored, state=upgrade(restored["state"]))
+
+    def _restore(self, step: int, abstract_state: Any, shardings: Any, items) -> dict:
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_state, shardings)
         available = {"state": ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target)),
@@ -248,6 +275,23 @@ class Checkpointer:
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from None
         return {k: restored[k] for k in items}
+
+    def _check_fields(self, step: int, abstract_state) -> None:
+        """A ConfigError when `step`'s train state lacks fields that `abstract_state` has: an older jaxllm wrote it
+        (before `loss_scale` existed, say). It is intact, so it must not fail like an unreadable checkpoint (a
+        resume would move it aside and fall back past it); its parameters still seed a new run."""
+        try:
+            saved = self.manager.item_metadata(step)["state"].tree
+        except Exception:  # metadata unreadable: the restore itself reports it as a CheckpointError
+            return
+        if not isinstance(saved, dict):
+            return
+        missing = sorted(_field_names(abstract_state) - set(saved))
+        if missing:
+            path = self.directory / str(step)
+            raise ConfigError("checkpoint", f"{path} was written by an older jaxllm: its train state has no "
+                                            f"{', '.join(missing)}; start a new run from its parameters with "
+                                            f"checkpoint.restore_from={path} and a new workdir")
 
     def read_meta(self, step: int) -> dict:
         """The run metadata (seed, config, base, ...) saved with `step`; no array is read."""

@@ -7,6 +7,7 @@ Functions downstream take only their own sub-config (`ModelConfig`, `OptimConfig
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 from pathlib import Path
@@ -34,7 +35,10 @@ SFT_TEMPLATES = ("alpaca", "chatml", "model")
 OVERLONG_RULES = ("truncate", "drop")
 AUTO_VOCAB = 0  # model.vocab_size "auto": the tokenizer's size, padded (resolve_vocab_size)
 VOCAB_MULTIPLE = 128  # "auto" pads to a multiple of this times mesh.tensor (Megatron's make-vocab-size-divisible-by)
-AUTO_VALUES = {"model.vocab_size": AUTO_VOCAB}  # keys that accept "auto" on the command line, and what it stores
+AUTO_GRAD_ACCUM = 0  # optim.grad_accum "auto": the fewest micro-batches that fit (jaxllm/auto_fit.py)
+AUTO_REMAT = "auto"  # model.remat "auto": the least recomputation that fits (jaxllm/auto_fit.py)
+# keys that accept "auto" on the command line, and what it stores
+AUTO_VALUES = {"model.vocab_size": AUTO_VOCAB, "optim.grad_accum": AUTO_GRAD_ACCUM, "model.remat": AUTO_REMAT}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +106,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    remat: str = "none"
+    remat: str = "none"  # or "auto": chosen before training by jaxllm/auto_fit.py
     # "host": what `remat` saves for the backward pass (save_dots, minimal_with_context, save_qkv_proj) goes to
     # pinned host memory instead of staying on the device; "none": it stays (jaxllm/offload.py).
     remat_offload: str = "none"
@@ -120,11 +124,15 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
     """Mixed-precision policy: storage of parameters/optimizer state, matmul compute, and logits. `compute`
-    "auto" picks bfloat16 where the hardware computes it natively, else float32 (jaxllm/auto_precision.py)."""
+    "auto" picks bfloat16 where the hardware computes it natively, else float32 (jaxllm/auto_precision.py).
+    `loss_scale` (jaxllm/loss_scale.py): "auto" (dynamic for float16 compute, else none), "dynamic", "static:<v>"
+    or "none"; the dynamic scale doubles after `loss_scale_growth_interval` consecutive finite steps."""
 
     params: str = "float32"
     compute: str = "bfloat16"
     output: str = "float32"
+    loss_scale: str = "auto"
+    loss_scale_growth_interval: int = 2000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +150,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0
-    grad_accum: int = 1
+    grad_accum: int = 1  # "auto" (stored as 0): the fewest micro-batches that fit (jaxllm/auto_fit.py)
     # "host": the optimizer state lives in pinned host memory and streams to the device for the update inside
     # the step (jaxllm/offload.py); "none": it stays on the device.
     offload: str = "none"
@@ -182,6 +190,10 @@ class TrainConfig:
     sample_prompt: str = ""
     on_anomaly: str = "rollback"
     hang_timeout_s: float = 1800.0
+    # optim.grad_accum / model.remat "auto" pick what fits memory_fraction x the device's memory, or x
+    # memory_budget_gb (10^9 bytes per device; > 0 stands in for the device's limit, e.g. on a CPU).
+    memory_budget_gb: float = 0.0
+    memory_fraction: float = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +248,9 @@ class DebugConfig:
     before going on, so that a test's signal or kill always lands mid-run however fast the steps are.
     `stall_at_step`: the loop waits `stall_s` seconds for step K's metrics, as if step K hung on the devices
     (a drill for `train.hang_timeout_s`; the default outlasts any watchdog timeout worth drilling).
+    Seeded pathologies for the diagnosis (scripts/seeded_pathologies.py), pretraining only: `zero_layer` (-1:
+    off) starts that layer with every weight zero, a dead layer (all-zero weights get zero gradients, so it
+    never trains); `data_sleep_s` sleeps that long before each train batch, a throttled loader.
     """
 
     inject_nan_at_step: int = 0
@@ -243,6 +258,40 @@ class DebugConfig:
     hold_at_step: int = 0
     stall_at_step: int = 0
     stall_s: float = 3600.0
+    zero_layer: int = -1
+    data_sleep_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DiagnosticsConfig:
+    """Per-layer statistics (jaxllm/diagnostics/): every `every` steps (0: never) that step runs a second compiled
+    variant of the train step, with the same update, that also measures per-layer and per-group norms of
+    gradients, parameters and updates, activation statistics and the optimizer's second moments (`diag/...`
+    records of metrics.jsonl). The production step is the same program whatever `every` is."""
+
+    every: int = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """Where each metrics record goes besides `<workdir>/metrics.jsonl` (always written): TensorBoard event files
+    in `<workdir>/tb` (tensorboardX, no TensorFlow) with `tensorboard`, and a Weights & Biases run in project
+    `wandb_project` with `wandb` (the optional `wandb` extra; offline into `<workdir>/wandb` unless WANDB_MODE
+    asks otherwise and an API key is there). See jaxllm/diagnostics/writers.py."""
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "jaxllm"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A `jax.profiler` trace of `steps` train steps from step `start_step` (0: off) into `<workdir>/profile`
+    (TensorBoard's profile plugin / xprof, and Perfetto: perfetto_trace.json.gz). See
+    jaxllm/diagnostics/profiler.py."""
+
+    start_step: int = 0
+    steps: int = 3
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -439,6 +488,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     anomaly: AnomalyConfig = AnomalyConfig()
     debug: DebugConfig = DebugConfig()
+    diagnostics: DiagnosticsConfig = DiagnosticsConfig()
     lora: LoRAConfig = LoRAConfig()
     sft: SFTConfig = SFTConfig()
     preference: PreferenceConfig = PreferenceConfig()
@@ -446,6 +496,8 @@ class Config:
     dpo: DPOConfig = DPOConfig()
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    profile: ProfileConfig = ProfileConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
     # XLA compiler flags, name (without the leading --) -> value, put into XLA_FLAGS by the scripts before JAX
@@ -577,8 +629,11 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         _positive("model.vocab_size", model.vocab_size)
     _positive("model.rope_theta", model.rope_theta)
     _positive("model.norm_eps", model.norm_eps)
-    _choice("model.remat", model.remat, REMAT_POLICIES)
+    _choice("model.remat", model.remat, REMAT_POLICIES + (AUTO_REMAT,))
     _choice("model.remat_offload", model.remat_offload, OFFLOADS)
+    if model.remat_offload == "host" and model.remat == AUTO_REMAT:
+        raise ConfigError("model.remat_offload", "'host' offloads what a named model.remat policy saves, and "
+                                                 "model.remat=auto may choose none or full: name the policy")
     if model.remat_offload == "host" and model.remat in ("none", "full"):
         raise ConfigError("model.remat_offload", f"'host' offloads what model.remat saves by name, and "
                                                  f"model.remat={model.remat!r} saves nothing to offload (use "
@@ -626,12 +681,22 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
 
     for key in ("params", "compute", "output"):
         _choice(f"precision.{key}", getattr(precision, key), DTYPES)
+    from jaxllm.loss_scale import loss_scaling, resolve_loss_scale  # imports jax: only when validating
+
+    loss_scaling(precision)  # checks both keys
+    precision = dataclasses.replace(precision, loss_scale=resolve_loss_scale(precision.loss_scale, precision.compute))
 
     _choice("optim.name", optim.name, OPTIMIZERS)
     _choice("optim.schedule", optim.schedule, SCHEDULES)
     _choice("optim.offload", optim.offload, OFFLOADS)
     _positive("optim.lr", optim.lr)
-    _positive("optim.grad_accum", optim.grad_accum)
+    if optim.grad_accum != AUTO_GRAD_ACCUM:
+        _positive("optim.grad_accum", optim.grad_accum)
+    if train.memory_budget_gb < 0:
+        raise ConfigError("train.memory_budget_gb", f"must be >= 0 (0: the device's own limit), got "
+                                                    f"{train.memory_budget_gb}")
+    if not 0.0 < train.memory_fraction <= 1.0:
+        raise ConfigError("train.memory_fraction", f"must be in (0, 1], got {train.memory_fraction}")
     if optim.warmup_steps < 0:
         raise ConfigError("optim.warmup_steps", f"must be >= 0, got {optim.warmup_steps}")
     if not 0.0 <= optim.min_lr_ratio <= 1.0:
@@ -652,13 +717,14 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
             "train.batch_size",
             f"{train.batch_size} is not divisible by mesh.data*mesh.fsdp={batch_shards}",
         )
-    if train.batch_size % (optim.grad_accum * batch_shards):
+    accum = max(optim.grad_accum, 1)  # "auto" chooses among the counts that split the batch
+    if train.batch_size % (accum * batch_shards):
         raise ConfigError(
             "optim.grad_accum",
             f"train.batch_size={train.batch_size} does not split into {optim.grad_accum} micro-batches "
             f"divisible by mesh.data*mesh.fsdp={batch_shards}",
         )
-    if check_batch and train.batch_size % (pipeline.microbatches * optim.grad_accum):
+    if check_batch and train.batch_size % (pipeline.microbatches * accum):
         raise ConfigError(
             "pipeline.microbatches",
             f"train.batch_size={train.batch_size} does not split into {pipeline.microbatches} pipeline micro-batches "
@@ -668,6 +734,11 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     if not train.hang_timeout_s >= 0:
         raise ConfigError("train.hang_timeout_s", f"must be >= 0 (0: no hang watchdog), got {train.hang_timeout_s}")
     _positive("debug.stall_s", debug.stall_s)
+    if not -1 <= debug.zero_layer < model.num_layers:
+        raise ConfigError("debug.zero_layer", f"must be -1 (off) or a layer index below model.num_layers="
+                                              f"{model.num_layers}, got {debug.zero_layer}")
+    if not debug.data_sleep_s >= 0:
+        raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {debug.data_sleep_s}")
     if debug.hold_at_step and num_processes is not None and num_processes > 1:
         raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
     _positive("checkpoint.every", checkpoint.every)
@@ -686,6 +757,8 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         raise ConfigError("anomaly.lr_factor", f"must be in (0, 1], got {anomaly.lr_factor}")
     if anomaly.max_rollbacks < 0:
         raise ConfigError("anomaly.max_rollbacks", f"must be >= 0, got {anomaly.max_rollbacks}")
+    if cfg.diagnostics.every < 0:
+        raise ConfigError("diagnostics.every", f"must be >= 0 (0: off), got {cfg.diagnostics.every}")
     _check_lora(lora)
     _choice("train.objective", train.objective, OBJECTIVES)
     if train.objective == "sft":
@@ -702,6 +775,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
     if not str(cd.get("workdir", "")):
         raise ConfigError("workdir", "must not be empty")
+    _check_diagnostics(cfg.metrics, cfg.profile)
 
     return dataclasses.replace(cfg, mesh=mesh, precision=precision, xla_flags=_xla_flags(cfg.xla_flags))
 
@@ -733,6 +807,14 @@ def _check_compression(optim: OptimConfig, mesh: MeshConfig) -> None:
     if mesh.stage > 1:
         raise ConfigError("optim.grad_compression", f"powersgd does not support pipeline stages (mesh.stage="
                                                     f"{mesh.stage}); use mesh.stage=1 or none")
+
+
+def _check_diagnostics(metrics: MetricsConfig, profile: ProfileConfig) -> None:
+    if metrics.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.wandb", "needs the wandb package: pip install 'jaxllm[wandb]' (or set it false)")
+    if profile.start_step < 0:
+        raise ConfigError("profile.start_step", f"must be >= 0 (0: no trace), got {profile.start_step}")
+    _positive("profile.steps", profile.steps)
 
 
 def _check_lora(cfg: LoRAConfig) -> None:
@@ -834,9 +916,9 @@ def default_config_dict() -> ml_collections.ConfigDict:
     """A ConfigDict holding every field with its dataclass default; config files start from it."""
     sections = dict(mesh=MeshConfig, model=ModelConfig, precision=PrecisionConfig, optim=OptimConfig,
                     train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
-                    anomaly=AnomalyConfig, debug=DebugConfig, lora=LoRAConfig, sft=SFTConfig,
-                    preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig,
-                    ppo=PPOConfig)
+                    anomaly=AnomalyConfig, debug=DebugConfig, diagnostics=DiagnosticsConfig, lora=LoRAConfig,
+                    sft=SFTConfig, preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig,
+                    ppo=PPOConfig, metrics=MetricsConfig, profile=ProfileConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

@@ -66,7 +66,7 @@ def stream_opt_state(step_fn: Callable, state_shardings) -> Callable:
 
     def step(state, *rest):
         state = state.replace(opt_state=jax.device_put(state.opt_state, device))
-        new_state, metrics = step_fn(state, *rest)
-        return new_state.replace(opt_state=jax.device_put(new_state.opt_state, host)), metrics
+        new_state, *outputs = step_fn(state, *rest)  # metrics (and the diagnostic variant's statistics)
+        return new_state.replace(opt_state=jax.device_put(new_state.opt_state, host)), *outputs
 
     return step

@@ -130,7 +130,8 @@ def pipeline(
     repeats: int = 1,
     debug_nan_bubbles: bool = False,
     seq_axis: str = "seq",
-) -> jax.Array:
+    stage_stats: bool = False,
+):
     """Run `stage_fn` over a stack of layers as a pipeline over the active mesh's `stage` axis.
 
     `weights` is a pytree whose leaves are stacked [L, ...] in layer order; `stage_fn(chunk_weights, x, aux)`
@@ -139,6 +140,10 @@ def pipeline(
     activations after all L layers, [B, T, D], equal to running the L layers in order on the whole batch.
     `seq_axis` is the logical name of the activations' sequence dimension (`residual_seq` under sequence
     parallelism), so the buffer and the activations in flight between stages keep the stages' layout.
+
+    With `stage_stats` (diagnostics), `stage_fn` returns (x, stats) where stats is a pytree of per-layer, per-row
+    arrays [Lc, B/m, ...]; each stage files its chunks' stats of every micro-batch it works on (bubbles file
+    nothing), and the pipeline returns (activations, stats [L, B, ...] in layer and row order).
     """
     mesh = active_mesh()
     p, m, r = num_stages(mesh), microbatches, repeats
@@ -160,7 +165,8 @@ def pipeline(
     @jax.checkpoint
     def body(w_local, aux_all, x_in, rep, mb):
         # Slicing inside the checkpoint keeps the residuals loop-invariant (whole weights / aux), not per step.
-        return stage_fn(_index(w_local, rep), x_in, _index(aux_all, mb))
+        out = stage_fn(_index(w_local, rep), x_in, _index(aux_all, mb))
+        return out if stage_stats else (out, None)
 
     def per_stage(w_local, x_in_mBTD, aux_all):
         # This device's contiguous block of stored layers, as [r, Lc, ...]: already its chunks when r == 1.
@@ -171,9 +177,13 @@ def pipeline(
         ring = [(i, (i + 1) % p) for i in range(p)]
         buf = jax.lax.pcast(x_in_mBTD, STAGE, to="varying")
         state = jnp.zeros_like(buf[0])
+        # Per stage: [r, m, Lc, B/m, ...] stats of the chunks it runs, for each repeat and micro-batch.
+        stats_shape = jax.eval_shape(lambda: body(w_local, aux_all, state, 0, 0)[1]) if stage_stats else None
+        filed_stats = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros((r, m) + a.shape, a.dtype), STAGE,
+                                                           to="varying"), stats_shape)
 
         def step(carry, t):
-            state, buf = carry
+            state, buf, filed_stats = carry
             k = t - s  # virtual micro-batch of this stage: micro-batch k % m, repeat k // m
             valid = (k >= 0) & (k < m * r)
             x = jnp.where(s == 0, _index(buf, t % m), state)
@@ -181,7 +191,10 @@ def pipeline(
                 x = jnp.where(valid, x, jnp.nan)
             x = jnp.where(valid, x, jnp.zeros_like(x))  # select, not multiply: garbage cannot leak
             rep = jnp.clip(k // m, 0, r - 1)
-            y = body(w_local, aux_all, x, rep, jnp.mod(k, m))
+            with jax.named_scope("stage"):  # profiler traces: every device runs its own stage's layers here
+                y, stats = body(w_local, aux_all, x, rep, jnp.mod(k, m))
+            filed_stats = jax.tree.map(lambda f, a: jnp.where(valid, f.at[rep, jnp.mod(k, m)].set(a), f),
+                                       filed_stats, stats)
             y = jnp.where(valid, y, jnp.zeros_like(y))
             y = constrain(jax.lax.ppermute(y, STAGE, ring), residual)
             # Stage 0 receives stage p-1's virtual micro-batch t-(p-1) and files it (next repeat's input / output).
@@ -190,13 +203,24 @@ def pipeline(
             keep = (s == 0) & (k_last >= 0) & (k_last < m * r)
             filed = jnp.where(keep, y, _index(buf, slot))
             buf = jax.lax.dynamic_update_index_in_dim(buf, filed, slot, 0)
-            return (y, constrain(buf, (None, *residual))), None
+            return (y, constrain(buf, (None, *residual)), filed_stats), None
 
-        (_, buf), _ = jax.lax.scan(step, (state, buf), jnp.arange(n_iter))
+        (_, buf, filed_stats), _ = jax.lax.scan(step, (state, buf, filed_stats), jnp.arange(n_iter))
         # Outputs sit on stage 0; hand them to every stage (the head runs outside, replicated over `stage`).
-        return jax.lax.psum(jnp.where(s == 0, buf, jnp.zeros_like(buf)), STAGE)
+        return jax.lax.psum(jnp.where(s == 0, buf, jnp.zeros_like(buf)), STAGE), filed_stats
 
-    out_mBTD = jax.shard_map(
-        per_stage, mesh=mesh, in_specs=(P(STAGE), P(), P()), out_specs=P(), axis_names={STAGE},
+    out_mBTD, stats = jax.shard_map(
+        per_stage, mesh=mesh, in_specs=(P(STAGE), P(), P()), out_specs=(P(), P(STAGE)), axis_names={STAGE},
     )(weights, x_mBTD, aux_m)
-    return constrain(merge_microbatches(out_mBTD), residual)
+    out_BTD = constrain(merge_microbatches(out_mBTD), residual)
+    return (out_BTD, jax.tree.map(lambda a: _stats_in_layer_order(a, p, r), stats)) if stage_stats else out_BTD
+
+
+def _stats_in_layer_order(filed: jax.Array, stages: int, repeats: int) -> jax.Array:
+    """Stats filed per stage, [p*r, m, Lc, B/m, ...] (stage s, repeat j at row s*r + j: chunk j*p + s), as
+    [L, B, ...] in layer order and the batch's own row order."""
+    p, r = stages, repeats
+    m, lc = filed.shape[1], filed.shape[2]
+    by_chunk = filed.reshape((p, r) + filed.shape[1:]).swapaxes(0, 1).reshape((p * r,) + filed.shape[1:])
+    by_layer = by_chunk.swapaxes(1, 2).reshape((p * r * lc, m) + filed.shape[3:])  # [L, m, B/m, ...]
+    return jax.vmap(merge_microbatches)(by_layer)

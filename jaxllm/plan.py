@@ -91,11 +91,9 @@ def fit_verdict(total: int, capacity: int) -> str:
     return "does not fit"
 
 
-def compiled_step_memory(cfg: Config) -> dict:
-    """Bytes per device of the train step compiled ahead of time for `cfg` on the first `cfg.mesh.num_devices`
-    devices of this machine (nothing allocated): `memory_analysis()`'s argument, output, alias (donated) and
-    temp (activations, gradients, temporaries) sizes, and the same in host memory (`host_argument`, ...: what
-    `optim.offload` and `model.remat_offload` move there)."""
+def compiled_step(cfg: Config):
+    """The train step of `cfg` compiled ahead of time for the first `cfg.mesh.num_devices` devices of this
+    machine (nothing allocated): its `memory_analysis()` and `as_text()` are what XLA will run."""
     mesh = make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     objective = _objective(cfg)
@@ -106,7 +104,14 @@ def compiled_step_memory(cfg: Config) -> dict:
     runner = StepRunner(objective, tx, cfg, state_shardings(state, mesh, cfg.optim.offload),
                         sharding_tree(frozen, mesh), mesh)
     runner.compile(state, batch, frozen)
-    memory = runner.compiled_for(batch).memory_analysis()
+    return runner.compiled_for(batch)
+
+
+def compiled_step_memory(cfg: Config) -> dict:
+    """Bytes per device of the train step compiled ahead of time for `cfg` (`compiled_step`): `memory_analysis()`'s
+    argument, output, alias (donated) and temp (activations, gradients, temporaries) sizes, and the same in host
+    memory (`host_argument`, ...: what `optim.offload` and `model.remat_offload` move there)."""
+    memory = compiled_step(cfg).memory_analysis()
     kinds = [f"{host}{k}" for host in ("", "host_") for k in ("argument", "output", "alias", "temp")]
     return {k: int(getattr(memory, f"{k}_size_in_bytes")) for k in kinds}
 

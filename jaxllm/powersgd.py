@@ -44,6 +44,7 @@ from flax import nnx, struct, traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config import OptimConfig
+from jaxllm.loss_scale import non_finite
 from jaxllm.sharding import spec_tree
 
 DATA = "data"
@@ -219,23 +220,26 @@ def _reduce(grads, state: PowerSGDState, step, compression: PowerSGD):
 
 
 def compressed_grads_and_loss(compute: Callable, params, batch, frozen, rng, state: PowerSGDState, step,
-                              compression: PowerSGD):
-    """`compute(params, batch, frozen=, rng=) -> (grads, loss, count, metrics)` (the step's `grads_and_loss`)
-    run per data shard, its gradients reduced over `data` through PowerSGD. Returns (grads, loss, count,
-    metrics, new state), the first four as `compute` returns them for the whole batch (metrics: the mean of the
-    shards'). Trace under the mesh (`jax.set_mesh`); `step` is the number of updates done so far."""
+                              compression: PowerSGD, scale=None):
+    """`compute(params, batch, frozen=, rng=, scale=) -> (grads, loss, count, metrics)` (the step's
+    `grads_and_loss`, which unscales its gradients by a loss `scale`) run per data shard, its gradients reduced
+    over `data` through PowerSGD. Returns (grads, loss, count, metrics, new state, overflow), the first four as
+    `compute` returns them for the whole batch (metrics: the mean of the shards'); `overflow`: whether any
+    shard's unscaled gradients are non-finite (checked before compression mixes the shards). Trace under the
+    mesh (`jax.set_mesh`); `step` is the number of updates done so far."""
 
-    def per_shard(params, batch, frozen, rng, state, step):
+    def per_shard(params, batch, frozen, rng, state, step, scale):
         if rng is not None:  # each shard draws its own randomness (dropout) for its own rows
             rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA))
-        grads, loss, count, metrics = compute(params, batch, frozen=frozen, rng=rng)
+        grads, loss, count, metrics = compute(params, batch, frozen=frozen, rng=rng, scale=scale)
+        overflow = jax.lax.pmax(non_finite(grads).astype(jnp.int32), DATA) > 0
         total = jax.lax.psum(count, DATA)
         share = count * jax.lax.axis_size(DATA) / jnp.maximum(total, 1.0)  # mean over data = the whole batch's
         grads = jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
         loss = jax.lax.psum(loss * count, DATA) / jnp.maximum(total, 1.0)
         metrics = jax.tree.map(lambda m: jax.lax.pmean(m, DATA), metrics)
         grads, state = _reduce(grads, state, step, compression)
-        return grads, loss, total, metrics, state
+        return grads, loss, total, metrics, state, overflow
 
     replicated, split = PartitionSpec(), PartitionSpec(DATA)
     state_specs = PowerSGDState(q=jax.tree.map(lambda _: replicated, state.q),
@@ -243,6 +247,7 @@ def compressed_grads_and_loss(compute: Callable, params, batch, frozen, rng, sta
     # check_vma=False: grads_and_loss's accumulation scan starts from data-invariant zeros; the collectives here
     # are the only cross-shard traffic, and every output marked replicated is a psum / pmean.
     return jax.shard_map(
-        per_shard, in_specs=(replicated, split, replicated, replicated, state_specs, replicated),
-        out_specs=(replicated, replicated, replicated, replicated, state_specs), axis_names={DATA}, check_vma=False,
-    )(params, batch, frozen, rng, state, step)
+        per_shard, in_specs=(replicated, split, replicated, replicated, state_specs, replicated, replicated),
+        out_specs=(replicated, replicated, replicated, replicated, state_specs, replicated), axis_names={DATA},
+        check_vma=False,
+    )(params, batch, frozen, rng, state, step, scale)

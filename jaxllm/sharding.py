@@ -162,14 +162,15 @@ def _path_name(path) -> str:
 
 
 def report_rows(state: Any, mesh) -> list[dict]:
-    """One row per parameter: path, global shape, dtype, logical names, PartitionSpec, bytes per device."""
+    """One row per parameter: path, global shape, dtype, logical names, PartitionSpec, bytes per device (plain
+    arrays outside a Variable, e.g. optimizer step counters, have no logical names and are replicated)."""
     sizes = _mesh_sizes(mesh)
     specs = spec_tree(state, mesh)
     flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     rows = []
     for (path, var), spec in zip(flat_vars, flat_specs):
-        value = var.get_value() if hasattr(var, "get_value") else var[...]
+        value = (var.get_value() if hasattr(var, "get_value") else var[...]) if _is_variable(var) else var
         itemsize = np.dtype(value.dtype).itemsize
         local = shard_shape(value.shape, spec, sizes)
         rows.append(
@@ -177,7 +178,7 @@ def report_rows(state: Any, mesh) -> list[dict]:
                 path=_path_name(path),
                 shape=tuple(value.shape),
                 dtype=str(np.dtype(value.dtype)),
-                logical=_logical_names(var),
+                logical=_logical_names(var) if _is_variable(var) else None,
                 spec=spec,
                 bytes_per_device=math.prod(local) * itemsize,
                 bytes_total=math.prod(value.shape) * itemsize,

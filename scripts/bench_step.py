@@ -30,6 +30,7 @@ def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
     import jax
 
     from jaxllm.data.synthetic import synthetic_batch
+    from jaxllm.loss_scale import loss_scaling
     from jaxllm.mesh import make_mesh
     from jaxllm.metrics import mfu, peak_flops_per_device
     from jaxllm.model.transformer import train_flops_per_token
@@ -44,8 +45,8 @@ def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
     tx = make_optimizer(cfg.optim, tc.steps)
     objective = lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora, sequence_parallel=cfg.mesh.sequence_parallel)
     with jax.set_mesh(mesh):
-        state, frozen, shardings, frozen_shardings = init_objective_state(objective, tx, mesh, tc.seed,
-                                                                          cfg.anomaly.window, cfg.optim.offload)
+        state, frozen, shardings, frozen_shardings = init_objective_state(
+            objective, tx, mesh, tc.seed, cfg.anomaly.window, cfg.optim.offload, loss_scaling(cfg.precision).init_scale)
         batch = to_global(synthetic_batch(0, tc.batch_size, tc.seq_len, cfg.model.vocab_size), batch_sharding(mesh),
                           tc.batch_size)
     runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh)  # the very step the loop runs

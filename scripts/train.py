@@ -5,6 +5,10 @@
                may be larger than this machine; temporaries come from a compile on a GPU host that has the
                mesh's devices, else from a formula, see jaxllm/activation_memory.py)
 --print_sharding  print every parameter's path, shape, PartitionSpec and bytes per device, then exit
+--print_memory  print the 20 largest parameter and optimizer-state buffers (path, logical axes, PartitionSpec,
+               bytes per device) of the run's abstract train state, then exit (nothing is allocated)
+--print_comms  compile the train step ahead of time (nothing allocated) and print the bytes its collectives move
+               per step by kind and mesh axes, and the largest ones with their source, then exit
 
 A config's `xla_flags` (configs/gpu/*.py) are checked against the installed XLA and put into XLA_FLAGS ahead of
 the environment's own before JAX starts (jaxllm/xla_flags.py); both are printed.
@@ -42,6 +46,8 @@ def main(argv):
     p.add_argument("--workdir", default=None, help="run directory (same as --config.workdir)")
     p.add_argument("--dry_run", action="store_true")
     p.add_argument("--print_sharding", action="store_true")
+    p.add_argument("--print_memory", action="store_true")
+    p.add_argument("--print_comms", action="store_true")
     p.add_argument("--coordinator_address", default=None, help="host:port of process 0 (multi-process runs)")
     p.add_argument("--num_processes", type=int, default=None, help="number of processes in the job")
     p.add_argument("--process_id", type=int, default=None, help="this process's index in [0, num_processes)")
@@ -55,7 +61,7 @@ def main(argv):
     try:
         cd = build_config(args.config, overrides, args.workdir)
         use_xla_flags(cd.get("xla_flags", {}))  # before anything starts JAX's backend
-        planning = args.dry_run or args.print_sharding  # plans need no other processes
+        planning = args.dry_run or args.print_sharding or args.print_memory or args.print_comms  # no other processes
         layout = None if planning else resolve_layout(args.coordinator_address, args.num_processes,
                                                       args.process_id)
         if args.init_timeout <= 0:
@@ -92,10 +98,25 @@ def main(argv):
             cfg = planned_config(cfg, num_devices)
         except ConfigError as exc:
             fail(str(exc))
+    if args.dry_run or args.print_comms:  # plans of the step as it will run: "auto" settings chosen first
+        from jaxllm.auto_fit import resolve_auto
+
+        try:
+            cfg = resolve_auto(cfg)
+        except ConfigError as exc:
+            fail(str(exc))
     if args.dry_run:
         from jaxllm.plan import format_plan, memory_plan
 
         print(format_plan(memory_plan(cfg)))
+        return 0
+    if args.print_memory:
+        from jaxllm.diagnostics.memory import memory_report
+
+        try:
+            print(memory_report(cfg))
+        except ConfigError as exc:
+            fail(str(exc))
         return 0
     if args.print_sharding:
         from flax import nnx
@@ -106,6 +127,11 @@ def main(argv):
 
         state = nnx.state(abstract_model(cfg.model, cfg.precision))
         print(format_report(report_rows(state, make_mesh(cfg.mesh))))
+        return 0
+    if args.print_comms:
+        from jaxllm.diagnostics.comms import comms_report, format_comms
+
+        print(format_comms(comms_report(cfg), dict(zip(("data", "fsdp", "tensor", "stage"), cfg.mesh.shape))))
         return 0
 
     from jaxllm.checkpoint import CheckpointError
@@ -126,6 +152,11 @@ def main(argv):
         print(f"error: training stopped: {exc}", file=sys.stderr)
         return 3
     except jax.errors.JaxRuntimeError as exc:
+        from jaxllm.diagnostics.oom import format_oom, is_oom
+
+        if is_oom(exc):  # a summary instead of XLA's text (its first line stays in the summary)
+            print(format_oom(str(exc), cfg, jax.local_devices()[0].memory_stats()), file=sys.stderr)
+            return 1
         if jax.process_count() == 1:
             raise
         # Usually a peer died mid-collective; JAX's heartbeat check would stop this process shortly anyway.

@@ -35,6 +35,8 @@ BAD = [
     (["--config.train.steps=abc"], "train.steps: expected an integer, got 'abc'"),
     (["--config.model.remat=sometimes"], "model.remat: 'sometimes' is not one of"),
     (["--config.precision.compute=float8"], "precision.compute: 'float8' is not one of"),
+    (["--config.precision.loss_scale=static:abc"],
+     "precision.loss_scale: expected auto, dynamic, none or static:<positive scale>, got 'static:abc'"),
     (["--config.optim.name=sgdx"], "optim.name: 'sgdx' is not one of"),
     (["--config.model.preset=llama_3t"], "model.preset: unknown preset 'llama_3t'"),
     (["--config.data.path=/nonexistent/store"], "data.path: no token store at /nonexistent/store"),

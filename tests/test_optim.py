@@ -178,3 +178,32 @@ def test_gradients_are_clipped_to_the_global_norm():
     want, unclipped = second_update(reference, clipped), second_update(reference, grads)
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-9)
     assert np.abs(unclipped - want).max() > 0.1 * np.abs(want).max()
+
+
+def test_the_compiled_step_is_bitwise_optax_clipping_then_adamw():
+    """Four jitted train steps whose gradients are all clipped: make_optimizer (threshold a hyperparameter in the
+    state, so hot updates can change it) leaves the same parameters, bit for bit, as the optax chain jaxllm used
+    while the threshold was a constant: clip_by_global_norm(1.0) + AdamW under inject_hyperparams with the same
+    schedule. (optax's traced `* threshold` made XLA round the Adam moment updates differently: 1e-7 after a
+    few steps, a different model after 60; jaxllm/optim.py's clip_by_global_norm.)"""
+    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.train.state import init_objective_state
+    from jaxllm.train.step import make_train_step
+
+    cfg = OptimConfig(lr=3e-2, warmup_steps=0, schedule="constant", clip_norm=1.0)
+    plain = optax.inject_hyperparams(lambda learning_rate: optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                    mask=decay_mask)))(learning_rate=learning_rate_schedule(cfg, 10))
+    objective = lm_objective(dataclasses.replace(MODEL, num_layers=1), F32)
+    mesh = make_mesh(MeshConfig(1, 1, 1, 1), devices=jax.devices()[:1])
+    finals = []
+    for tx in (make_optimizer(cfg, 10), plain):
+        with jax.set_mesh(mesh):
+            state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed=0)
+            step = jax.jit(make_train_step(objective, tx))
+            for i in range(4):
+                state, metrics = step(state, synthetic_batch(i, 4, 16, 128), frozen)
+                assert float(metrics["grad_norm"]) > cfg.clip_norm  # every update is a clipped one
+        finals.append([np.asarray(x) for x in jax.tree.leaves(state.params)])
+    assert all(np.array_equal(a, b) for a, b in zip(*finals))

@@ -10,13 +10,17 @@ import numpy as np
 import optax
 import pytest
 from flax import traverse_util
+from jax.sharding import PartitionSpec
 
 from jaxllm import powersgd
 from jaxllm.cli import build_config
-from jaxllm.config import ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig, default_config_dict, validate
-from jaxllm.hlo_collectives import bytes_across
+from jaxllm.config import (MESH_AXES, ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig,
+                           default_config_dict, validate)
+from jaxllm.diagnostics.comms import collectives, reduced_bytes_across
+from jaxllm.loss_scale import NO_LOSS_SCALING, LossScaling
 from jaxllm.mesh import make_mesh
 from jaxllm.optim import make_optimizer
+from jaxllm.train.faults import with_scaled_loss
 from jaxllm.train.loop import to_global
 from jaxllm.train.pretrain import lm_objective
 from jaxllm.train.state import abstract_objective_state, init_objective_state, state_shardings
@@ -41,22 +45,30 @@ def _batch(seed, rows=ROWS, positions=POSITIONS):
             "loss_mask": (rng.random(shape) > 0.2).astype(np.float32)}
 
 
-def _train(layout, compression, grad_accum=1, steps=3):
-    """(parameters, losses) after `steps` SGD updates on one batch under mesh `layout`. SGD, because Adam's
-    g / sqrt(v) turns float32 noise on a zero gradient (an unused embedding row) into a full-size step."""
+def _train(layout, compression, grad_accum=1, steps=3, loss_scaling=NO_LOSS_SCALING, loss_factor=1.0):
+    """(final state, metrics of every step, initial state), on the host, after `steps` SGD updates on one batch
+    under mesh `layout`; the loss multiplied by `loss_factor`. SGD, because Adam's g / sqrt(v) turns float32 noise
+    on a zero gradient (an unused embedding row) into a full-size step."""
     mesh = make_mesh(MeshConfig(*layout))
-    objective = lm_objective(MODEL, F32)
+    objective = with_scaled_loss(lm_objective(MODEL, F32), loss_factor)
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
     with jax.set_mesh(mesh):
         state, _, shardings, _ = init_objective_state(objective, tx, mesh, seed=0)
         shardings = state_shardings(powersgd.with_state(jax.eval_shape(lambda: state), compression, mesh), mesh)
         state = powersgd.with_state(state, compression, mesh, shardings)
-        step = jit_train_step(make_train_step(objective, tx, grad_accum, compression=compression), shardings, mesh)
-        losses = []
+        initial = jax.device_get(state)  # before the step donates it
+        step = jit_train_step(make_train_step(objective, tx, grad_accum, loss_scaling=loss_scaling,
+                                              compression=compression), shardings, mesh)
+        history = []
         for i in range(steps):
             state, metrics = step(state, to_global(_batch(0), batch_sharding(mesh), ROWS))
-            losses.append(float(metrics["loss"]))
-    return jax.device_get(state.params), losses
+            history.append(jax.device_get(metrics))
+    return jax.device_get(state), history, initial
+
+
+def _params_and_losses(layout, compression, grad_accum=1, steps=3):
+    state, history, _ = _train(layout, compression, grad_accum, steps)
+    return state.params, [float(m["loss"]) for m in history]
 
 
 def test_matrices_and_vectors_are_told_apart():
@@ -72,8 +84,8 @@ def test_matrices_and_vectors_are_told_apart():
 def test_rank_at_least_the_matrix_rank_equals_uncompressed(layout, grad_accum):
     """Full-rank PowerSGD (from step 1) trains like plain data parallelism, over fsdp, tensor and accumulation."""
     compression = powersgd.PowerSGD(rank=FULL_RANK, start_step=0)
-    plain_params, plain_losses = _train(layout, None, grad_accum)
-    params, losses = _train(layout, compression, grad_accum)
+    plain_params, plain_losses = _params_and_losses(layout, None, grad_accum)
+    params, losses = _params_and_losses(layout, compression, grad_accum)
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(plain_params)):
         np.testing.assert_allclose(a, b, atol=2e-5)
@@ -81,11 +93,74 @@ def test_rank_at_least_the_matrix_rank_equals_uncompressed(layout, grad_accum):
 
 def test_low_rank_differs_and_starts_after_the_uncompressed_steps():
     """Rank 1 changes training, but not during the first `start_step` (uncompressed) steps."""
-    _, plain = _train((4, 2, 1, 1), None)
-    _, late = _train((4, 2, 1, 1), powersgd.PowerSGD(rank=1, start_step=2))
+    _, plain = _params_and_losses((4, 2, 1, 1), None)
+    _, late = _params_and_losses((4, 2, 1, 1), powersgd.PowerSGD(rank=1, start_step=2))
     np.testing.assert_allclose(late[:3], plain[:3], rtol=1e-5)  # the third step's loss is before its update
-    _, early = _train((4, 2, 1, 1), powersgd.PowerSGD(rank=1, start_step=0), steps=3)
+    _, early = _params_and_losses((4, 2, 1, 1), powersgd.PowerSGD(rank=1, start_step=0), steps=3)
     assert abs(early[2] - plain[2]) > 1e-4
+
+
+RANK_1 = powersgd.PowerSGD(rank=1, start_step=0)
+
+
+def test_a_loss_scale_is_undone_before_compression():
+    """Under a static power-of-two loss scale each shard's gradients are unscaled before they are compressed:
+    parameters and error buffers end as without scaling."""
+    plain, _, _ = _train((4, 2, 1, 1), RANK_1, steps=2)
+    scaled, history, _ = _train((4, 2, 1, 1), RANK_1, steps=2, loss_scaling=LossScaling("static", 2.0**10))
+    assert [float(m["overflow"]) for m in history] == [0.0, 0.0]
+    for a, b in zip(jax.tree.leaves((scaled.params, scaled.powersgd)), jax.tree.leaves((plain.params, plain.powersgd))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_an_overflowing_step_leaves_the_compression_state_unchanged():
+    """A step whose scaled gradients overflow is skipped whole: parameters, optimizer state, Q and the error
+    buffers stay as they were (the loss times 1e30 is finite, times the scale 1e10 it overflows)."""
+    final, history, initial = _train((4, 2, 1, 1), RANK_1, steps=1, loss_factor=1e30,
+                                     loss_scaling=LossScaling("static", 1e10))
+    assert float(history[0]["overflow"]) == 1.0
+    assert traverse_util.flatten_dict(final.powersgd.error)  # there are error buffers to keep
+    for a, b in zip(jax.tree.leaves(final.replace(step=initial.step, loss_scale=initial.loss_scale)),
+                    jax.tree.leaves(initial), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _numpy_powersgd(local, q, error):
+    """One step of Vogels et al.'s Algorithm 1 with error feedback in numpy, per matrix of a [layers, m, n] batch:
+    `local` [workers, layers, m, n] gradients, `q` [layers, n, r], `error` like `local`. Returns (the mean
+    gradient's approximation, new Q, new errors)."""
+    m = local + error
+    p = np.mean(m @ q, axis=0)  # all-reduce-mean of the workers' P
+    p = np.linalg.qr(p)[0]
+    q = np.mean(np.swapaxes(m, -1, -2) @ p, axis=0)
+    approx = p @ np.swapaxes(q, -1, -2)
+    return approx, q, m - approx
+
+
+def test_matches_a_numpy_powersgd_with_warm_start():
+    """`_compress` on 4 data shards, over 3 steps with warm start, against the numpy algorithm: the same mean
+    approximation (its scale: the mean gradient's), the same per-shard errors, and the same Q up to the signs
+    of its columns (compared as Q Q^T); for a tall and a wide matrix, each a batch of 2 layers."""
+    mesh = make_mesh(MeshConfig(4, 2, 1, 1))
+    rng = np.random.default_rng(0)
+    for m_rows, n_cols in ((12, 5), (5, 12)):
+        view = powersgd.MatrixView(lead=1, split=2, m=m_rows, n=n_cols, rank=2)
+        q = rng.standard_normal((2, n_cols, 2)).astype(np.float32)
+        error = np.zeros((4, 2, m_rows, n_cols), np.float32)
+        compress = jax.jit(jax.shard_map(
+            lambda g, q, e: (lambda a, q, e: (a, q, e[None]))(*powersgd._compress(g[0], q, e[0], view)),
+            mesh=mesh, in_specs=(PartitionSpec("data"), PartitionSpec(), PartitionSpec("data")),
+            out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec("data")), axis_names={"data"},
+            check_vma=False))
+        ours_q, ours_error = q, error
+        for _ in range(3):
+            local = rng.standard_normal((4, 2, m_rows, n_cols)).astype(np.float32)
+            approx, q, error = _numpy_powersgd(local.astype(np.float64), q, error)
+            ours, ours_q, ours_error = jax.device_get(compress(local, ours_q, ours_error))
+            np.testing.assert_allclose(ours, approx, atol=1e-5)
+            np.testing.assert_allclose(ours_error, error, atol=1e-5)
+            np.testing.assert_allclose(ours_q @ np.swapaxes(ours_q, -1, -2), q @ np.swapaxes(q, -1, -2), atol=1e-4)
+        assert np.abs(approx).max() > 0.1  # a real approximation, not zeros
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +200,8 @@ def sums_of_gradients():
 
 
 def compressed_grads(compute, params, batch, frozen, state, compression):
-    grads, _, _, _, state = powersgd.compressed_grads_and_loss(compute, params, batch, frozen, None, state,
-                                                               jnp.zeros((), jnp.int32), compression)
+    grads, _, _, _, state, _ = powersgd.compressed_grads_and_loss(compute, params, batch, frozen, None, state,
+                                                                  jnp.zeros((), jnp.int32), compression)
     return grads, state
 
 
@@ -174,15 +249,15 @@ def _data_bytes(compression):
     with jax.set_mesh(mesh):
         step = jit_train_step(make_train_step(objective, tx, compression=compression), shardings, mesh)
         hlo = step.lower(state, batch).compile().as_text()
-    return bytes_across(hlo, tuple(mesh.axis_sizes), 0)
+    return reduced_bytes_across(collectives(hlo, tuple(mesh.axis_sizes), MESH_AXES)[0], "data")
 
 
 def test_compressed_step_reduces_ten_times_fewer_bytes_across_data():
     plain = _data_bytes(None)
     compressed = _data_bytes(powersgd.PowerSGD(rank=4, start_step=0))
-    print(f"default job, bytes per device per step reduced across data: none {plain['total']:,}, "
-          f"powersgd rank 4 {compressed['total']:,} ({plain['total'] / compressed['total']:.1f}x)")
-    assert compressed["total"] * 10 <= plain["total"]
+    print(f"default job, bytes per device per step reduced across data: none {plain:,}, "
+          f"powersgd rank 4 {compressed:,} ({plain / compressed:.1f}x)")
+    assert compressed * 10 <= plain
 
 
 @pytest.mark.parametrize("overrides,key", [

@@ -170,10 +170,13 @@ class Attention(nnx.Module):
         return (checkpoint_name(q_BTNH, "query_proj"), checkpoint_name(k_BSKH, "key_proj"),
                 checkpoint_name(v_BSKH, "value_proj"))
 
-    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None):
+    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None, taps: dict | None = None):
         """Self-attention of `x_BTD`; `visible` comes from `attention_visibility(self.impl, segment_ids)`; `rng`
-        drives the adapters' dropout (None: none)."""
+        drives the adapters' dropout (None: none). A `taps` dict (diagnostics) receives the rotated queries and
+        keys as "q" and "k"."""
         q_BTNH, k_BSKH, v_BSKH = self._project(x_BTD, sin_BTh, cos_BTh, rng)
+        if taps is not None:
+            taps.update(q=q_BTNH, k=k_BSKH)
         if self.impl == "xla":
             out_BTNH = xla_attention(q_BTNH, k_BSKH, v_BSKH, visible)
         elif self.impl == "cudnn":
@@ -216,8 +219,11 @@ class MLP(nnx.Module):
         self.up_proj_lora = adapter(lora, "up_proj", (D,), (F,), ("embed",), ("mlp",), **kw)
         self.down_proj_lora = adapter(lora, "down_proj", (F,), (D,), ("mlp",), ("embed",), **kw)
 
-    def __call__(self, x_BTD, rng=None):
+    def __call__(self, x_BTD, rng=None, taps: dict | None = None):
+        """The feed-forward of `x_BTD`; a `taps` dict (diagnostics) receives the gate's pre-activations as "gate"."""
         gate_BTF = project("BTD,DF->BTF", x_BTD, self.gate_proj, self.gate_proj_lora, _fold(rng, 4))
+        if taps is not None:
+            taps["gate"] = gate_BTF
         up_BTF = project("BTD,DF->BTF", x_BTD, self.up_proj, self.up_proj_lora, _fold(rng, 5))
         gate_BTF, up_BTF = checkpoint_name(gate_BTF, "mlp_gate"), checkpoint_name(up_BTF, "mlp_up")
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))

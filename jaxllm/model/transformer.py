@@ -72,12 +72,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora)
 
-    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None):
+    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None, taps: dict | None = None):
+        """The block's output; a `taps` dict (diagnostics, jaxllm/diagnostics/activations.py) receives the
+        intermediates attention and the MLP put there."""
         attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
         residual = ("batch", self.seq_axis, "embed")
-        h_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), visible, sin_BTh, cos_BTh, attn_rng)
+        h_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), visible, sin_BTh, cos_BTh, attn_rng, taps)
         h_BTD = constrain(h_BTD, residual)
-        out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD), mlp_rng)
+        out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD), mlp_rng, taps)
         return constrain(out_BTD, residual)
 
     def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
@@ -132,15 +134,23 @@ def layer_keys(rng, num_layers: int):
     return None if rng is None else jax.random.key_data(jax.random.split(rng, num_layers))
 
 
-def _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat: str, remat_offload: str, prevent_cse: bool):
-    """One layer as a function (x_BTD, (layer_state, key)) -> x_BTD, rematerialised per `remat` (what it saves
-    offloaded to host memory per `remat_offload`). A scan body needs no CSE barrier (the loop already keeps XLA
-    from merging the recompute into the forward pass); an unrolled loop does."""
+def _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat: str, remat_offload: str, prevent_cse: bool,
+                probe=None):
+    """One layer as a function (x_BTD, (layer_state, key)) -> (x_BTD, stats), rematerialised per `remat` (what it
+    saves offloaded to host memory per `remat_offload`). A scan body needs no CSE barrier (the loop already keeps
+    XLA from merging the recompute into the forward pass); an unrolled loop does.
+
+    `stats` is None, or with a `probe` (diagnostics: `probe(layer, x_BTD, visible, sin_BTh, cos_BTh, key) ->
+    (out_BTD, stats)` runs the layer in its place) the probe's per-layer statistics. Without a probe the traced
+    program is exactly the plain layer's: the switch is static."""
 
     def step(x_BTD, xs):
         layer_state, key = xs
         layer = nnx.merge(graphdef, layer_state)
-        return layer(x_BTD, visible, sin_BTh, cos_BTh, None if key is None else jax.random.wrap_key_data(key))
+        key = None if key is None else jax.random.wrap_key_data(key)
+        if probe is not None:
+            return probe(layer, x_BTD, visible, sin_BTh, cos_BTh, key)
+        return layer(x_BTD, visible, sin_BTh, cos_BTh, key), None
 
     if remat != "none":
         step = jax.checkpoint(step, policy=remat_policy(remat, remat_offload), prevent_cse=prevent_cse)
@@ -148,44 +158,53 @@ def _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat: str, remat_offload: 
 
 
 def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", keys_L=None,
-                remat_offload: str = "none"):
+                remat_offload: str = "none", probe=None):
     """Run stacked `layers` over `x_BTD` with `lax.scan`, rematerialising each layer per `remat` (what it saves
     offloaded to host memory per `remat_offload`); layer l draws its randomness (LoRA dropout) from `keys_L[l]`
-    (None: deterministic)."""
+    (None: deterministic). Returns (x_BTD, stats): the `probe`'s statistics stacked [L, ...] as the scan's
+    outputs, or None without a probe (see `_layer_step`)."""
     graphdef, stacked = nnx.split(layers)
-    step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=False)
-    x_BTD, _ = jax.lax.scan(lambda x, xs: (step(x, xs), None), x_BTD, (stacked, keys_L))
-    return x_BTD
+    step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=False, probe=probe)
+    with jax.named_scope("layers"):  # profiler traces: the scan's layer index is not static, so one name
+        return jax.lax.scan(step, x_BTD, (stacked, keys_L))
 
 
 def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", keys_L=None,
-                  remat_offload: str = "none"):
+                  remat_offload: str = "none", probe=None):
     """`scan_layers` as a Python loop (`model.scan_layers=False`): no while loop in the program, so XLA may
     schedule and fuse across layer boundaries, at the price of compile time growing with depth. Layer l's
     parameters are sliced from the same stacked arrays, so the parameter tree, checkpoints, adapters, per-layer
     keys and the remat policy per layer are those of the scan."""
     graphdef, stacked = nnx.split(layers)
-    step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=True)
+    step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=True, probe=probe)
+    per_layer = []
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-        x_BTD = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L)))
-    return x_BTD
+        with jax.named_scope(f"layer_{i}"):  # profiler traces name each unrolled layer
+            x_BTD, stats = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L)))
+        per_layer.append(stats)
+    return x_BTD, None if probe is None else jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
 
 
 def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", *,
                     microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False, keys_L=None,
-                    remat_offload: str = "none", layer_loop=scan_layers):
+                    remat_offload: str = "none", layer_loop=scan_layers, probe=None):
     """`scan_layers` as a pipeline over the active mesh's `stage` axis (see `jaxllm.pipeline`): each stage
     runs its own chunks of the stacked layers with `layer_loop` (`scan_layers`, or `unroll_layers` to unroll
     within a chunk); visibility (mask or packed documents) and rotary tables travel with their micro-batch.
-    Per-layer keys travel with their layers, so a step's micro-batches share them."""
+    Per-layer keys travel with their layers, so a step's micro-batches share them. Returns (x_BTD, stats) as
+    `scan_layers`; a `probe`'s statistics must be per row ([B, ...] leaves) to be put back together from the
+    micro-batches."""
     graphdef, stacked = nnx.split(layers)
 
     def stage_fn(chunk, x_BTD, aux):
         chunk_state, chunk_keys = chunk
-        return layer_loop(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys, remat_offload)
+        out = layer_loop(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys, remat_offload, probe)
+        return out if probe is not None else out[0]
 
-    return pipeline(stage_fn, (stacked, keys_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
-                    repeats=repeats, debug_nan_bubbles=debug_nan_bubbles, seq_axis=layers.seq_axis)
+    out = pipeline(stage_fn, (stacked, keys_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
+                   repeats=repeats, debug_nan_bubbles=debug_nan_bubbles, seq_axis=layers.seq_axis,
+                   stage_stats=probe is not None)
+    return out if probe is not None else (out, None)
 
 
 class Transformer(nnx.Module):
@@ -227,6 +246,17 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):
         """Final normalised hidden states [B, T, D] in compute dtype; `rng` drives the adapters' dropout (None:
         deterministic, as in evaluation and decoding)."""
+        return self._run_layers(tokens_BT, segment_ids_BT, positions_BT, rng)[0]
+
+    def probed_hidden_states(self, tokens_BT, segment_ids_BT, positions_BT, probe):
+        """(`hidden_states` without dropout, the statistics `probe` took of every layer, stacked [L, ...]): the
+        diagnostic forward of jaxllm/diagnostics/activations.py. `probe(layer, x_BTD, visible, sin_BTh, cos_BTh,
+        key) -> (out_BTD, stats)` runs each layer in place of its plain call, inside the same layer loop
+        (scanned, unrolled or pipelined); stats must be per row ([B, ...] leaves) for the pipeline."""
+        return self._run_layers(tokens_BT, segment_ids_BT, positions_BT, None, probe)
+
+    def _run_layers(self, tokens_BT, segment_ids_BT, positions_BT, rng, probe=None):
+        """(final normalised hidden states, the probe's per-layer stats or None)."""
         B, T = tokens_BT.shape
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
@@ -238,15 +268,16 @@ class Transformer(nnx.Module):
         keys_L = layer_keys(rng if self.lora is not None else None, self.cfg.num_layers)
         layer_loop = scan_layers if self.cfg.scan_layers else unroll_layers
         if num_stages() > 1:
-            x_BTD = pipeline_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat,
-                                    microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
-                                    debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L,
-                                    remat_offload=self.cfg.remat_offload, layer_loop=layer_loop)
+            x_BTD, stats = pipeline_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat,
+                                           microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
+                                           debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L,
+                                           remat_offload=self.cfg.remat_offload, layer_loop=layer_loop,
+                                           probe=probe)
         else:
-            x_BTD = layer_loop(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,
-                               self.cfg.remat_offload)
+            x_BTD, stats = layer_loop(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,
+                                      self.cfg.remat_offload, probe)
         # The final norm runs on the split sequence too; the head's vocabulary-parallel matmul gathers it (`logits`).
-        return self.norm(x_BTD)
+        return self.norm(x_BTD), stats
 
     def logits(self, x_BTD):
         """Project hidden states to vocabulary logits [B, T, V] in the output dtype."""

@@ -7,11 +7,18 @@ fires once per process: a rolled-back step that runs again is not injected again
 
 `debug.stall_at_step=K` makes the loop wait `debug.stall_s` seconds for step K's metrics, a hung step for the
 hang watchdog (train.hang_timeout_s) to catch.
+
+`debug.zero_layer` and `debug.data_sleep_s` seed pathologies for the diagnosis (jaxllm/diagnostics): a dead layer
+and a throttled loader.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+
+import jax
+from flax import nnx
 
 from jaxllm.config import DebugConfig
 from jaxllm.train.objective import Objective
@@ -39,3 +46,33 @@ def with_scaled_loss(objective: Objective, factor: float) -> Objective:
         return loss_sum * factor, count, metrics
 
     return dataclasses.replace(objective, loss_fn=loss_fn)
+
+
+def with_zeroed_layer(objective: Objective, layer: int) -> Objective:
+    """`objective` whose model starts with every weight of stacked layer `layer` zero. All of them, not only the
+    output projections: with o_proj/down_proj alone zeroed, their gradients are non-zero and AdamW moves them
+    off zero within a few steps; with the whole layer zero every gradient of it is a product with a zero, so
+    the layer stays dead for the whole run (the residual stream passes it unchanged)."""
+    build = objective.build_model
+
+    def build_model(key):
+        model = build(key)
+        params = nnx.state(model.layers, nnx.Param)
+        nnx.update(model.layers, jax.tree.map(lambda w: w.at[layer].set(0), params))
+        return model
+
+    return dataclasses.replace(objective, build_model=build_model)
+
+
+class ThrottledBatches:
+    """A batch source that sleeps `seconds` before each batch: a loader too slow for the devices."""
+
+    def __init__(self, source, seconds: float):
+        self.source, self.seconds = source, seconds
+
+    def __next__(self) -> dict:
+        time.sleep(self.seconds)
+        return next(self.source)
+
+    def __getattr__(self, name):  # get_state, close, step_metrics, ...: the wrapped source's
+        return getattr(self.source, name)

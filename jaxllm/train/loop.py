@@ -7,13 +7,15 @@ on the devices, so the host's Python (data, logging) overlaps device work instea
 The parts, each small: `Run` (the mutable position of the run: state, data offset, rollbacks, batch source),
 `StepRunner` (the compiled step and its drill variants), `MetricsLog` (jaxllm/train/metrics_log.py: metrics.jsonl,
 progress bar, timing), `HangWatchdog` (jaxllm/watchdog.py: exits when steps stop completing), `AnomalyPolicy`
-(jaxllm/train/recovery.py: what a flagged step calls for) and `train`, whose loop reads top to bottom as what
+(jaxllm/train/recovery.py: what a flagged step calls for), `HotUpdates` (jaxllm/train/control.py: an
+operator's changes from `<workdir>/control.json`) and `train`, whose loop reads top to bottom as what
 happens in a step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -25,8 +27,13 @@ from flax import nnx
 
 from jaxllm import powersgd
 from jaxllm.checkpoint import Checkpointer
-from jaxllm.config import AUTO_VOCAB, Config, ConfigError
+from jaxllm.config import AUTO_GRAD_ACCUM, AUTO_REMAT, AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
+from jaxllm.diagnostics.activations import activation_stats
+from jaxllm.diagnostics.memory import format_step_memory
+from jaxllm.diagnostics.profiler import StepProfiler
+from jaxllm.diagnostics.variant import DiagnosticSteps
+from jaxllm.loss_scale import loss_scaling
 from jaxllm.mesh import make_mesh
 from jaxllm.metrics import JsonlWriter
 from jaxllm.model.visibility import resolve_attention
@@ -36,6 +43,7 @@ from jaxllm.preemption import PreemptionGuard
 from jaxllm.sample import greedy_generate
 from jaxllm.sharding import format_replicated, replicated_rows, sharding_tree
 from jaxllm.task_eval import format_table
+from jaxllm.train.control import HOT_UPDATES, HotUpdates
 from jaxllm.train.faults import planned_faults, planned_stalls, with_scaled_loss
 from jaxllm.train.metrics_log import MetricsLog
 from jaxllm.train.objective import BatchRequest, Objective
@@ -60,8 +68,11 @@ def live_bytes() -> int:
     Buffers are counted once each: reading a shard makes a single-device array that is itself live and shares
     the shard's buffer.
     """
+    arrays = [x for x in jax.live_arrays() if x.sharding.memory_kind != HOST]
+    # An array whose allocation failed (out of memory) raises here; reading its buffer pointer would wait forever.
+    jax.block_until_ready(arrays)
     buffers = {(shard.device.id, shard.data.unsafe_buffer_pointer()): shard.data.nbytes
-               for x in jax.live_arrays() if x.sharding.memory_kind != HOST for shard in x.addressable_shards}
+               for x in arrays for shard in x.addressable_shards}
     return sum(buffers.values())
 
 
@@ -79,7 +90,7 @@ class PeakLiveBytes:
 class Run:
     """The mutable position of a run: the state the next step updates, the frozen variables, the data offset
     (data index = step - 1 + offset), the rollbacks so far, the open batch source, and the batch-source state
-    of the checkpoint the run last (re)started from."""
+    and hot updates of the checkpoint the run last (re)started from."""
 
     objective: Objective
     steps: int
@@ -90,6 +101,7 @@ class Run:
     rollbacks: int = 0
     batches: object = None
     data_state: dict | None = None
+    hot_updates: list = dataclasses.field(default_factory=list)
 
     def variables(self):
         """Trainable and frozen variables together: the whole model's state."""
@@ -111,16 +123,20 @@ class StepRunner:
     runs once at its step, compiled when first needed."""
 
     def __init__(self, objective: Objective, tx, cfg: Config, shardings, frozen_shardings, mesh, log=print):
-        skip = cfg.train.on_anomaly in ("skip", "rollback")
+        self.skips = cfg.train.on_anomaly in ("skip", "rollback")
         # Under `rollback` too an anomalous update is skipped inside the step: the next step, already dispatched
         # when the anomaly is seen, then starts from a healthy state, which is the fallback with no checkpoint.
-        self._jit = lambda obj: jit_train_step(
-            make_train_step(obj, tx, cfg.optim.grad_accum, cfg.anomaly, skip_anomalies=skip,
-                            compression=powersgd.from_config(cfg.optim)),
-            shardings, mesh, frozen_shardings)
+        step_args = dict(grad_accum=cfg.optim.grad_accum, anomaly=cfg.anomaly, skip_anomalies=self.skips,
+                         loss_scaling=loss_scaling(cfg.precision), compression=powersgd.from_config(cfg.optim))
+        self._jit = lambda obj: jit_train_step(make_train_step(obj, tx, **step_args), shardings, mesh, frozen_shardings)
         self.objective, self.mesh, self.log = objective, mesh, log
         self.compiled: dict = {}  # batch shapes -> compiled step
         self.faults = planned_faults(cfg.debug)
+        # The diagnostic variant every diagnostics.every steps, and the analysis of non-finite steps; its probed
+        # forward pass runs in the step's micro-batches, so it needs no more activation memory than the step.
+        activations = functools.partial(activation_stats, micro_batches=cfg.optim.grad_accum)
+        self.diagnostics = DiagnosticSteps(objective, tx, step_args, cfg.diagnostics.every, shardings,
+                                           frozen_shardings, mesh, log, activations=activations)
 
     def compile(self, state, batch, frozen) -> float:
         start = time.perf_counter()
@@ -128,19 +144,28 @@ class StepRunner:
             self.compiled[_shapes(batch)] = self._jit(self.objective).lower(state, batch, frozen).compile()
         return time.perf_counter() - start
 
+    def explain(self, record: dict, run: "Run", writer) -> dict:
+        """`record` of a fetched step, named what went non-finite first when it is non-finite (see
+        `DiagnosticSteps.explain`)."""
+        return self.diagnostics.explain(record, run.state, run.frozen, writer, self.skips)
+
     def compiled_for(self, batch):
         """The compiled step of batches shaped like `batch` (`compile` made it)."""
         return self.compiled[_shapes(batch)]
 
     def __call__(self, step: int, state, batch, frozen):
         factor = self.faults.pop(step, None)
+        self.diagnostics.remember(step, batch, factor)
         if factor is None:
+            # Measured before the step: the step donates the state.
+            diag = self.diagnostics.measure(state, batch, frozen) if self.diagnostics.due(step) else {}
             compiled = self.compiled.get(_shapes(batch))
             if compiled is None:
                 seconds = self.compile(state, batch, frozen)
                 self.log(f"compiled the train step for batches of shape {batch['tokens'].shape} in {seconds:.1f}s")
                 compiled = self.compiled_for(batch)
-            return compiled(state, batch, frozen)
+            state, metrics = compiled(state, batch, frozen)
+            return state, {**metrics, **diag}
         with jax.set_mesh(self.mesh):
             return self._jit(with_scaled_loss(self.objective, factor))(state, batch, frozen)
 
@@ -211,7 +236,13 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     if is_main:  # before any work: a run directory that cannot be made is a bad --workdir
         make_workdir(workdir)
     if objective is None:
+        from jaxllm.auto_fit import resolve_auto  # before the model is built: its remat policy is part of it
+
+        cfg = resolve_auto(cfg, log)
         cfg, objective = objective_for(cfg, log)
+    if cfg.model.remat == AUTO_REMAT or cfg.optim.grad_accum == AUTO_GRAD_ACCUM:
+        raise ConfigError("model.remat" if cfg.model.remat == AUTO_REMAT else "optim.grad_accum",
+                          "auto is chosen when train() builds the objective itself: give a value")
     if cfg.model.vocab_size == AUTO_VOCAB:  # an objective that had no tokenizer to size it from
         raise ConfigError("model.vocab_size", f"auto needs a tokenizer, and train.objective={cfg.train.objective} "
                                               "found none (no base model): give a number")
@@ -243,7 +274,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
         start = restore_start(cfg, objective, tx, checkpointer, abstract, mesh, log, on_loaded=peak_live.sample)
     state = powersgd.with_state(start.state, powersgd.from_config(cfg.optim), mesh, shardings)  # fresh starts
     run = Run(objective, tc.steps, rows, state, start.frozen, start.data_offset, start.rollbacks,
-              data_state=start.data_state)
+              data_state=start.data_state, hot_updates=list(start.hot_updates))
     start_step = int(run.state.step)
     run.reopen_batches()
     eval_batches = ([to_global(b, rows_sharding, tc.batch_size) for b in objective.eval_batches(rows)]
@@ -255,6 +286,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     t0 = time.perf_counter()
     runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh, log)
     runner.compile(run.state, batch, run.frozen)
+    log(format_step_memory(runner.compiled_for(batch), jax.local_devices()[0]))
     eval_step = None
     if eval_batches:
         with jax.set_mesh(mesh):
@@ -269,11 +301,15 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     watchdog = HangWatchdog(tc.hang_timeout_s, workdir / f"hang-stacks-{jax.process_index()}.txt")
     metrics_log = MetricsLog(cfg, mesh, workdir, start_step, is_main, stream, objective.progress_metrics,
                              on_step=watchdog.beat, stalls=planned_stalls(cfg.debug))
-    summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak}
+    summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak,
+                     # which device ran it: the diagnosis judges MFU only against a known peak (jaxllm.metrics)
+                     "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind}
     if start.base is not None:
         summary["base"] = start.base
     eval_loss = lambda: evaluate(eval_step, run.state.params, run.frozen, eval_batches) if eval_step else float("nan")
-    summary["initial_eval_loss"] = initial_eval = eval_loss()
+    times = metrics_log.host_times  # data wait, checkpoint blocking and eval, into the step records
+    with times.measure("eval_s"):
+        summary["initial_eval_loss"] = initial_eval = eval_loss()
     if eval_step is not None:  # objectives without held-out batches (GRPO) report through their task metrics
         metrics_log.writer.write({"step": start_step, "eval_loss": initial_eval})
         log(f"step {start_step} held-out loss {initial_eval:.4f}")
@@ -283,8 +319,11 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
         base_report = objective.report(objective.graphdef, run.variables(), mesh)
     recover = Recovery(cfg, checkpointer, incidents, abstract[0], mesh, log)
     meta = lambda: {"seed": tc.seed, "data_offset": run.data_offset, "rollbacks": run.rollbacks,
-                    "config": cfg.to_dict(), "base": start.base, "base_report": base_report}
+                    "config": cfg.to_dict(), "base": start.base, "base_report": base_report, HOT_UPDATES: hot.applied}
     guard = PreemptionGuard()
+    hot = HotUpdates(workdir, run.hot_updates, incidents, log, guard.check_every)  # <workdir>/control.json
+    read = lambda entry: runner.explain(metrics_log.report(*entry), run, metrics_log.writer)  # fetch one step
+    profiler = StepProfiler(cfg.profile, workdir, log)
     pending = None  # (step, metrics on device, host metrics) of the step dispatched last, not yet read
     held = False
     step = start_step
@@ -294,22 +333,26 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
         while step < tc.steps:
             checkpointer.check_for_errors()  # a failed background save stops training here
             step += 1
-            run.state, metrics = runner(step, run.state, batch, run.frozen)  # dispatch this step ...
+            with profiler.step(step):
+                run.state, metrics = runner(step, run.state, batch, run.frozen)  # dispatch this step ...
+            profiler.after(step, metrics)
             current = (step, metrics, host, batch["tokens"].size)
-            rolled_back = pending is not None and recover(run, metrics_log.report(*pending))  # ... read the last
+            rolled_back = pending is not None and recover(run, read(pending))  # ... read the last
             pending = None
             if not rolled_back:
                 holding = step == cfg.debug.hold_at_step and not held
-                stop = guard.should_stop(step)
-                boundary = step % cfg.checkpoint.every == 0 or step == tc.steps or stop
-                evaluating = step % tc.eval_every == 0 and step < tc.steps and eval_step is not None
+                due = hot.poll(step)  # operator's changes, applied below before this boundary's save
+                stop = guard.should_stop(step) or due.stop
+                boundary = step % cfg.checkpoint.every == 0 or step == tc.steps or stop or due.save
+                evaluating = (step % tc.eval_every == 0 or due.eval) and step < tc.steps and eval_step is not None
                 if boundary or evaluating or holding:  # known healthy before it is saved, evaluated or held
-                    rolled_back = recover(run, metrics_log.report(*current))
+                    rolled_back = recover(run, read(current))
                 else:
                     pending = current
             if rolled_back:
                 metrics_log.restart_clock()
                 step = int(run.state.step)
+                run.state = hot.after_rollback(run.state, run.hot_updates)
             else:
                 if holding:  # drills: this step's metrics are out, so whoever waits for them signals mid-run
                     held = True
@@ -317,10 +360,13 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                     stop = guard.wait_for_signal(HOLD_TIMEOUT_S) or stop
                     boundary = boundary or stop
                     metrics_log.restart_clock()
+                run.state = hot.apply(step, run.state, can_eval=eval_step is not None)
                 if boundary:
-                    checkpointer.save(step, run.state, run.batches.get_state(), meta())
+                    with times.measure("checkpoint_block_s"):
+                        checkpointer.save(step, run.state, run.batches.get_state(), meta())
                 if evaluating:
-                    metrics_log.writer.write({"step": step, "eval_loss": eval_loss()})
+                    with times.measure("eval_s"):
+                        metrics_log.writer.write({"step": step, "eval_loss": eval_loss()})
                     metrics_log.restart_clock()  # eval time is not the next step's time
                 if stop:
                     checkpointer.wait()
@@ -328,13 +374,15 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
                     summary["preempted_at"] = step
                     break
             if step < tc.steps:
-                local = next(run.batches)
-                host = host_metrics(local, run.batches)
-                batch = to_global(local, rows_sharding, tc.batch_size)
+                with times.measure("data_wait_s"):
+                    local = next(run.batches)
+                    host = host_metrics(local, run.batches)
+                    batch = to_global(local, rows_sharding, tc.batch_size)
         if pending is not None:
-            recover(run, metrics_log.report(*pending))
+            recover(run, read(pending))
         checkpointer.wait()
     finally:
+        profiler.stop()
         watchdog.stop()
         guard.restore()
         run.batches.close()

@@ -14,7 +14,10 @@ import jax
 import numpy as np
 
 from jaxllm.config import Config
-from jaxllm.metrics import JsonlWriter, mfu, peak_flops_per_device
+from jaxllm.diagnostics.step_timing import HostTimes
+from jaxllm.diagnostics.variant import split_diag
+from jaxllm.diagnostics.writers import MetricsWriter
+from jaxllm.metrics import mfu, peak_flops_per_device
 from jaxllm.model.transformer import train_flops_per_token
 from jaxllm.progress import ProgressBar
 
@@ -35,7 +38,8 @@ class MetricsLog:
         self.flops = train_flops_per_token(cfg.model, tc.seq_len)
         self.flops_causal = train_flops_per_token(cfg.model, tc.seq_len, causal=True)
         self.peak, self.devices = peak_flops_per_device(cfg.peak_flops, cfg.precision.compute), mesh.size
-        self.writer = JsonlWriter(workdir / "metrics.jsonl", enabled=is_main)
+        self.writer = MetricsWriter(workdir, cfg.metrics, enabled=is_main, run_config=cfg.to_dict())
+        self.host_times = HostTimes()  # the loop's data wait, checkpoint blocking and eval, per record
         self.bar = ProgressBar(tc.steps, start=start_step, stream=stream) if is_main else None
         self.shown = progress_metrics
         self.log_every, self.total = tc.log_every, tc.steps
@@ -54,16 +58,19 @@ class MetricsLog:
 
     def report(self, step: int, metrics, host: dict, tokens: int) -> dict:
         """Fetch one step's metrics (blocks on that step only), log them with the `host` ones of its batch (see
-        `host_metrics`) and its throughput (`tokens` slots in the batch), return them."""
+        `host_metrics`), its throughput (`tokens` slots in the batch) and the host time breakdown since the last
+        record (`host_times`, jaxllm/diagnostics/step_timing.py), return them."""
         time.sleep(self.stalls.pop(step, 0.0))
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values, diag = split_diag({k: float(v) for k, v in jax.device_get(metrics).items()})
         now = time.perf_counter()
         step_time, self.last_ready = now - self.last_ready, now
         self.on_step(step, step_time)
         tps = tokens / step_time
         record = dict(values, step=step, step_time_s=step_time, tokens_per_sec=tps, mfu=self.mfu(tps),
-                      mfu_causal=self.mfu(tps, causal=True), **host)
+                      mfu_causal=self.mfu(tps, causal=True), **host, **self.host_times.take())
         self.writer.write(record)
+        if diag:  # the diagnostic variant's statistics (jaxllm/diagnostics/): a record of their own
+            self.writer.write({"step": step, **diag})
         self.step_times.append(step_time)
         self.step_tokens.append(tokens)
         self.losses.append(values["loss"])

@@ -20,6 +20,7 @@ from jaxllm.data.token_store import TokenStore
 from jaxllm.data.tokenizer import Tokenizer, load_tokenizer
 from jaxllm.lora import trainable as lora_trainable
 from jaxllm.model.head import head_stats
+from jaxllm.train.faults import ThrottledBatches, with_zeroed_layer
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.state import build_model
 
@@ -97,10 +98,11 @@ def pretrain_objective(cfg: Config) -> Objective:
 
     def open_batches(request: BatchRequest):
         index, count = request.rows
-        return make_train_iterator(cfg.data.path, split="train", global_batch_size=tc.batch_size,
-                                   seq_len=tc.seq_len, seed=tc.seed, process_index=index, process_count=count,
-                                   start_step=request.first, num_steps=request.end,
-                                   num_workers=cfg.data.num_workers)
+        source = make_train_iterator(cfg.data.path, split="train", global_batch_size=tc.batch_size,
+                                     seq_len=tc.seq_len, seed=tc.seed, process_index=index, process_count=count,
+                                     start_step=request.first, num_steps=request.end,
+                                     num_workers=cfg.data.num_workers)
+        return ThrottledBatches(source, cfg.debug.data_sleep_s) if cfg.debug.data_sleep_s > 0 else source
 
     def eval_batches(rows):
         index, count = rows
@@ -108,6 +110,7 @@ def pretrain_objective(cfg: Config) -> Objective:
                                       max_batches=tc.eval_batches or None, process_index=index,
                                       process_count=count))
 
-    return dataclasses.replace(lm_objective(cfg.model, cfg.precision, cfg.pipeline,
-                                            sequence_parallel=cfg.mesh.sequence_parallel), open_batches=open_batches,
-                               eval_batches=eval_batches, tokenizer=tokenizer)
+    objective = dataclasses.replace(lm_objective(cfg.model, cfg.precision, cfg.pipeline,
+                                                 sequence_parallel=cfg.mesh.sequence_parallel),
+                                    open_batches=open_batches, eval_batches=eval_batches, tokenizer=tokenizer)
+    return with_zeroed_layer(objective, cfg.debug.zero_layer) if cfg.debug.zero_layer >= 0 else objective

@@ -17,9 +17,11 @@ from flax import nnx
 
 from jaxllm.checkpoint import CheckpointError, Checkpointer
 from jaxllm.config import Config, ConfigError
+from jaxllm.loss_scale import loss_scaling
 from jaxllm.train.anomaly import incident_kind
 from jaxllm.train.base_model import check_same_base, fingerprint
-from jaxllm.train.state import (init_frozen, init_objective_state, init_part, init_trainable_state,
+from jaxllm.train.control import HOT_UPDATES
+from jaxllm.train.state import (init_frozen, init_objective_state, init_part, init_trainable_state, older_layout,
                                state_from_params, state_shardings)
 
 
@@ -28,13 +30,14 @@ class AnomalyAbort(RuntimeError):
 
 
 def restore_latest(checkpointer: Checkpointer, abstract, mesh, log, items=("state", "data", "meta"),
-                   shardings=None):
+                   shardings=None, older=None):
     """(state, meta, data) of the newest checkpoint that restores (placed per `shardings`, default the rules on
-    `mesh`), trying older ones when one is unreadable; None when there is none."""
+    `mesh`; `older`: an earlier state layout it may have, see `Checkpointer.restore`), trying older ones when
+    one is unreadable; None when there is none."""
     for step in reversed(checkpointer.steps()):
         error = None
         try:
-            restored = checkpointer.restore(step, abstract, mesh, items=items, shardings=shardings)
+            restored = checkpointer.restore(step, abstract, mesh, items=items, shardings=shardings, older=older)
         except CheckpointError as exc:
             error = exc
         if not _everywhere(error is None):  # all processes must fall back together, or none
@@ -69,8 +72,9 @@ def _locate(path: str) -> tuple[Path, int | None]:
 class Start:
     """Where a run starts: its train state and frozen variables, the data offset (data index = step - 1 +
     offset; rollbacks skip data), the rollbacks so far, the record of the base model it fine-tunes (None:
-    none), the base model's task report taken at step 0 (None: not yet taken) and the batch source's state
-    saved with the checkpoint it resumes (None: not a resume)."""
+    none), the base model's task report taken at step 0 (None: not yet taken), the batch source's state
+    saved with the checkpoint it resumes (None: not a resume) and the hot updates in effect in that checkpoint
+    (jaxllm/train/control.py)."""
 
     state: object
     frozen: object
@@ -79,6 +83,7 @@ class Start:
     base: dict | None = None
     base_report: dict | None = None
     data_state: dict | None = None
+    hot_updates: tuple = ()
 
 
 def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstract, mesh, log,
@@ -94,9 +99,11 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
     anything used to make it is released (the loop measures peak live bytes there).
     """
     seed, window, offload = cfg.train.seed, cfg.anomaly.window, cfg.optim.offload
+    init_scale = loss_scaling(cfg.precision).init_scale  # a fresh state's (a resume keeps the checkpoint's)
     abstract_state, _ = abstract
     shardings = state_shardings(abstract_state, mesh, offload)
-    restored = restore_latest(checkpointer, abstract_state, mesh, log, shardings=shardings)
+    older = older_layout(abstract_state, shardings, cfg.optim.clip_norm)
+    restored = restore_latest(checkpointer, abstract_state, mesh, log, shardings=shardings, older=older)
     if restored is not None:
         state, meta = restored
         step = int(state.step)
@@ -106,11 +113,11 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         on_loaded()
         frozen, base = _frozen(objective, mesh, cfg, abstract, meta.get("base"))
         return Start(state, frozen, offset, int(meta.get("rollbacks", 0)), base, meta.get("base_report"),
-                     meta["data"])
+                     meta["data"], tuple(meta.get(HOT_UPDATES, ())))
     if objective.base is not None:
-        return _start_from_base(objective, tx, abstract, mesh, seed, window, log, on_loaded, offload)
+        return _start_from_base(objective, tx, abstract, mesh, seed, window, log, on_loaded, offload, init_scale)
     if not cfg.checkpoint.restore_from:
-        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window, offload)
+        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window, offload, init_scale)
         on_loaded()
         return Start(state, frozen, 0, 0)
     directory, step = _locate(cfg.checkpoint.restore_from)
@@ -120,11 +127,12 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         if step is None:
             raise CheckpointError(f"no committed checkpoint in {directory}")
         if cfg.checkpoint.restore_all:
-            state = source.restore(step, abstract_state, mesh, items=("state",), shardings=shardings)["state"]
+            state = source.restore(step, abstract_state, mesh, items=("state",), shardings=shardings,
+                                   older=older)["state"]
             log(f"starting from {directory / str(step)} (everything: parameters, optimizer state, step)")
         else:  # parameters only: the source's optimizer state and windows are never read
             params = source.restore_params(step, abstract_state.params, mesh)
-            state = state_from_params(params, tx, shardings, seed, window)
+            state = state_from_params(params, tx, shardings, seed, window, init_scale)
             log(f"starting from the parameters of {directory / str(step)}")
         on_loaded()
     finally:
@@ -132,21 +140,23 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
     return Start(state, _frozen(objective, mesh, cfg, abstract, None)[0], 0, 0)
 
 
-def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log, on_loaded, offload: str) -> Start:
+def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log, on_loaded, offload: str,
+                     init_scale: float) -> Start:
     """A fresh fine-tuning run: the base loads into the frozen variables (new adapters train) or, when nothing
     is frozen (full fine-tuning), into the trainable ones; what the base lacks (`objective.fresh`) is initialised
-    from the seed. `offload` is `optim.offload` (where the optimizer state lives)."""
+    from the seed. `offload` is `optim.offload` (where the optimizer state lives), `init_scale` the loss
+    scale's start."""
     abstract_state, abstract_frozen = abstract
     base = objective.base
     if jax.tree.leaves(abstract_frozen):
         frozen = base.load(abstract_frozen, mesh)
         record = base.record(fingerprint(frozen))
-        state = init_trainable_state(objective, tx, mesh, seed, window, offload)
+        state = init_trainable_state(objective, tx, mesh, seed, window, offload, init_scale)
     else:
         params = _base_and_fresh(objective, abstract_state.params, mesh, seed)
         record = base.record(fingerprint(params[0]))
         state = state_from_params(nnx.merge_state(*params), tx, state_shardings(abstract_state, mesh, offload), seed,
-                                  window)
+                                  window, init_scale)
         frozen = abstract_frozen
     log(f"starting from the base model {base.path} (fingerprint {record['fingerprint']})")
     on_loaded()
@@ -222,6 +232,7 @@ class Recovery:
         self.checkpointer, self.incidents, self.abstract, self.mesh, self.log = (
             checkpointer, incidents, abstract_state, mesh, log)
         self.shardings = state_shardings(abstract_state, mesh, cfg.optim.offload)
+        self.older = older_layout(abstract_state, self.shardings, cfg.optim.clip_norm)
         self.grad_spikes = 0
         self.loss_spikes = 0
 
@@ -229,6 +240,8 @@ class Recovery:
         """Handle `record` (one step's fetched metrics) for `run`; True when `run` was rolled back."""
         step = record["step"]
         incident = dict(step=step, loss=record["loss"], grad_norm=record["grad_norm"], kind=incident_kind(record))
+        if "diag/first_nonfinite" in record:  # named by the diagnostic variant (jaxllm/diagnostics/variant.py)
+            incident["first_nonfinite"] = record["diag/first_nonfinite"]
         if record["grad_spike"] and not record["anomaly"]:  # counted and reported, not acted on
             self.grad_spikes += 1
             self.incidents.write(dict(incident, action="reported", kind="grad_spike"))
@@ -260,7 +273,8 @@ class Recovery:
         bad = incident["step"]
         free(run.state)  # never two train states at once
         run.state = None
-        restored = restore_latest(self.checkpointer, self.abstract, self.mesh, self.log, shardings=self.shardings)
+        restored = restore_latest(self.checkpointer, self.abstract, self.mesh, self.log, shardings=self.shardings,
+                                  older=self.older)
         if restored is None:
             raise AnomalyAbort(f"step {bad}: {incident['kind']}; no readable checkpoint left to roll back to")
         healthy, meta = restored
@@ -273,6 +287,7 @@ class Recovery:
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         run.state = healthy.replace(lr_scale=jax.device_put(np.float32(lr_scale), replicated))
         run.data_state = meta["data"]
+        run.hot_updates = list(meta.get(HOT_UPDATES, ()))
         run.reopen_batches()
         self.incidents.write(dict(incident, action=ROLLBACK, restored_step=at,
                                   skipped_steps=list(range(at + 1, bad + 1)), lr_scale=lr_scale,

@@ -11,13 +11,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 
 from jaxllm import powersgd
 from jaxllm.config import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.loss_scale import LossScale, new_loss_scale
 from jaxllm.model.transformer import Transformer
 from jaxllm.offload import host_shardings
+from jaxllm.optim import current_clip_norm, with_clip_norm, without_clip_norm
 from jaxllm.sharding import sharding_tree
 from jaxllm.train.anomaly import empty_window
 
@@ -26,11 +29,13 @@ from jaxllm.train.anomaly import empty_window
 class TrainState:
     """Everything the train step updates and a checkpoint holds.
 
-    `params` are the objective's trainable variables and `opt_state` their optimizer state. `lr_scale`
-    multiplies every update (recovery lowers it; it survives restarts). `rng` is the run's key data: step N
+    `params` are the objective's trainable variables and `opt_state` their optimizer state (with the learning
+    rate and the clipping threshold as hyperparameters, jaxllm/optim.py). `lr_scale` multiplies every update
+    (recovery lowers it, hot updates change it; it survives restarts). `rng` is the run's key data: step N
     draws from `fold_in(rng, N)`, so dropout resumes bitwise. `loss_window` and `grad_window` hold the last
-    healthy steps' loss and gradient norm (NaN = empty) for the anomaly checks inside the step. `powersgd` is
-    the gradient compression's state (`jaxllm.powersgd.PowerSGDState`; None without compression).
+    healthy steps' loss and gradient norm (NaN = empty) for the anomaly checks inside the step. `loss_scale` is
+    float16 loss scaling's scale and counter (jaxllm/loss_scale.py; 1.0 and never read without scaling).
+    `powersgd` is the gradient compression's state (`jaxllm.powersgd.PowerSGDState`; None without compression).
     """
 
     step: jax.Array
@@ -40,6 +45,7 @@ class TrainState:
     rng: jax.Array
     loss_window: jax.Array
     grad_window: jax.Array
+    loss_scale: LossScale
     powersgd: Any = None
 
     def step_key(self) -> jax.Array:
@@ -47,11 +53,13 @@ class TrainState:
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
 
 
-def new_train_state(params, tx: optax.GradientTransformation, seed, window: int) -> TrainState:
-    """A state at step 0 around `params` (traceable: jit it with out-shardings to create it in place)."""
+def new_train_state(params, tx: optax.GradientTransformation, seed, window: int, init_scale: float = 1.0) -> TrainState:
+    """A state at step 0 around `params`, its loss scale at `init_scale` (`LossScaling.init_scale`); traceable:
+    jit it with out-shardings to create it in place."""
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       lr_scale=jnp.ones((), jnp.float32), rng=jax.random.key_data(jax.random.key(seed)),
-                      loss_window=empty_window(window), grad_window=empty_window(window))
+                      loss_window=empty_window(window), grad_window=empty_window(window),
+                      loss_scale=new_loss_scale(init_scale))
 
 
 def build_model(cfg: ModelConfig, precision: PrecisionConfig, key: jax.Array,
@@ -77,6 +85,18 @@ def abstract_model(cfg: ModelConfig, precision: PrecisionConfig,
     return nnx.merge(graphdef, state)
 
 
+def older_layout(abstract_state: TrainState, shardings: TrainState, clip_norm: float) -> tuple:
+    """(abstract state, shardings, upgrade) of train states that jaxllm saved before the clipping threshold
+    moved into the optimizer state, for `Checkpointer.restore(older=...)`: `upgrade` adds the threshold
+    `clip_norm` (the configured `optim.clip_norm`, which such a run's step had baked in)."""
+    def upgrade(state: TrainState) -> TrainState:
+        value = jax.device_put(np.float32(clip_norm), current_clip_norm(shardings.opt_state))
+        return state.replace(opt_state=with_clip_norm(state.opt_state, value))
+
+    return (abstract_state.replace(opt_state=without_clip_norm(abstract_state.opt_state)),
+            shardings.replace(opt_state=without_clip_norm(shardings.opt_state)), upgrade)
+
+
 def abstract_objective_state(objective, tx, window: int = 50) -> tuple[TrainState, Any]:
     """(train state, frozen variables) of `objective` as ShapeDtypeStructs: nothing allocated."""
     def init():
@@ -99,16 +119,17 @@ def state_shardings(abstract_state: TrainState, mesh, offload: str = "none") -> 
     return shardings
 
 
-def init_objective_state(objective, tx, mesh, seed: int, window: int = 50, offload: str = "none"):
+def init_objective_state(objective, tx, mesh, seed: int, window: int = 50, offload: str = "none",
+                         init_scale: float = 1.0):
     """(state, frozen, state shardings, frozen shardings): `objective`'s model initialised from `seed` directly
     into its shards on `mesh`, with a fresh optimizer state for its trainable variables (in pinned host memory
-    with `offload="host"`)."""
+    with `offload="host"`) and the loss scale at `init_scale`."""
     state, frozen = abstract_objective_state(objective, tx, window)
     shardings = state_shardings(state, mesh, offload), sharding_tree(frozen, mesh)
 
     def init(key):
         _, params, frozen = objective.split(objective.build_model(key))
-        return new_train_state(params, tx, seed, window), frozen
+        return new_train_state(params, tx, seed, window, init_scale), frozen
 
     state, frozen = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
     return state, frozen, *shardings
@@ -126,19 +147,21 @@ def init_frozen(objective, mesh, seed: int):
     return init_part(lambda key: objective.split(objective.build_model(key))[2], mesh, seed)
 
 
-def init_trainable_state(objective, tx, mesh, seed: int, window: int = 50, offload: str = "none") -> TrainState:
+def init_trainable_state(objective, tx, mesh, seed: int, window: int = 50, offload: str = "none",
+                         init_scale: float = 1.0) -> TrainState:
     """`objective`'s train state alone (fresh trainable variables, as `init_objective_state` makes them, and
     their optimizer state); the frozen variables are never materialised (a pretrained base is loaded instead)."""
     def init(key):
-        return new_train_state(objective.split(objective.build_model(key))[1], tx, seed, window)
+        return new_train_state(objective.split(objective.build_model(key))[1], tx, seed, window, init_scale)
 
     shardings = state_shardings(jax.eval_shape(init, jax.random.key(0)), mesh, offload)
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
 
 
-def state_from_params(params, tx, shardings: TrainState, seed: int, window: int = 50) -> TrainState:
+def state_from_params(params, tx, shardings: TrainState, seed: int, window: int = 50,
+                      init_scale: float = 1.0) -> TrainState:
     """A step-0 state around already placed `params` (restored from another run): no second copy is made."""
-    return jax.jit(lambda p: new_train_state(p, tx, seed, window), out_shardings=shardings)(params)
+    return jax.jit(lambda p: new_train_state(p, tx, seed, window, init_scale), out_shardings=shardings)(params)
 
 
 def abstract_train_state(cfg: ModelConfig, precision: PrecisionConfig, tx, window: int = 50) -> TrainState:

@@ -9,7 +9,7 @@ whose leading axis is the global batch (rows split over the batch mesh axes).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config import AnomalyConfig
+from jaxllm.diagnostics.norms import step_norms
+from jaxllm.loss_scale import NO_LOSS_SCALING, LossScaling, excuse_overflow, non_finite
 from jaxllm.offload import on_host, stream_opt_state
-from jaxllm.optim import current_lr
+from jaxllm.optim import current_clip_norm, current_lr
 from jaxllm.powersgd import PowerSGD, compressed_grads_and_loss
 from jaxllm.sharding import active_mesh, constrain, logical_to_spec, spec_tree
 from jaxllm.train.anomaly import detect, push
@@ -85,7 +87,7 @@ def _like_params(tree, params):
 
 
 def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next_token_loss, frozen=NO_FROZEN,
-                   rng=None):
+                   rng=None, scale=None):
     """(gradients, mean loss, target-token count, metrics) of one batch, for the trainable `params` only.
 
     Gradients of the summed token loss are accumulated over `grad_accum` micro-batches and divided once by
@@ -93,6 +95,8 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
     Micro-batch i draws from `fold_in(rng, i)`; `metrics` (from `loss_fn`) are averaged over micro-batches.
     The accumulated gradients (the scan's carry) and each micro-batch's gradients are pinned to the parameters'
     layout: under fsdp the carry is split like the parameters, never a replicated float32 copy.
+    With a loss `scale` (jaxllm/loss_scale.py) the backward pass runs on the loss times `scale`, and the
+    accumulated gradients are divided by it again: they come back unscaled (non-finite where it overflowed).
     """
     micro = _micro_batches(batch, grad_accum)
 
@@ -105,9 +109,9 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
 
         def loss_and_aux(p):
             loss_sum, count, metrics = loss_of(p, _constrain_rows(mb), key)
-            return loss_sum, (count, metrics)
+            return loss_sum if scale is None else loss_sum * scale, (loss_sum, count, metrics)
 
-        (loss_sum, (count, metrics)), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params)
+        (_, (loss_sum, count, metrics)), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params)
         acc_grads, acc_loss, acc_count, acc_metrics = carry
         return (_like_params(jax.tree.map(jnp.add, acc_grads, _like_params(grads, params)), params),
                 acc_loss + loss_sum, acc_count + count,
@@ -120,45 +124,73 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
             jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes))
     (grads, loss_sum, count, metrics), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(grad_accum)))
     denom = jnp.maximum(count, 1.0)
+    unscale = denom if scale is None else denom * scale  # one division, exact for a power-of-two scale
     metrics = jax.tree.map(lambda m: m / grad_accum, metrics)
-    return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count, metrics
+    return jax.tree.map(lambda g: g / unscale, grads), loss_sum / denom, count, metrics
+
+
+class StepTrace(NamedTuple):
+    """What one train step saw and did, for an `observe` callable of `make_train_step`: the state it started
+    from, its batch and frozen variables, the gradients (before clipping), the update it computed (scaled by
+    `lr_scale`; an update the step vetoed was still computed) and the state it returns."""
+
+    state: TrainState
+    batch: dict
+    frozen: object
+    grads: object
+    updates: object
+    new_state: TrainState
 
 
 def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int = 1,
                     anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False,
+                    loss_scaling: LossScaling = NO_LOSS_SCALING,
+                    observe: Callable[[StepTrace], dict] | None = None,
                     compression: PowerSGD | None = None) -> Callable:
     """`step(state, batch, frozen=NO_FROZEN) -> (state, metrics)` for `objective` (see the module docstring).
-    Metrics are device scalars (the loop reads them one step late).
+    Metrics are device scalars (the loop reads them one step late), among them the global norms of
+    `jaxllm.diagnostics.norms.step_norms` (against the clipping threshold in the optimizer state, 0: none).
+
+    With `observe`, the step returns `(state, metrics, observe(trace))` instead: the same computation with more
+    outputs (the diagnostic variant, jaxllm/diagnostics/variant.py). Without it nothing of it is traced.
 
     Every step checks for anomalies (`jaxllm.train.anomaly.detect` against the state's history windows); with
     `skip_anomalies` an anomalous step leaves parameters and optimizer state unchanged, decided inside the
     compiled step (no host round trip), so the step dispatched after it starts from a healthy state.
 
+    With `loss_scaling` enabled (float16 compute) the loss is scaled by `state.loss_scale`, and a step whose
+    gradients overflow is skipped the same way (optimizer step count included) without being an anomaly or
+    entering the history windows; metrics gain `loss_scale` (the scale this step used) and `overflow` (0 or 1).
+
     With `compression` (PowerSGD, jaxllm/powersgd.py; the state carries its `powersgd` state) the gradients are
-    computed per `data` shard and reduced over `data` as low-rank factors; the optimizer sees the decompressed mean.
+    computed per `data` shard, unscaled, and reduced over `data` as low-rank factors; the optimizer sees the
+    decompressed mean. A skipped step (overflow, anomaly) leaves the compression's state unchanged too.
     """
     graphdef, loss_fn = objective.graphdef, objective.loss_fn
 
     def step(state: TrainState, batch, frozen=NO_FROZEN):
+        scale = loss_scaling.scale_of(state.loss_scale) if loss_scaling.enabled else None
         if compression is None:
             grads, loss, count, extra = grads_and_loss(graphdef, state.params, batch, grad_accum, loss_fn=loss_fn,
-                                                       frozen=frozen, rng=state.step_key())
+                                                       frozen=frozen, rng=state.step_key(), scale=scale)
+            overflow = non_finite(grads) if loss_scaling.enabled else jnp.zeros((), bool)
             compressor = state.powersgd  # None
-        else:
-            grads, loss, count, extra, compressor = compressed_grads_and_loss(
+        else:  # the shards' unscaled gradients are checked for overflow before compression mixes them
+            grads, loss, count, extra, compressor, overflow = compressed_grads_and_loss(
                 functools.partial(grads_and_loss, graphdef, grad_accum=grad_accum, loss_fn=loss_fn), state.params,
-                batch, frozen, state.step_key(), state.powersgd, state.step, compression)
+                batch, frozen, state.step_key(), state.powersgd, state.step, compression, scale)
+            overflow = overflow if loss_scaling.enabled else jnp.zeros((), bool)
         grad_norm = optax.tree.norm(grads)
-        flags = detect(loss, grad_norm, state.loss_window, state.grad_window, anomaly)
+        flags = detect(loss, excuse_overflow(grad_norm, overflow), state.loss_window, state.grad_window, anomaly)
         is_anomaly = flags["anomaly"]
 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         updates = jax.tree.map(lambda u: u * state.lr_scale, updates)
         params = optax.apply_updates(state.params, updates)
-        keep = is_anomaly if skip_anomalies else jnp.zeros((), bool)
+        keep = (is_anomaly if skip_anomalies else jnp.zeros((), bool)) | overflow
         if SKIP_UPDATE in extra:
             keep = keep | (extra[SKIP_UPDATE] > 0)
-        if skip_anomalies or SKIP_UPDATE in extra:
+        if skip_anomalies or SKIP_UPDATE in extra or loss_scaling.enabled:
             keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(keep, o, n), new, old)
             params = keep_old(params, state.params)
             opt_state = keep_old(opt_state, state.opt_state)
@@ -167,17 +199,22 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
             **extra,
             "loss": loss,
             "grad_norm": grad_norm,
+            **step_norms(state.params, updates, grad_norm, current_clip_norm(state.opt_state)),
             "lr": current_lr(opt_state) * state.lr_scale,  # the rate this update used
             "target_tokens": count,
             **flags,
+            **({"loss_scale": scale, "overflow": overflow.astype(jnp.float32)} if loss_scaling.enabled else {}),
         }
-        healthy = ~is_anomaly
+        healthy = ~is_anomaly & ~overflow
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state,
             loss_window=push(state.loss_window, loss, healthy),
-            grad_window=push(state.grad_window, grad_norm, healthy), powersgd=compressor,
+            grad_window=push(state.grad_window, grad_norm, healthy),
+            loss_scale=loss_scaling.update(state.loss_scale, overflow), powersgd=compressor,
         )
-        return new_state, metrics
+        if observe is None:
+            return new_state, metrics
+        return new_state, metrics, observe(StepTrace(state, batch, frozen, grads, updates, new_state))
 
     return step
 
