@@ -109,6 +109,7 @@ def converge(run: str, steps: int) -> dict:
     evals = [r for r in records if "eval_loss" in r]
     losses = [r["loss"] for r in records if "loss" in r]
     return {"run": run, "eval_loss": evals[-1]["eval_loss"], "eval_step": evals[-1]["step"],
+            "eval_losses": {r["step"]: round(r["eval_loss"], 4) for r in evals},
             "train_loss_last20": sum(losses[-20:]) / len(losses[-20:]),
             "anomalies": sum(int(r.get("anomaly", 0)) for r in records if "loss" in r)}
 
@@ -124,16 +125,16 @@ def _print_traffic(rows, rank: int) -> None:
                       for r in rows}))
 
 
-def _print_convergence(runs: list[str], steps: int) -> None:
+def _print_convergence(runs: list[str], steps: int, base: float | None) -> None:
     factors = {rank: _in_subprocess("data8", int(rank))["ratio"]
                for rank in {r.split(":")[0] for r in runs if r != "none"}}
-    rows, base = [], None
+    rows = []
     print(f"{'rank':>5} {'start':>6} {'held-out loss':>14} {'vs none':>8} {'compression':>12} "
           f"{'train loss (last 20)':>21} {'anomalies':>10}", flush=True)
     for run in runs:
         row = converge(run, steps)
         rank, start = run.split(":") if run != "none" else ("-", "-")
-        base = row["eval_loss"] if run == "none" and base is None else base
+        base = row["eval_loss"] if run == "none" else base
         row["ratio_vs_none"] = row["eval_loss"] / base if base else None
         row["compression"] = factors.get(rank)
         rows.append(row)
@@ -153,12 +154,14 @@ def main() -> None:
     ap.add_argument("--converge", nargs="+", metavar="RUN",
                     help="convergence runs: none (uncompressed; put it first: it is the ratios' base) or R:S")
     ap.add_argument("--steps", type=int, default=300, help="steps of each convergence run")
+    ap.add_argument("--baseline", type=float, default=None,
+                    help="the uncompressed run's held-out loss, for the ratios when `none` is not among the runs")
     ap.add_argument("--_measure", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._measure:
         print(json.dumps(measure(args.job, args.rank)))
     elif args.converge:
-        _print_convergence(args.converge, args.steps)
+        _print_convergence(args.converge, args.steps, args.baseline)
     else:
         _print_traffic([_in_subprocess(job, args.rank) for job in (JOBS if args.job == "all" else (args.job,))],
                        args.rank)
