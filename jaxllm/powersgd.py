@@ -178,9 +178,12 @@ def state_shardings(abstract: PowerSGDState, params, mesh) -> PowerSGDState:
 
 
 def _orthonormal(p):
-    """Orthonormal columns spanning P's (batched reduced QR; Householder stays orthonormal when P is rank
-    deficient, where Gram-Schmidt would divide by zero)."""
-    return jnp.linalg.qr(p)[0]
+    """Orthonormal columns spanning P's (reduced QR; Householder stays orthonormal when P is rank deficient,
+    where Gram-Schmidt would divide by zero), one matrix at a time: on XLA:CPU a batched QR splits its batch over
+    the intra-op thread pool from inside each fake device's thread, and with 8 devices at rank 8 every device
+    waited on that pool forever (at the first compressed step of the default job over data=8)."""
+    flat = p.reshape((-1,) + p.shape[-2:])
+    return jnp.stack([jnp.linalg.qr(matrix)[0] for matrix in flat]).reshape(p.shape)
 
 
 def _compress(g, q, e, view: MatrixView):
