@@ -11,6 +11,7 @@ import math
 
 import jax
 
+from jaxllm import powersgd
 from jaxllm.activation_memory import host_activation_bytes, step_temp_bytes
 from jaxllm.config import Config
 from jaxllm.data.synthetic import synthetic_batch
@@ -97,6 +98,7 @@ def compiled_step(cfg: Config):
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     objective = _objective(cfg)
     state, frozen = abstract_objective_state(objective, tx, cfg.anomaly.window)
+    state = powersgd.with_state(state, powersgd.from_config(cfg.optim), mesh)  # its buffers are step arguments
     shape = (cfg.train.batch_size, cfg.train.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, v.dtype) for k, v in synthetic_batch(0, 1, 2, 8).items()}
     runner = StepRunner(objective, tx, cfg, state_shardings(state, mesh, cfg.optim.offload),

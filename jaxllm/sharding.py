@@ -94,12 +94,15 @@ def active_mesh():
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrain an activation to the layout its logical `names` map to under the active mesh.
 
-    Outside any mesh there is nothing to constrain to, so `x` is returned as is.
+    Outside any mesh there is nothing to constrain to, so `x` is returned as is. Inside a `jax.shard_map` the
+    manual axes are already split by hand (PowerSGD's per-`data`-shard gradients, jaxllm/powersgd.py), so they
+    count as size 1 here and the constraint names the automatic axes only.
     """
     mesh = active_mesh()
     if mesh is None:
         return x
-    spec = logical_to_spec(names, x.shape, _mesh_sizes(mesh), kind="activations")
+    sizes = {a: 1 if a in mesh.manual_axes else n for a, n in _mesh_sizes(mesh).items()}
+    spec = logical_to_spec(names, x.shape, sizes, kind="activations")
     return jax.lax.with_sharding_constraint(x, spec)
 
 

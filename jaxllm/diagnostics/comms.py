@@ -120,6 +120,12 @@ def collectives(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[st
     return found, module.unknown_trip_counts
 
 
+def reduced_bytes_across(found: list[Collective], axis: str) -> int:
+    """Per-device bytes per step of the reducing collectives (all-reduce, reduce-scatter) among `found` whose
+    groups span mesh axis `axis`: the gradient traffic across it (PowerSGD's figure, scripts/bench_powersgd.py)."""
+    return sum(c.bytes_per_step for c in found if c.kind in ("all-reduce", "reduce-scatter") and axis in c.axes)
+
+
 def axes_label(c: Collective) -> str:
     return ("+".join(c.axes) or "none") + (" (part)" if c.partial else "")
 

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxllm import powersgd
 from jaxllm.auto_fit import GB
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import AUTO_GRAD_ACCUM, AUTO_REMAT, AUTO_VOCAB, Config, ConfigError
@@ -128,7 +129,7 @@ class StepRunner:
         # Under `rollback` too an anomalous update is skipped inside the step: the next step, already dispatched
         # when the anomaly is seen, then starts from a healthy state, which is the fallback with no checkpoint.
         step_args = dict(grad_accum=cfg.optim.grad_accum, anomaly=cfg.anomaly, skip_anomalies=self.skips,
-                         loss_scaling=loss_scaling(cfg.precision))
+                         loss_scaling=loss_scaling(cfg.precision), compression=powersgd.from_config(cfg.optim))
         self._jit = lambda obj: jit_train_step(make_train_step(obj, tx, **step_args), shardings, mesh, frozen_shardings)
         self.objective, self.mesh, self.log = objective, mesh, log
         self.compiled: dict = {}  # batch shapes -> compiled step
@@ -254,6 +255,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
 
     tx = make_optimizer(cfg.optim, tc.steps)
     abstract = abstract_objective_state(objective, tx, cfg.anomaly.window)
+    abstract = (powersgd.with_state(abstract[0], powersgd.from_config(cfg.optim), mesh), abstract[1])
     shardings = state_shardings(abstract[0], mesh, cfg.optim.offload)
     frozen_shardings = sharding_tree(abstract[1], mesh)
     replicated = [row for tree in (abstract[0].params, abstract[1]) for row in replicated_rows(tree, mesh)]
@@ -272,7 +274,8 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     peak_live = PeakLiveBytes()
     with jax.set_mesh(mesh):
         start = restore_start(cfg, objective, tx, checkpointer, abstract, mesh, log, on_loaded=peak_live.sample)
-    run = Run(objective, tc.steps, rows, start.state, start.frozen, start.data_offset, start.rollbacks,
+    state = powersgd.with_state(start.state, powersgd.from_config(cfg.optim), mesh, shardings)  # fresh starts
+    run = Run(objective, tc.steps, rows, state, start.frozen, start.data_offset, start.rollbacks,
               data_state=start.data_state, hot_updates=list(start.hot_updates))
     start_step = int(run.state.step)
     run.reopen_batches()

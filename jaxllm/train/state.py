@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
+from jaxllm import powersgd
 from jaxllm.config import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.loss_scale import LossScale, new_loss_scale
 from jaxllm.model.transformer import Transformer
@@ -34,6 +35,7 @@ class TrainState:
     draws from `fold_in(rng, N)`, so dropout resumes bitwise. `loss_window` and `grad_window` hold the last
     healthy steps' loss and gradient norm (NaN = empty) for the anomaly checks inside the step. `loss_scale` is
     float16 loss scaling's scale and counter (jaxllm/loss_scale.py; 1.0 and never read without scaling).
+    `powersgd` is the gradient compression's state (`jaxllm.powersgd.PowerSGDState`; None without compression).
     """
 
     step: jax.Array
@@ -44,6 +46,7 @@ class TrainState:
     loss_window: jax.Array
     grad_window: jax.Array
     loss_scale: LossScale
+    powersgd: Any = None
 
     def step_key(self) -> jax.Array:
         """The key of the step this state's next update is (derived, never stored)."""
@@ -108,6 +111,9 @@ def state_shardings(abstract_state: TrainState, mesh, offload: str = "none") -> 
     optimizer state's are in pinned host memory. Every placement of a train state (init, the step, checkpoint
     restore) takes its shardings from here."""
     shardings = sharding_tree(abstract_state, mesh)
+    if abstract_state.powersgd is not None:
+        shardings = shardings.replace(powersgd=powersgd.state_shardings(abstract_state.powersgd,
+                                                                        abstract_state.params, mesh))
     if offload == "host":
         shardings = shardings.replace(opt_state=host_shardings(shardings.opt_state))
     return shardings

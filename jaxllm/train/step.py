@@ -8,6 +8,7 @@ whose leading axis is the global batch (rows split over the batch mesh axes).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -21,6 +22,7 @@ from jaxllm.diagnostics.norms import step_norms
 from jaxllm.loss_scale import NO_LOSS_SCALING, LossScaling, excuse_overflow, non_finite
 from jaxllm.offload import on_host, stream_opt_state
 from jaxllm.optim import current_clip_norm, current_lr
+from jaxllm.powersgd import PowerSGD, compressed_grads_and_loss
 from jaxllm.sharding import active_mesh, constrain, logical_to_spec, spec_tree
 from jaxllm.train.anomaly import detect, push
 from jaxllm.train.pretrain import next_token_loss
@@ -143,7 +145,8 @@ class StepTrace(NamedTuple):
 def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int = 1,
                     anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False,
                     loss_scaling: LossScaling = NO_LOSS_SCALING,
-                    observe: Callable[[StepTrace], dict] | None = None) -> Callable:
+                    observe: Callable[[StepTrace], dict] | None = None,
+                    compression: PowerSGD | None = None) -> Callable:
     """`step(state, batch, frozen=NO_FROZEN) -> (state, metrics)` for `objective` (see the module docstring).
     Metrics are device scalars (the loop reads them one step late), among them the global norms of
     `jaxllm.diagnostics.norms.step_norms` (against the clipping threshold in the optimizer state, 0: none).
@@ -158,14 +161,25 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
     With `loss_scaling` enabled (float16 compute) the loss is scaled by `state.loss_scale`, and a step whose
     gradients overflow is skipped the same way (optimizer step count included) without being an anomaly or
     entering the history windows; metrics gain `loss_scale` (the scale this step used) and `overflow` (0 or 1).
+
+    With `compression` (PowerSGD, jaxllm/powersgd.py; the state carries its `powersgd` state) the gradients are
+    computed per `data` shard, unscaled, and reduced over `data` as low-rank factors; the optimizer sees the
+    decompressed mean. A skipped step (overflow, anomaly) leaves the compression's state unchanged too.
     """
     graphdef, loss_fn = objective.graphdef, objective.loss_fn
 
     def step(state: TrainState, batch, frozen=NO_FROZEN):
         scale = loss_scaling.scale_of(state.loss_scale) if loss_scaling.enabled else None
-        grads, loss, count, extra = grads_and_loss(graphdef, state.params, batch, grad_accum, loss_fn=loss_fn,
-                                                   frozen=frozen, rng=state.step_key(), scale=scale)
-        overflow = non_finite(grads) if loss_scaling.enabled else jnp.zeros((), bool)
+        if compression is None:
+            grads, loss, count, extra = grads_and_loss(graphdef, state.params, batch, grad_accum, loss_fn=loss_fn,
+                                                       frozen=frozen, rng=state.step_key(), scale=scale)
+            overflow = non_finite(grads) if loss_scaling.enabled else jnp.zeros((), bool)
+            compressor = state.powersgd  # None
+        else:  # the shards' unscaled gradients are checked for overflow before compression mixes them
+            grads, loss, count, extra, compressor, overflow = compressed_grads_and_loss(
+                functools.partial(grads_and_loss, graphdef, grad_accum=grad_accum, loss_fn=loss_fn), state.params,
+                batch, frozen, state.step_key(), state.powersgd, state.step, compression, scale)
+            overflow = overflow if loss_scaling.enabled else jnp.zeros((), bool)
         grad_norm = optax.tree.norm(grads)
         flags = detect(loss, excuse_overflow(grad_norm, overflow), state.loss_window, state.grad_window, anomaly)
         is_anomaly = flags["anomaly"]
@@ -180,6 +194,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
             keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(keep, o, n), new, old)
             params = keep_old(params, state.params)
             opt_state = keep_old(opt_state, state.opt_state)
+            compressor = keep_old(compressor, state.powersgd)
         metrics = {
             **extra,
             "loss": loss,
@@ -195,7 +210,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
             step=state.step + 1, params=params, opt_state=opt_state,
             loss_window=push(state.loss_window, loss, healthy),
             grad_window=push(state.grad_window, grad_norm, healthy),
-            loss_scale=loss_scaling.update(state.loss_scale, overflow),
+            loss_scale=loss_scaling.update(state.loss_scale, overflow), powersgd=compressor,
         )
         if observe is None:
             return new_state, metrics
