@@ -255,7 +255,8 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
 
     tx = make_optimizer(cfg.optim, tc.steps)
     abstract = abstract_objective_state(objective, tx, cfg.anomaly.window)
-    abstract = (powersgd.with_state(abstract[0], powersgd.from_config(cfg.optim), mesh), abstract[1])
+    compression = powersgd.from_config(cfg.optim)
+    abstract = (powersgd.with_state(abstract[0], compression, mesh), abstract[1])
     shardings = state_shardings(abstract[0], mesh, cfg.optim.offload)
     frozen_shardings = sharding_tree(abstract[1], mesh)
     replicated = [row for tree in (abstract[0].params, abstract[1]) for row in replicated_rows(tree, mesh)]
@@ -274,7 +275,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     peak_live = PeakLiveBytes()
     with jax.set_mesh(mesh):
         start = restore_start(cfg, objective, tx, checkpointer, abstract, mesh, log, on_loaded=peak_live.sample)
-    state = powersgd.with_state(start.state, powersgd.from_config(cfg.optim), mesh, shardings)  # fresh starts
+    state = powersgd.with_state(start.state, compression, mesh, shardings)  # fresh starts
     run = Run(objective, tc.steps, rows, state, start.frozen, start.data_offset, start.rollbacks,
               data_state=start.data_state, hot_updates=list(start.hot_updates))
     start_step = int(run.state.step)
@@ -290,9 +291,10 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     runner.compile(run.state, batch, run.frozen)
     # Recorded in summary.json for scripts/diagnose.py (memory headroom, communication). train.memory_budget_gb
     # stands in for the limit a CPU does not report.
-    memory = step_memory(runner.compiled_for(batch), jax.local_devices()[0], int(tc.memory_budget_gb * GB))
+    compiled = runner.compiled_for(batch)
+    memory = step_memory(compiled, jax.local_devices()[0], int(tc.memory_budget_gb * GB))
     log(format_step_memory(memory, jax.local_devices()[0]))
-    comms = step_comms(runner.compiled_for(batch), tuple(mesh.axis_sizes), run.state.params) if is_main else None
+    comms = step_comms(compiled, tuple(mesh.axis_sizes), run.state.params) if is_main else None
     eval_step = None
     if eval_batches:
         with jax.set_mesh(mesh):
