@@ -119,7 +119,8 @@ def resolve_layout(coordinator_address: str | None = None, num_processes: int | 
     return layout if layout is not None and layout.num_processes > 1 else None
 
 
-def _send(sock: socket.socket, message: str) -> None:
+def send_line(sock: socket.socket, message: str) -> None:
+    """`message` and a newline to `sock`; a peer already gone is not an error (its watcher reports it)."""
     try:
         sock.sendall(message.encode() + b"\n")
     except OSError:
@@ -163,7 +164,7 @@ def _host_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout:
                            f"{layout.num_processes} did not arrive within {timeout:g}s (--init_timeout) at "
                            f"{layout.coordinator_address}")
                 for conn in arrived.values():
-                    _send(conn, "abort " + message)
+                    send_line(conn, "abort " + message)
                 raise DistributedError(message)
             server.settimeout(remaining)
             try:
@@ -176,12 +177,12 @@ def _host_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout:
                 continue
             pid = _parse_int(line.split()[1], "rendezvous process id")
             if pid in arrived or not 0 < pid < layout.num_processes:
-                _send(conn, f"abort process id {pid} is duplicated or outside [1, {layout.num_processes})")
+                send_line(conn, f"abort process id {pid} is duplicated or outside [1, {layout.num_processes})")
                 conn.close()
                 continue
             arrived[pid] = conn
         for conn in arrived.values():
-            _send(conn, "go")
+            send_line(conn, "go")
         links, arrived = arrived, {}
         return links
     finally:
@@ -209,7 +210,7 @@ def _join_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout:
                                        f"{layout.process_id} of {layout.num_processes}") from None
             time.sleep(0.25)
     try:
-        _send(conn, f"hello {layout.process_id}")
+        send_line(conn, f"hello {layout.process_id}")
         reply = _recv_line(conn, deadline + 5)  # process 0 answers at its own deadline at the latest
     except BaseException:
         conn.close()

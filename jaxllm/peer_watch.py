@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from jaxllm.distributed import send_line
+
 BYE = "bye"  # this process exits cleanly
 GONE = "gone"  # process 0 to the others: "gone k", process k died
 # Process 0: after a first link closed, how long others closing too (one host's processes) are collected. Not the
@@ -121,7 +123,7 @@ class PeerWatch:
             dead = sorted(closed)
             for peer, sock in self.links.items():  # so that the others name them, not us, when we exit
                 if peer not in dead:
-                    _send(sock, "".join(f"{GONE} {d}\n" for d in dead))
+                    send_line(sock, "\n".join(f"{GONE} {d}" for d in dead))
         else:
             dead = sorted(set(self.gone)) or [0]
         self.report(loss_message(dead, self.process_id, self.num_processes))
@@ -134,14 +136,7 @@ class PeerWatch:
                 return
             self.leaving = True
         for sock in self.links.values():
-            _send(sock, BYE + "\n")
-
-
-def _send(sock: socket.socket, text: str) -> None:
-    try:
-        sock.sendall(text.encode())
-    except OSError:
-        pass
+            send_line(sock, BYE)
 
 
 def watch(process_id: int, num_processes: int, links: dict[int, socket.socket]) -> PeerWatch:
