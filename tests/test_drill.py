@@ -8,7 +8,7 @@ import pytest
 
 from train_runs import RESUME, run_drill
 
-from jaxllm.drill.disk import mount_problem
+from jaxllm.drill.disk import SLACK, SmallDisk, mount_problem
 from jaxllm.drill.plan import FaultSpecError, anomaly_flags, hot_changes, parse_faults, schedule
 
 JOB = (*RESUME, "--config.train.steps=8")  # the job of the shared `uninterrupted` run (tests/conftest.py)
@@ -49,6 +49,33 @@ def test_full_disk_stops_the_job_loudly_and_it_resumes_bitwise(shakespeare_store
     assert stopped.startswith("1: error:") and "save of step" in stopped and "failed" in stopped, event
     assert event["resumed"] == event["expected_resume"]
 
+
+
+class RacingDisk(SmallDisk):
+    """A save in flight: it writes more than SLACK right after the drill measures the filesystem, once."""
+
+    def used(self) -> int:
+        measured = super().used()
+        if not (self.path / "late").exists():
+            (self.path / "late").write_bytes(bytes(4 * SLACK))
+        return measured
+
+
+@pytest.mark.smoke
+def test_filling_the_disk_outruns_a_save_in_flight(tmp_path):
+    problem = mount_problem(tmp_path / "probe")
+    if problem is not None:
+        pytest.skip(f"no small filesystem here: {problem}")
+    disk = RacingDisk(tmp_path / "checkpoints", size=1 << 20)
+    try:
+        # tmpfs refuses a limit below what it holds: the first remount fails and the fill measures again.
+        limit = disk.fill()
+        assert disk.used() <= limit <= disk.used() + SLACK
+        with pytest.raises(OSError, match="No space left"):
+            (disk.path / "next-save").write_bytes(bytes(2 * SLACK))
+        disk.free()
+    finally:
+        disk.close()
 
 @pytest.mark.smoke
 def test_fault_plan_is_seeded_and_checked():

@@ -54,7 +54,9 @@ def run_drill(store, reference, workdir, faults: str, *args: str, seed: int = 0)
                f"--config.data.path={store}", *TINY, *args]
     proc = subprocess.run(command, capture_output=True, text=True, env=train_env(), timeout=900)
     print(proc.stdout[-3000:])
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    assert last.startswith("{"), (proc.returncode, proc.stderr[-3000:])  # no JSON: the drill itself broke
+    result = json.loads(last)
     assert proc.returncode == 0 and result["passed"], (proc.stderr[-3000:], proc.stdout[-3000:])
     return result
 

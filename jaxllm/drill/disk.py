@@ -39,11 +39,19 @@ class SmallDisk:
         stat = os.statvfs(self.path)
         return (stat.f_blocks - stat.f_bfree) * stat.f_frsize
 
-    def fill(self) -> int:
+    def fill(self, attempts: int = 50) -> int:
         """Limit the filesystem to what it holds plus `SLACK`; returns the new limit in bytes."""
-        limit = self.used() + SLACK
-        _mount("-o", f"remount,size={limit}", str(self.path))
-        return limit
+        while True:
+            limit = self.used() + SLACK
+            try:
+                _mount("-o", f"remount,size={limit}", str(self.path))
+                return limit
+            except DiskError:
+                # tmpfs refuses a size below what it holds: a save in flight wrote more than SLACK between the
+                # measure and the remount. Measure again; a remount that fails on a still size is a real error.
+                attempts -= 1
+                if attempts == 0 or self.used() + SLACK <= limit:
+                    raise
 
     def free(self) -> None:
         """Give the space back."""

@@ -137,6 +137,9 @@ def run_drill(drill: Drill, env: dict | None = None, log=print) -> dict:
         bitwise = compare_params(drill.workdir, drill.reference, drill.steps) if finished else None
     finally:
         if disk is not None:  # the run's checkpoints are copied off the tmpfs
-            disk.close()
+            try:
+                disk.close()
+            except DiskError as exc:
+                raise DrillError(f"diskfull: {exc}") from None
     return summarize(run, drill.counts, drill.seed, drill.steps, history,
                      final_history(drill.reference / "metrics.jsonl"), bitwise)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from jaxllm.drill.damage import corrupt_checkpoint
-from jaxllm.drill.disk import SmallDisk
+from jaxllm.drill.disk import DiskError, SmallDisk
 from jaxllm.drill.job import JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight
 from jaxllm.drill.plan import (HOT_KINDS, HOT_LR_SCALE, PROCESS_KINDS, Fault, anomaly_flags, hot_change_id,
                               hot_changes)
@@ -224,6 +224,18 @@ class Supervisor:
             raise DrillError(f"the job exited on its own {len(self.unplanned)} times; last: {self.unplanned[-1]}")
         self._start(self._newest_committed())
 
+    def _fill_disk(self) -> int:
+        try:
+            return self.disk.fill()
+        except DiskError as exc:  # the drill cannot land it: reported as a failed drill, never a traceback
+            raise DrillError(f"diskfull: {exc}") from None
+
+    def _free_disk(self) -> None:
+        try:
+            self.disk.free()
+        except DiskError as exc:
+            raise DrillError(f"diskfull: {exc}") from None
+
     def _step_time(self) -> float:
         recent = self.step_times[-10:]
         return statistics.median(recent) if recent else 0.1
@@ -250,7 +262,7 @@ class Supervisor:
         landed = time.monotonic()
         victim = min(int(fault.pick * self.processes), self.processes - 1)
         if fault.kind == "diskfull":
-            outcome.detail = f"checkpoint filesystem limited to {self.disk.fill() >> 10} KiB"
+            outcome.detail = f"checkpoint filesystem limited to {self._fill_disk() >> 10} KiB"
         elif fault.kind == "peer":
             self.process.signal(signal.SIGKILL, process=victim)
         else:
@@ -263,7 +275,7 @@ class Supervisor:
                              f"see {self.process.log_path}") from None
         finally:
             if fault.kind == "diskfull":
-                self.disk.free()
+                self._free_disk()
         self._drain()
         outcome.at_step = self.last_step  # a full disk stops the job at its next save, steps later
         expected_rc = {"kill9": -signal.SIGKILL, "diskfull": 1}.get(fault.kind, 0)
