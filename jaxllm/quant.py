@@ -1,4 +1,5 @@
-"""Quantised training matmuls (`precision.quant`): the transformer blocks' weight einsums through qwix's int8 dot.
+"""Quantised training matmuls (`precision.quant`): the transformer blocks' weight einsums through qwix's
+quantised dot, in int8 or fp8.
 
 With `precision.quant=int8` the q/k/v/o projections and the three SwiGLU projections run as int8 x int8 -> int32
 dots in the forward pass and in both backward dots (the gradients with respect to activations and to weights),
@@ -20,6 +21,14 @@ qwix is the kept library that does the quantisation (no hand-written kernels her
 stacked kernels inside `lax.scan`, so we call its core quantised dot directly as einsum's `_dot_general`
 (a private qwix module: tests/test_private_imports.py checks it stays where we expect).
 
+With `precision.quant=fp8` the same matmuls run through qwix's dot with float8 types instead: e4m3 operands in
+the forward pass, e5m2 gradients in the backward dots, the same per-channel absmax scales computed from the
+current tensors ("current scaling": no amax history in the train state, unlike delayed scaling, at the cost of
+one reduction per operand). On Hopper-class GPUs XLA can run float8 dots as cuBLASLt fp8 GEMMs (its step time
+is a GPU measurement: scripts/bench_step.py with precision.quant=fp8). On a CPU XLA widens them to float32 dots,
+which keeps fp8's rounding but none of its speed, so config.validate accepts fp8 on a CPU only with
+`debug.emulate_fp8` (for convergence checks: scripts/bench_quant.py).
+
 "none" (the default) uses plain `jnp.einsum`, so the default job's program is unchanged.
 """
 
@@ -32,17 +41,25 @@ import jax.numpy as jnp
 QUANT_MODES = ("none", "int8", "fp8")
 
 
+# The operand and gradient types of each mode. fp8 follows the usual recipe (Transformer Engine's "hybrid"
+# format): e4m3 (more mantissa) for activations and weights, e5m2 (more range) for the gradients.
+QTYPES = {
+    "int8": dict(lhs_qtype=jnp.int8, rhs_qtype=jnp.int8, dlhs_grad_qtype=jnp.int8, drhs_grad_qtype=jnp.int8),
+    "fp8": dict(lhs_qtype=jnp.float8_e4m3fn, rhs_qtype=jnp.float8_e4m3fn,
+                dlhs_grad_qtype=jnp.float8_e5m2, drhs_grad_qtype=jnp.float8_e5m2),
+}
+
+
 @functools.cache
-def _int8_dot_general():
-    """A `lax.dot_general`-shaped function computing in int8 forward and backward (qwix)."""
+def _quantised_dot_general(quant: str):
+    """A `lax.dot_general`-shaped function computing in `quant`'s types forward and backward (qwix)."""
     from qwix._src.core import dot_general_qt
 
-    cfg = dot_general_qt.DotGeneralQtConfig(lhs_qtype=jnp.int8, rhs_qtype=jnp.int8,
-                                            dlhs_grad_qtype=jnp.int8, drhs_grad_qtype=jnp.int8)
+    cfg = dot_general_qt.DotGeneralQtConfig(**QTYPES[quant])
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
-        # precision / preferred_element_type do not apply: qwix accumulates in int32 and rescales to the
-        # operands' dtype, which einsum's callers (compute dtype in, compute dtype out) expect anyway.
+        # precision / preferred_element_type do not apply: qwix accumulates in int32 (int8) or float32 (fp8) and
+        # rescales to the operands' dtype, which einsum's callers (compute dtype in, compute dtype out) expect.
         return dot_general_qt.dot_general_qt(lhs, rhs, dimension_numbers, cfg)
 
     return dot_general
@@ -52,7 +69,4 @@ def weight_einsum(spec: str, x, kernel, quant: str = "none"):
     """`jnp.einsum(spec, x, kernel)` for a weight matmul, quantised as `quant` says ("none": exactly einsum)."""
     if quant == "none":
         return jnp.einsum(spec, x, kernel)
-    if quant == "int8":
-        return jnp.einsum(spec, x, kernel, _dot_general=_int8_dot_general())
-    # config.validate rejects fp8 before a model is built; reaching here is a programming error.
-    raise NotImplementedError(f"precision.quant={quant!r} has no matmul implementation")
+    return jnp.einsum(spec, x, kernel, _dot_general=_quantised_dot_general(quant))

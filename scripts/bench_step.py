@@ -26,14 +26,14 @@ from jaxllm.config import ConfigError, validate
 from jaxllm.xla_flags import use_xla_flags
 
 
-def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
+def prepared_step(cfg, lora=None):
+    """(StepRunner compiled for the batch, state, batch, frozen, compile seconds): the very step the loop runs,
+    on one device-resident synthetic batch."""
     import jax
 
     from jaxllm.data.synthetic import synthetic_batch
     from jaxllm.loss_scale import loss_scaling
     from jaxllm.mesh import make_mesh
-    from jaxllm.metrics import mfu, peak_flops_per_device
-    from jaxllm.model.transformer import train_flops_per_token
     from jaxllm.optim import make_optimizer
     from jaxllm.train.loop import StepRunner, to_global
     from jaxllm.train.pretrain import lm_objective
@@ -49,27 +49,43 @@ def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
             objective, tx, mesh, tc.seed, cfg.anomaly.window, cfg.optim.offload, loss_scaling(cfg.precision).init_scale)
         batch = to_global(synthetic_batch(0, tc.batch_size, tc.seq_len, cfg.model.vocab_size), batch_sharding(mesh),
                           tc.batch_size)
-    runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh)  # the very step the loop runs
+    runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh, log=lambda _: None)
     compile_s = runner.compile(state, batch, frozen)
-    compiled = runner.compiled_for(batch)
-    for _ in range(2):  # warm up
+    return runner, state, batch, frozen, compile_s
+
+
+def timed_steps(compiled, state, batch, frozen, steps: int):
+    """(seconds per step, last state, last metrics) of `steps` calls after two warm-up calls."""
+    import jax
+
+    for _ in range(2):
         state, metrics = compiled(state, batch, frozen)
     jax.block_until_ready(metrics)
     start = time.perf_counter()
     for _ in range(steps):
         state, metrics = compiled(state, batch, frozen)
     jax.block_until_ready(metrics)
-    elapsed = time.perf_counter() - start
-    tokens_per_sec = steps * tc.batch_size * tc.seq_len / elapsed
+    return (time.perf_counter() - start) / steps, state, metrics
+
+
+def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
+    from jaxllm.metrics import mfu, peak_flops_per_device
+    from jaxllm.model.transformer import train_flops_per_token
+
+    tc = cfg.train
+    runner, state, batch, frozen, compile_s = prepared_step(cfg, lora)
+    compiled = runner.compiled_for(batch)
+    step_s, state, _ = timed_steps(compiled, state, batch, frozen, steps)
+    tokens_per_sec = tc.batch_size * tc.seq_len / step_s
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     peak = peak_flops_per_device(cfg.peak_flops, cfg.precision.compute)
     return dict(
         compile_s=compile_s,
-        step_s=elapsed / steps,
+        step_s=step_s,
         tokens_per_sec=tokens_per_sec,
-        mfu=mfu(tokens_per_sec, train_flops_per_token(cfg.model, tc.seq_len), mesh.size, peak),
+        mfu=mfu(tokens_per_sec, train_flops_per_token(cfg.model, tc.seq_len), runner.mesh.size, peak),
         argument_mb=memory.argument_size_in_bytes / 2**20,
         output_mb=memory.output_size_in_bytes / 2**20,
         temp_mb=memory.temp_size_in_bytes / 2**20,

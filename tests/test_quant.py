@@ -1,6 +1,8 @@
 """`precision.quant` (jaxllm/quant.py): with int8 the compiled train step's block weight matmuls are int8 x int8
 dots in the forward and both backward passes while the output head's stay in float, the default step has none,
-the tiny model trains to float32's loss within 2%, and combinations that cannot work are one-line config errors."""
+the tiny model trains to float32's loss within 2%, and combinations that cannot work are one-line config errors.
+With fp8 the same matmuls are e4m3 x e4m3 dots forward and e5m2-gradient dots backward in the program JAX hands
+to XLA (XLA:CPU then widens them to float32, so the check reads the lowered StableHLO), and it trains too."""
 
 import re
 
@@ -49,8 +51,33 @@ def int8_dots(hlo: str) -> list[str]:
     return [name for types, name in dots(hlo) if types == ("s32", "s8", "s8")]
 
 
+# StableHLO with locations: `%x = stablehlo.dot_general ... : (tensor<AxBxf8E4M3FN>, tensor<...>) -> ... loc(#locN)`
+# and `#locN = loc("op name"(#locM))` definitions, or aliases of other locations, at the end of the module.
+STABLEHLO_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\).* loc\((#loc\d+)\)$")
+LOCATION = re.compile(r"^(#loc\d+) = (.*)$", re.M)
+
+
+def stablehlo_dots(text: str) -> list[tuple[tuple[str, str], str]]:
+    """((lhs, rhs) element types, op name) of every dot_general in StableHLO text lowered with debug_info."""
+    locations = dict(LOCATION.findall(text))
+
+    def name(loc: str) -> str:
+        for _ in range(100):  # follow aliases to the first location that carries a name
+            definition = locations.get(loc, "")
+            if quoted := re.search(r'"([^"]*)"', definition):
+                return quoted.group(1)
+            if not (alias := re.search(r"#loc\d+", definition)):
+                return ""
+            loc = alias.group(0)
+        return ""
+
+    return [((m.group(1), m.group(2)), name(m.group(3)))
+            for m in map(STABLEHLO_DOT.search, text.splitlines()) if m]
+
+
 def _train(quant: str):
-    """(compiled HLO text, losses over STEPS steps on one repeated batch) of the tiny float32 model."""
+    """(HLO text, losses over STEPS steps on one repeated batch) of the tiny float32 model: compiled HLO, or
+    for fp8 the lowered StableHLO (XLA:CPU widens float8 dots to float32 when it compiles)."""
     precision = PrecisionConfig(params="float32", compute="float32", output="float32", quant=quant)
     mesh, objective = make_mesh(LAYOUT), lm_objective(MODEL, precision)
     tx = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), 10)
@@ -58,7 +85,8 @@ def _train(quant: str):
         state, _, shardings, _ = init_objective_state(objective, tx, mesh, seed=0)
         step = jit_train_step(make_train_step(objective, tx), shardings, mesh)
         batch = to_global(synthetic_batch(0, ROWS, SEQ, MODEL.vocab_size), batch_sharding(mesh), ROWS)
-        hlo = step.lower(state, batch).compile().as_text()
+        lowered = step.lower(state, batch)
+        hlo = lowered.as_text(debug_info=True) if quant == "fp8" else lowered.compile().as_text()
         losses = []
         for _ in range(STEPS):
             state, metrics = step(state, batch)
@@ -68,7 +96,7 @@ def _train(quant: str):
 
 @pytest.fixture(scope="module")
 def runs():
-    return {quant: _train(quant) for quant in ("none", "int8")}
+    return {quant: _train(quant) for quant in ("none", "int8", "fp8")}
 
 
 def test_int8_step_has_int8_dots_forward_and_backward(runs):
@@ -98,9 +126,28 @@ def test_int8_trains_close_to_float32(runs):
     assert abs(int8[-1] / f32[-1] - 1) < 0.02, (int8, f32)
 
 
+def test_fp8_step_has_e4m3_dots_forward_and_e5m2_gradients_backward(runs):
+    found = stablehlo_dots(runs["fp8"][0])
+    forward = [name for types, name in found if types == ("f8E4M3FN", "f8E4M3FN")]
+    backward = [name for types, name in found if types == ("f8E5M2", "f8E4M3FN")]
+    assert len(forward) == QUANTISED_MATMULS and len(backward) == 2 * QUANTISED_MATMULS, found
+    for names in (forward, backward):
+        assert {spec for spec in BLOCK_MATMULS if any(f"{spec}/" in name for name in names)} == BLOCK_MATMULS, found
+    head = [types for types, name in found if HEAD_MATMUL in name]
+    assert len(head) == 3 and all(types == ("f32", "f32") for types in head), found  # the head stays in float
+
+
+def test_fp8_trains_close_to_float32(runs):
+    f32, fp8 = runs["none"][1], runs["fp8"][1]
+    assert fp8 != f32 and all(map(jax.numpy.isfinite, fp8)), fp8
+    assert fp8[-1] < fp8[0] - 0.1, fp8
+    assert abs(fp8[-1] / f32[-1] - 1) < 0.03, (fp8, f32)
+
+
 @pytest.mark.parametrize("precision,message", [
     (PrecisionConfig(compute="float32", quant="fp8"), "precision.quant: fp8 needs a GPU"),
     (PrecisionConfig(compute="float16", quant="int8"), "precision.quant: int8 needs precision.compute float32 or"),
+    (PrecisionConfig(compute="float16", quant="fp8"), "precision.quant: fp8 needs precision.compute float32 or"),
     (PrecisionConfig(quant="int4"), "precision.quant: 'int4' is not one of"),
 ])
 def test_bad_quant_is_a_config_error(precision, message):
