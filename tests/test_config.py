@@ -47,9 +47,13 @@ BAD = [
 
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[m.split(":")[0] for _, m in BAD])
-def test_bad_config_is_one_line_exit_2(overrides, message, capsys):
+def test_bad_config_is_one_line_exit_2(overrides, message, tmp_path, capsys):
+    # A short job in a scratch directory: should a check go missing, the run it lets through is 2 steps long and
+    # writes nowhere that matters (later overrides win over these).
+    short = ["--workdir", str(tmp_path), "--config.train.steps=2", "--config.optim.warmup_steps=1",
+             "--config.train.sample_tokens=0"]
     with pytest.raises(SystemExit) as exit_info:
-        train_script.main(["--config", CONFIG, *overrides])
+        train_script.main(["--config", CONFIG, *short, *overrides])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err, err

@@ -78,9 +78,11 @@ class Start:
         found = RESUMED.search(self.log())
         return int(found.group(1)) if found else 0
 
-    def quarantined(self) -> list[int]:
-        """Steps whose checkpoint it found unreadable and moved aside as corrupt-<step>-*."""
-        return [int(m.group(1)) for m in QUARANTINED.finditer(self.log())]
+    def quarantined(self, checkpoints: Path) -> list[int]:
+        """Steps whose checkpoint it said it found unreadable and moved aside, and that lie in `checkpoints` as
+        corrupt-<step>-* (the log line alone would pass a restore that deleted the checkpoint instead)."""
+        said = [int(m.group(1)) for m in QUARANTINED.finditer(self.log())]
+        return [step for step in said if any(checkpoints.glob(f"corrupt-{step}-*"))]
 
 
 def split_devices(env: dict | None, processes: int) -> dict | None:

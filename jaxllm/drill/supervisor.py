@@ -316,6 +316,6 @@ class Supervisor:
         outcome.steps_lost = (outcome.at_step or 0) - outcome.resumed
         outcome.corrupt_load = corrupted is not None and outcome.resumed == corrupted
         if corrupted:
-            outcome.quarantined = corrupted in self.process.quarantined()
+            outcome.quarantined = corrupted in self.process.quarantined(self.checkpoints)
         outcome.recovered = (stopped_as_expected and outcome.resumed == outcome.expected_resume
                              and not outcome.corrupt_load and outcome.quarantined is not False)
