@@ -19,9 +19,8 @@ import statistics
 import sys
 import time
 
-from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
-from jaxllm.config import ConfigError, validate
-from jaxllm.xla_flags import use_xla_flags
+from jaxllm.cli import UsageError, fail, parser, split_overrides
+from jaxllm.config import ConfigError
 
 
 def hot_step_s(cfg, steps: int) -> float:
@@ -64,14 +63,14 @@ def main(argv):
     p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     p.add_argument("--every", type=int, default=50, help="diagnostics.every of the throughput figure")
     args = p.parse_args(args_list)
-    try:
-        cd = build_config(args.config, overrides)
-        use_xla_flags(cd.get("xla_flags", {}))  # before anything starts JAX's backend
-        import jax
+    from bench_step import bench_config
 
-        cfg = validate(cd, jax.device_count())
+    try:
+        cfg = bench_config(args.config, overrides)
     except (ConfigError, UsageError) as exc:
         fail(str(exc))
+    import jax
+
     runs = {"hot": [], "no_norms": [], "variant": []}
     for _ in range(3):  # interleaved: single runs on shared CPUs vary by 10-15%
         runs["hot"].append(hot_step_s(cfg, args.steps))

@@ -26,6 +26,16 @@ from jaxllm.config import ConfigError, validate
 from jaxllm.xla_flags import use_xla_flags
 
 
+def bench_config(path: str, overrides: list[str]):
+    """The validated config of `path` with `overrides`, its `xla_flags` set before JAX starts (raises ConfigError,
+    UsageError)."""
+    cd = build_config(path, overrides)
+    use_xla_flags(cd.get("xla_flags", {}))  # before anything starts JAX's backend
+    import jax
+
+    return validate(cd, jax.device_count())
+
+
 def prepared_step(cfg, lora=None):
     """(StepRunner compiled for the batch, state, batch, frozen, compile seconds): the very step the loop runs,
     on one device-resident synthetic batch."""
@@ -166,11 +176,9 @@ def main(argv):
     p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
     args = p.parse_args(args_list)
     try:
-        cd = build_config(args.config, overrides)
-        use_xla_flags(cd.get("xla_flags", {}))  # before anything starts JAX's backend
+        cfg = bench_config(args.config, overrides)
         import jax
 
-        cfg = validate(cd, jax.device_count())
         if cfg.train.objective == "sft" and cfg.lora.rank:
             from jaxllm.train import base_model
 
