@@ -139,6 +139,18 @@ def recorded_hot_updates(checkpoints: Path, step: int) -> list[dict]:
     return json.loads((checkpoints / str(step) / "meta" / "metadata").read_text()).get("hot_updates", [])
 
 
+def write_hot_updates(workdir: Path, changes: list[dict]) -> bool:
+    """The drill's hot updates (`plan.hot_changes`) into `workdir`'s control.json before a job starts there;
+    whether there were any."""
+    if not changes:
+        return False
+    from jaxllm.train.control import write_control  # imports JAX: only for drills that need it
+
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    write_control(workdir, changes)
+    return True
+
+
 def final_history(metrics_path: Path) -> dict[int, dict]:
     """The last logged record of each step (what a resumed or rolled-back run finally kept), by step."""
     history: dict[int, dict] = {}

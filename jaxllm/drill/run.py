@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxllm.cli import UsageError, build_config
 from jaxllm.drill.disk import DiskError, SmallDisk
-from jaxllm.drill.job import Start, final_history, recorded_hot_updates
+from jaxllm.drill.job import Start, final_history, recorded_hot_updates, write_hot_updates
 from jaxllm.drill.plan import ANOMALY_KINDS, Fault, anomaly_flags, hot_changes, parse_faults, schedule
 from jaxllm.drill.report import compare_params, summarize
 from jaxllm.drill.supervisor import DrillError, Supervisor
@@ -101,12 +101,7 @@ def run_reference(drill: Drill, env: dict | None, timeout: float = 24 * 3600) ->
     updates in its control.json from the start."""
     command = [*drill.command, *anomaly_flags(drill.faults, 0, 0)]
     command[command.index("--workdir") + 1] = str(drill.reference)
-    changes = hot_changes(drill.faults)
-    if changes:
-        from jaxllm.train.control import write_control  # imports JAX: only for drills that need it
-
-        drill.reference.mkdir(parents=True, exist_ok=True)
-        write_control(drill.reference, changes)
+    write_hot_updates(drill.reference, hot_changes(drill.faults))
     process = Start(command, drill.directory / "logs" / "reference.log", env, drill.processes)
     rc = process.wait(timeout=timeout)
     if rc != 0:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from jaxllm.drill.damage import corrupt_checkpoint
 from jaxllm.drill.disk import DiskError, SmallDisk
-from jaxllm.drill.job import JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight
+from jaxllm.drill.job import (JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight,
+                             write_hot_updates)
 from jaxllm.drill.plan import (HOT_KINDS, HOT_LR_SCALE, PROCESS_KINDS, Fault, anomaly_flags, hot_change_id,
                               hot_changes)
 
@@ -111,7 +112,7 @@ class Supervisor:
             finished = not self._wait_for(None)
             self._drain()
             self._settle_hot_updates()
-        except DrillError as exc:  # reported with everything seen until then
+        except (DrillError, DiskError) as exc:  # reported with everything seen until then, never a traceback
             error = str(exc)
         finally:  # never leave a job running behind a failed drill
             if self.process is not None and self.process.poll() is None:
@@ -172,13 +173,8 @@ class Supervisor:
 
     def _write_hot_updates(self) -> None:
         """The hot updates into the job's control.json, before its first start (see jaxllm/drill/plan.py)."""
-        changes = hot_changes(self.faults)
-        if not changes:
+        if not write_hot_updates(self.checkpoints.parent, hot_changes(self.faults)):
             return
-        from jaxllm.train.control import write_control  # imports JAX: only for drills that need it
-
-        self.checkpoints.parent.mkdir(parents=True, exist_ok=True)
-        write_control(self.checkpoints.parent, changes)
         for outcome in self.outcomes:
             if outcome.fault.kind in HOT_KINDS:
                 outcome.injected, outcome.steps_lost = True, 0
@@ -224,18 +220,6 @@ class Supervisor:
             raise DrillError(f"the job exited on its own {len(self.unplanned)} times; last: {self.unplanned[-1]}")
         self._start(self._newest_committed())
 
-    def _fill_disk(self) -> int:
-        try:
-            return self.disk.fill()
-        except DiskError as exc:  # the drill cannot land it: reported as a failed drill, never a traceback
-            raise DrillError(f"diskfull: {exc}") from None
-
-    def _free_disk(self) -> None:
-        try:
-            self.disk.free()
-        except DiskError as exc:
-            raise DrillError(f"diskfull: {exc}") from None
-
     def _step_time(self) -> float:
         recent = self.step_times[-10:]
         return statistics.median(recent) if recent else 0.1
@@ -262,7 +246,7 @@ class Supervisor:
         landed = time.monotonic()
         victim = min(int(fault.pick * self.processes), self.processes - 1)
         if fault.kind == "diskfull":
-            outcome.detail = f"checkpoint filesystem limited to {self._fill_disk() >> 10} KiB"
+            outcome.detail = f"checkpoint filesystem limited to {self.disk.fill() >> 10} KiB"
         elif fault.kind == "peer":
             self.process.signal(signal.SIGKILL, process=victim)
         else:
@@ -275,7 +259,7 @@ class Supervisor:
                              f"see {self.process.log_path}") from None
         finally:
             if fault.kind == "diskfull":
-                self._free_disk()
+                self.disk.free()
         self._drain()
         outcome.at_step = self.last_step  # a full disk stops the job at its next save, steps later
         expected_rc = {"kill9": -signal.SIGKILL, "diskfull": 1}.get(fault.kind, 0)
