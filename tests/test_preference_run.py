@@ -1,5 +1,5 @@
 """The reward model and DPO as real `scripts/train.py` processes on a slice of the shipped preference set: bitwise
-resume after SIGTERM, rollback on an injected NaN, per-kind reports, scripts/eval.py --reward agreeing with the
+resume after SIGTERM past a rollback on an injected NaN, per-kind reports, scripts/eval.py --reward agreeing with the
 run's own report, the export loading in transformers, DPO from a LoRA SFT run (merged into the frozen base it
 trains new adapters on), and bad settings as one-line errors."""
 
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from train_runs import ROOT, losses, metrics, preempt_at, train_env
+from train_runs import NAN_AT_3, ROOT, assert_rolled_back_at_3, losses, metrics, preempt_at, train_env
 
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.evaluate import load_checkpoint
@@ -52,7 +52,7 @@ DPO = ("--config.lora.dropout=0.1",)
 @pytest.fixture(scope="module")
 def reward_run(bases, pairs, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("reward")
-    proc = _run("reward", bases[0], pairs, workdir, "--config.train.steps=6")
+    proc = _run("reward", bases[0], pairs, workdir, "--config.train.steps=6", *NAN_AT_3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
 
@@ -60,7 +60,7 @@ def reward_run(bases, pairs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dpo_run(lora_run, pairs, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("dpo")
-    proc = _run("dpo", lora_run, pairs, workdir, "--config.train.steps=6", *DPO)
+    proc = _run("dpo", lora_run, pairs, workdir, "--config.train.steps=6", *DPO, *NAN_AT_3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
 
@@ -71,7 +71,7 @@ def _leaves(workdir):
 
 @pytest.mark.parametrize("objective", ["reward", "dpo"])
 def test_resumes_bitwise_after_sigterm(objective, request, bases, lora_run, pairs, tmp_path):
-    base, extra = (bases[0], ()) if objective == "reward" else (lora_run, DPO)
+    base, extra = (bases[0], NAN_AT_3) if objective == "reward" else (lora_run, (*DPO, *NAN_AT_3))
     uninterrupted = request.getfixturevalue(f"{objective}_run")
     assert preempt_at(_command(objective, base, pairs, tmp_path, "--config.train.steps=6", *extra), tmp_path, 3) == 3
     again = _run(objective, base, pairs, tmp_path, "--config.train.steps=6", *extra)
@@ -84,14 +84,8 @@ def test_resumes_bitwise_after_sigterm(objective, request, bases, lora_run, pair
 
 
 @pytest.mark.parametrize("objective", ["reward", "dpo"])
-def test_an_injected_nan_rolls_back(objective, bases, lora_run, pairs, tmp_path):
-    base, extra = (bases[0], ()) if objective == "reward" else (lora_run, DPO)
-    proc = _run(objective, base, pairs, tmp_path, "--config.train.steps=5", "--config.debug.inject_nan_at_step=3",
-                *extra)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (incident,) = [json.loads(x) for x in (tmp_path / "incidents.jsonl").read_text().splitlines()]
-    assert (incident["kind"], incident["action"], incident["restored_step"]) == ("nonfinite", "rollback", 2)
-    assert all(np.isfinite(v) for s, v in losses(tmp_path).items() if s != 3)
+def test_an_injected_nan_rolls_back(objective, request):
+    assert_rolled_back_at_3(request.getfixturevalue(f"{objective}_run"))
 
 
 def test_reward_run_reports_per_kind_and_eval_agrees(reward_run, pairs, tmp_path):

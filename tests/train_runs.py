@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import re
 import shutil
@@ -79,6 +80,25 @@ def losses(workdir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(workdir) if "loss" in r}
 
 
+# Each post-training objective's fixture run injects a NaN at step 3 and its resume test repeats the injection, so
+# one run per objective is the reference for both its rollback test and its bitwise resume (past a rollback).
+NAN_AT_3 = ("--config.debug.inject_nan_at_step=3",)
+# An RL run's rollback from step 3 to step 2 skips step 3's minibatch (as for every objective, the data that led to
+# the anomaly), so with 4 minibatches an iteration, iteration 0 ends with the replayed step 3 and iteration 1
+# samples its rollout at step 4.
+RL_ITERATION_STARTS = (1, 4)
+
+
+def assert_rolled_back_at_3(workdir) -> None:
+    """The run in `workdir` (with NAN_AT_3, checkpoints every 2 steps) rolled back once, from the non-finite step 3
+    to the checkpoint of step 2, and every step it kept is finite."""
+    (incident,) = [json.loads(x) for x in (Path(workdir) / "incidents.jsonl").read_text().splitlines()]
+    assert (incident["kind"], incident["action"], incident["restored_step"]) == ("nonfinite", "rollback", 2)
+    logged = [r["loss"] for r in metrics(workdir) if r.get("step") == 3 and "loss" in r]
+    assert len(logged) == 2 and not math.isfinite(logged[0]), logged  # the injected step, then its replay
+    assert all(math.isfinite(v) for v in losses(workdir).values())
+
+
 def wait_for_step(workdir, step, proc, timeout=300):
     """Wait until the run in `workdir` (process `proc`) has logged the loss of `step`."""
     deadline = time.time() + timeout
@@ -99,7 +119,7 @@ def preempt_at(command: list[str], workdir, step: int) -> int:
     wait_for_step(workdir, step, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 0, (out[-2000:], err[-3000:])
     assert "preempted: saved step" in out, out[-2000:]
     return int(out.split("preempted: saved step ")[1].split(",")[0])
 
