@@ -98,31 +98,32 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
     With a loss `scale` (jaxllm/loss_scale.py) the backward pass runs on the loss times `scale`, and the
     accumulated gradients are divided by it again: they come back unscaled (non-finite where it overflowed).
     """
-    micro = _micro_batches(batch, grad_accum)
-
-    def loss_of(p, mb, key):
-        return loss_fn(nnx.merge(graphdef, p, frozen), mb, key)
-
-    def accumulate(carry, xs):
-        mb, index = xs
+    def micro_step(mb, index):
+        """(gradients in the parameters' layout, summed loss, count, metrics) of micro-batch `index`."""
         key = None if rng is None else jax.random.fold_in(rng, index)
 
         def loss_and_aux(p):
-            loss_sum, count, metrics = loss_of(p, _constrain_rows(mb), key)
+            loss_sum, count, metrics = loss_fn(nnx.merge(graphdef, p, frozen), _constrain_rows(mb), key)
             return loss_sum if scale is None else loss_sum * scale, (loss_sum, count, metrics)
 
         (_, (loss_sum, count, metrics)), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params)
-        acc_grads, acc_loss, acc_count, acc_metrics = carry
-        return (_like_params(jax.tree.map(jnp.add, acc_grads, _like_params(grads, params)), params),
-                acc_loss + loss_sum, acc_count + count,
-                jax.tree.map(jnp.add, acc_metrics, metrics)), None
+        return _like_params(grads, params), loss_sum, count, metrics
 
-    first = jax.tree.map(lambda x: x[0], micro)
-    metric_shapes = jax.eval_shape(lambda: loss_of(params, first, rng)[2])
-    zeros = _like_params(jax.tree.map(jnp.zeros_like, params), params)  # the carry: split like the parameters
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-            jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes))
-    (grads, loss_sum, count, metrics), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(grad_accum)))
+    if grad_accum == 1:  # no accumulation loop: its carry would cost a zeroed copy of the gradients and the
+        # parameters copied into the loop, whole passes over parameter-sized buffers (scripts/bench_step.py)
+        grads, loss_sum, count, metrics = micro_step(batch, 0)
+    else:
+        def accumulate(carry, xs):
+            grads, loss_sum, count, metrics = jax.tree.map(jnp.add, carry, micro_step(*xs))
+            return (_like_params(grads, params), loss_sum, count, metrics), None
+
+        micro = _micro_batches(batch, grad_accum)
+        first = jax.tree.map(lambda x: x[0], micro)
+        metric_shapes = jax.eval_shape(lambda: loss_fn(nnx.merge(graphdef, params, frozen), first, rng)[2])
+        zeros = _like_params(jax.tree.map(jnp.zeros_like, params), params)  # the carry: split like the parameters
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes))
+        (grads, loss_sum, count, metrics), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(grad_accum)))
     denom = jnp.maximum(count, 1.0)
     unscale = denom if scale is None else denom * scale  # one division, exact for a power-of-two scale
     metrics = jax.tree.map(lambda m: m / grad_accum, metrics)
