@@ -82,7 +82,7 @@ def host_activation_bytes(cfg: Config, attention: str) -> float:
 def step_temp_bytes(cfg: Config, attention: str, trainable_bytes: int) -> dict[str, float]:
     """Estimated temp bytes per device of `cfg`'s train step, by part; `attention` is the implementation the
     target runs (jaxllm.model.visibility.resolve_attention), `trainable_bytes` the trainable parameters' bytes
-    per device (their gradients and the update are temporaries of the same size). Offloaded activations
+    per device (their gradients are a temporary of that size). Offloaded activations
     (`host_activation_bytes`) are not counted."""
     m, mesh = cfg.model, cfg.mesh
     rows = _rows(cfg)
@@ -99,5 +99,6 @@ def step_temp_bytes(cfg: Config, attention: str, trainable_bytes: int) -> dict[s
         # a layer's backward working set: its recomputed forward (under remat none, its gradients instead)
         "layer_backward": whole_layer,
         "head": head,
-        "gradients_and_update": 2 * trainable_bytes,
+        # the gradients; the update is written over the parameters and moments in place (jaxllm/train/step.py)
+        "gradients_and_update": trainable_bytes,
     }
