@@ -109,8 +109,8 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
         (_, (loss_sum, count, metrics)), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params)
         return _like_params(grads, params), loss_sum, count, metrics
 
-    if grad_accum == 1:  # no accumulation loop: its carry would cost a zeroed copy of the gradients and the
-        # parameters copied into the loop, whole passes over parameter-sized buffers (scripts/bench_step.py)
+    if grad_accum == 1:  # no accumulation loop: its carry would cost a zeroed gradient buffer and an add over it,
+        # whole passes over parameter-sized buffers that every data-parallel device repeats
         grads, loss_sum, count, metrics = micro_step(batch, 0)
     else:
         def accumulate(carry, xs):
