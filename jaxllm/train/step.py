@@ -98,12 +98,15 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
     With a loss `scale` (jaxllm/loss_scale.py) the backward pass runs on the loss times `scale`, and the
     accumulated gradients are divided by it again: they come back unscaled (non-finite where it overflowed).
     """
+    def loss_of(p, mb, key):
+        return loss_fn(nnx.merge(graphdef, p, frozen), mb, key)
+
     def micro_step(mb, index):
         """(gradients in the parameters' layout, summed loss, count, metrics) of micro-batch `index`."""
         key = None if rng is None else jax.random.fold_in(rng, index)
 
         def loss_and_aux(p):
-            loss_sum, count, metrics = loss_fn(nnx.merge(graphdef, p, frozen), _constrain_rows(mb), key)
+            loss_sum, count, metrics = loss_of(p, _constrain_rows(mb), key)
             return loss_sum if scale is None else loss_sum * scale, (loss_sum, count, metrics)
 
         (_, (loss_sum, count, metrics)), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params)
@@ -119,7 +122,7 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
 
         micro = _micro_batches(batch, grad_accum)
         first = jax.tree.map(lambda x: x[0], micro)
-        metric_shapes = jax.eval_shape(lambda: loss_fn(nnx.merge(graphdef, params, frozen), first, rng)[2])
+        metric_shapes = jax.eval_shape(lambda: loss_of(params, first, rng)[2])
         zeros = _like_params(jax.tree.map(jnp.zeros_like, params), params)  # the carry: split like the parameters
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                 jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes))
