@@ -13,7 +13,7 @@ planner` prints this formula against compiled `memory_analysis()` figures.
 With `mesh.sequence_parallel` the residual-stream-shaped [tokens, D] intermediates a layer keeps for its
 backward pass (its input, the o_proj and down_proj outputs, the norms and the residual sum) are split over
 `tensor` too. One layer's backward working set is counted whole: it works on the all-gathered sequence. On the
-default job's shape over tensor=4 this lands within -9% .. +1% of the compiled figures (bench_memory's planner
+default job's shape over tensor=4 this lands within -8% .. -4% of the compiled figures (bench_memory's planner
 table), as close as without sequence parallelism.
 """
 
