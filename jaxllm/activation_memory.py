@@ -100,5 +100,5 @@ def step_temp_bytes(cfg: Config, attention: str, trainable_bytes: int) -> dict[s
         "layer_backward": whole_layer,
         "head": head,
         # the gradients; the update is written over the parameters and moments in place (jaxllm/train/step.py)
-        "gradients_and_update": trainable_bytes,
+        "gradients": trainable_bytes,
     }
