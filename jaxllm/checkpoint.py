@@ -33,10 +33,48 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the directory."""
 
 
+class CheckpointMismatch(ConfigError):
+    """An intact checkpoint (its files verify) whose train state is not the one this config builds: other array
+    shapes, or arrays the one has and the other lacks. The config does not match the run, so the checkpoint must
+    never be treated as corrupt (moved aside, fallen back past): whoever restores names what differs.
+    `differences` lists them as `path: <in the checkpoint> in the checkpoint, <in the config>`."""
+
+    def __init__(self, path: Path, differences: list[str]):
+        self.path, self.differences = Path(path), differences
+        more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+        super().__init__("checkpoint", f"{path} does not match this config's model: "
+                                       f"{'; '.join(differences[:3])}{more}")
+
+
 def _field_names(tree) -> set[str]:
     """The top-level names (dataclass fields, dict keys) under which `tree` has leaves."""
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0] if path]
     return {str(getattr(path[0], "name", getattr(path[0], "key", path[0]))) for path in paths}
+
+
+def _array_shapes(tree) -> dict[str, tuple]:
+    """{path: shape} of every array in `tree` (a train state, abstract or as orbax's metadata), with paths as orbax
+    writes them (dataclass fields and dict keys become nested names)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(str(_key_name(k)) for k in path): tuple(leaf.shape) for path, leaf in leaves
+            if hasattr(leaf, "shape")}
+
+
+def _key_name(key) -> str | int:
+    """A tree path entry's name, as orbax names it on disk (field, dict key or index)."""
+    for attribute in ("name", "key", "idx"):
+        if hasattr(key, attribute):
+            return getattr(key, attribute)
+    return str(key)
+
+
+def layout_differences(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
+    """What differs between two {path: shape} maps, the checkpoint's and the config's, one phrase each."""
+    missing = [f"{p} only in the config" for p in sorted(wanted.keys() - saved.keys())]
+    extra = [f"{p} only in the checkpoint" for p in sorted(saved.keys() - wanted.keys())]
+    shapes = [f"{p}: {saved[p]} in the checkpoint, {wanted[p]} in the config"
+              for p in sorted(saved.keys() & wanted.keys()) if saved[p] != wanted[p]]
+    return shapes + missing + extra
 
 
 def directory_bytes(path: Path) -> int:
@@ -245,6 +283,7 @@ class Checkpointer:
         self.verify(step)
         if "state" in items:
             self._check_fields(step, abstract_state)
+            self._check_layout(step, abstract_state, older)
         if shardings is None:
             shardings = sharding_tree(abstract_state, mesh)
         try:
@@ -292,6 +331,18 @@ class Checkpointer:
             raise ConfigError("checkpoint", f"{path} was written by an older jaxllm: its train state has no "
                                             f"{', '.join(missing)}; start a new run from its parameters with "
                                             f"checkpoint.restore_from={path} and a new workdir")
+
+    def _check_layout(self, step: int, abstract_state, older: tuple | None) -> None:
+        """A CheckpointMismatch when `step`'s arrays (as its metadata records them) are not those of
+        `abstract_state`, nor of the `older` layout: its files verified, so the config asks for another model."""
+        try:
+            saved = _array_shapes(self.manager.item_metadata(step)["state"].tree)
+        except Exception:  # metadata unreadable: the restore itself reports it as a CheckpointError
+            return
+        layouts = [abstract_state] + ([older[0]] if older is not None else [])
+        differences = [layout_differences(saved, _array_shapes(layout)) for layout in layouts]
+        if all(differences):
+            raise CheckpointMismatch(self.directory / str(step), differences[0])
 
     def read_meta(self, step: int) -> dict:
         """The run metadata (seed, config, base, ...) saved with `step`; no array is read."""

@@ -91,19 +91,20 @@ def mfu(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_pe
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes, so a crash loses at most the line being written."""
+    """Appends one JSON object per line and flushes, so a crash loses at most the line being written. The file
+    is opened at the first record: a run that stops before writing one leaves no file behind."""
 
     def __init__(self, path: str | Path, enabled: bool = True):
         self.path = Path(path)
         self.enabled = enabled
         self._file = None
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        if self._file is None:
+        if not self.enabled:
             return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
 

@@ -249,8 +249,6 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
         raise ConfigError("model.vocab_size", f"auto needs a tokenizer, and train.objective={cfg.train.objective} "
                                               "found none (no base model): give a number")
     mesh = make_mesh(cfg.mesh)
-    if is_main:
-        (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     tc = cfg.train
 
     tx = make_optimizer(cfg.optim, tc.steps)
@@ -275,6 +273,8 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     peak_live = PeakLiveBytes()
     with jax.set_mesh(mesh):
         start = restore_start(cfg, objective, tx, checkpointer, abstract, mesh, log, on_loaded=peak_live.sample)
+    if is_main:  # once the run's checkpoints are known to match this config: a refused resume writes nothing
+        (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     state = powersgd.with_state(start.state, compression, mesh, shardings)  # fresh starts
     run = Run(objective, tc.steps, rows, state, start.frozen, start.data_offset, start.rollbacks,
               data_state=start.data_state, hot_updates=list(start.hot_updates))

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxllm.checkpoint import CheckpointError, Checkpointer
+from jaxllm.checkpoint import CheckpointError, CheckpointMismatch, Checkpointer
 from jaxllm.config import Config, ConfigError
 from jaxllm.loss_scale import loss_scaling
 from jaxllm.train.anomaly import incident_kind
@@ -56,6 +56,50 @@ def _everywhere(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
+
+
+# The config keys that decide the train state's arrays (names, shapes), by dotted prefix: when a run's
+# checkpoints do not match its config, these are the keys a refusal names.
+STATE_KEYS = ("model.vocab_size", "model.dim", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+              "model.head_dim", "model.mlp_dim", "model.tie_embeddings", "model.scan_layers", "model.preset",
+              "lora.rank", "lora.targets", "train.objective", "optim.name", "optim.grad_compression",
+              "optim.powersgd_rank", "anomaly.window", "precision.loss_scale")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"section.key": value} of a nested config dict."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out.update(_flat(value, f"{name}.") if isinstance(value, dict) else {name: value})
+    return out
+
+
+def config_mismatch(cfg: Config, checkpointer: Checkpointer, path: Path, differences: list[str]) -> ConfigError:
+    """The one-line error of a run whose intact checkpoints were trained with other settings than `cfg`: the
+    state-shaping keys that differ between `cfg` and the config saved with the checkpoint at `path` (else the
+    arrays that differ). Nothing is moved or written."""
+    try:
+        saved = _flat(checkpointer.read_meta(int(path.name)).get("config") or {})
+    except CheckpointError:
+        saved = {}
+    ours = _flat(cfg.to_dict())
+    keys = [k for k in ours if k.startswith(STATE_KEYS) and k in saved and saved[k] != ours[k]]
+    what = (", ".join(f"{k}: {ours[k]!r} in the config, {saved[k]!r} in the checkpoints" for k in keys)
+            or "; ".join(differences[:3]))
+    return ConfigError("checkpoint", f"this run's checkpoints in {checkpointer.directory} were trained with other "
+                                     f"settings ({what}); resume with the run's settings or use another workdir "
+                                     f"(nothing was moved or written)")
+
+
+def _check_objective(cfg: Config, directory: Path, meta: dict) -> None:
+    """A run's checkpoints resume only under the objective that wrote them (DPO adapters have the shapes of SFT
+    adapters, so the arrays alone do not tell)."""
+    saved = (meta.get("config") or {}).get("train", {}).get("objective", cfg.train.objective)
+    if saved != cfg.train.objective:
+        raise ConfigError("train.objective", f"this run's checkpoints in {directory} were trained with "
+                                             f"train.objective={saved}, not {cfg.train.objective}; use another "
+                                             f"workdir (nothing was moved or written)")
 
 
 def _locate(path: str) -> tuple[Path, int | None]:
@@ -103,9 +147,13 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
     abstract_state, _ = abstract
     shardings = state_shardings(abstract_state, mesh, offload)
     older = older_layout(abstract_state, shardings, cfg.optim.clip_norm)
-    restored = restore_latest(checkpointer, abstract_state, mesh, log, shardings=shardings, older=older)
+    try:
+        restored = restore_latest(checkpointer, abstract_state, mesh, log, shardings=shardings, older=older)
+    except CheckpointMismatch as exc:
+        raise config_mismatch(cfg, checkpointer, exc.path, exc.differences) from None
     if restored is not None:
         state, meta = restored
+        _check_objective(cfg, checkpointer.directory, meta)
         step = int(state.step)
         offset = int(meta["data"].get("step", step)) - step
         log(f"resuming from checkpoint step {step} in {checkpointer.directory}"
