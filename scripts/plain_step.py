@@ -5,6 +5,10 @@ untied head; layers stacked and scanned) and the same update (global-norm clippi
 practitioner would write a minimal step: a dict of arrays, no modules, no logical axes, no anomaly checks.
 It runs data-parallel: rows split over every device, parameters replicated. It shares no code with jaxllm on
 purpose, so a slowdown in jaxllm's step shows as a ratio.
+
+Precision as a practitioner writes it (and as ../shared/peer/bare_llama.py): float32 parameters cast once to the
+compute dtype (`precision.compute`) at the top of the loss; norms, rotations, attention scores and the loss in
+float32, everything else in the compute dtype. In float32 every cast is a no-op.
 """
 
 from __future__ import annotations
@@ -30,16 +34,18 @@ def init_params(key, m) -> dict:
 
 
 def _rms(x, scale, eps):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps) * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def _rope(x, sin, cos):
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def loss_fn(params, batch, m):
+def loss_fn(params, batch, m, compute=jnp.float32):
+    params = jax.tree.map(lambda w: w.astype(compute), params)  # float32 master weights -> compute dtype
     B, T = batch["tokens"].shape
     N, K, H = m.num_heads, m.num_kv_heads, m.head_dim
     inv_freq = 1.0 / m.rope_theta ** (jnp.arange(0, H, 2) / H)
@@ -53,15 +59,15 @@ def loss_fn(params, batch, m):
         q = _rope((h @ w["wq"]).reshape(B, T, K, N // K, H), sin[:, :, :, None], cos[:, :, :, None])
         k = _rope((h @ w["wk"]).reshape(B, T, K, H), sin, cos)
         v = (h @ w["wv"]).reshape(B, T, K, H)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, k) * H**-0.5
-        probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -1e30), -1)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * H**-0.5
+        probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -1e30), -1).astype(compute)
         x = x + jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, N * H) @ w["wo"]
         h = _rms(x, w["ln2"], m.norm_eps)
         return x + (jax.nn.silu(h @ w["wg"]) * (h @ w["wu"])) @ w["wd"], None
 
     layers = {k: params[k] for k in ("ln1", "wq", "wk", "wv", "wo", "ln2", "wg", "wu", "wd")}
     x, _ = jax.lax.scan(layer, params["embed"][batch["tokens"]], layers)
-    logits = _rms(x, params["norm"], m.norm_eps) @ params["head"]
+    logits = (_rms(x, params["norm"], m.norm_eps) @ params["head"]).astype(jnp.float32)
     logps = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), batch["targets"][..., None], -1)[..., 0]
     weight = batch["loss_mask"].astype(jnp.float32)
     return -jnp.sum(logps * weight) / jnp.maximum(jnp.sum(weight), 1.0)
@@ -74,7 +80,7 @@ def make_step(cfg):
                      optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
 
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch, cfg.model)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, cfg.model, jnp.dtype(cfg.precision.compute))
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

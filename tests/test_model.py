@@ -116,6 +116,27 @@ def test_bfloat16_compute_policy_keeps_float32_params_and_logits():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(reference), atol=5e-2)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_the_layer_loop_takes_its_weights_in_the_compute_dtype(scan_layers):
+    """The stacked kernels are cast to bf16 once, before the layer loop (jaxllm.model.transformer.in_compute_dtype):
+    the loop's inputs hold no float32 matrix, so its backward pass neither casts them again nor converts each layer's
+    gradient on its own. Norm scales stay float32. The values are those of a cast inside each matmul."""
+    import dataclasses
+
+    policy = PrecisionConfig(params="float32", compute="bfloat16", output="float32")
+    m = build_model(dataclasses.replace(CFG, scan_layers=scan_layers), policy, jax.random.key(0))
+    graphdef, params = nnx.split(m)
+    tokens = np.ones((1, 4), np.int32)
+    jaxpr = jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens))(params).jaxpr
+    if scan_layers:
+        (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+        matrices = [v.aval for v in scan.invars if len(v.aval.shape) >= 3 and v.aval.shape[0] == CFG.num_layers]
+    else:  # the unrolled loop slices each layer from the cast stack
+        matrices = [e.outvars[0].aval for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
+                    and len(e.outvars[0].aval.shape) >= 3 and e.outvars[0].aval.shape[0] == CFG.num_layers]
+    assert len(matrices) == 7 and {a.dtype for a in matrices} == {jnp.dtype(jnp.bfloat16)}, matrices
+
+
 @pytest.mark.parametrize("max_runs", [64, 7, 3])
 def test_packed_document_layout_describes_the_attention_mask(max_runs):
     """cuDNN's offsets/lengths cover every token once and give exactly the causal same-document mask; rows with
