@@ -7,10 +7,10 @@ The LoRA SFT run's adapters are merged into a new frozen base first; that merged
 trains fresh adapters on it, so the reference is the base with adapters off: the same arrays, no second copy.
 `checkpoint.restore_from` may also name a pretrained jaxllm run or a Hugging Face model directory. Pairs
 (preference.train_file, preference.eval_file) are prepared into data.path at the start of the run. Every field is
-documented on its dataclass in jaxllm/config.py.
+documented on its dataclass in jaxllm/config/schema.py.
 """
 
-from jaxllm.config import default_config_dict
+from jaxllm.config.schema import default_config_dict
 
 
 def get_config():

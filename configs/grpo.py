@@ -6,14 +6,14 @@
 The prompts default to the SFT task's (build/data/sft_task, made by `make sft`; their "prompt" fields are used).
 
 Each iteration samples grpo.num_generations responses to grpo.prompts_per_iteration prompts with the current
-policy, scores them (grpo.reward, jaxllm/post/rewards.py), and takes grpo.epochs passes of train.batch_size-row
+policy, scores them (grpo.reward, jaxllm/objectives/reward_fns.py), and takes grpo.epochs passes of train.batch_size-row
 minibatches over them: here 8 x 8 = 64 responses, 2 epochs of 2 minibatches, 4 steps an iteration (8 responses
 a prompt make the group baselines far less noisy than 4, and the noise is what costs KL). Prompts longer than 96
 tokens are dropped: the rows are shorter and an iteration faster. The reference is the base with the adapters
-off (no second copy). Every field is documented on its dataclass in jaxllm/config.py.
+off (no second copy). Every field is documented on its dataclass in jaxllm/config/schema.py.
 """
 
-from jaxllm.config import default_config_dict
+from jaxllm.config.schema import default_config_dict
 
 
 def get_config():

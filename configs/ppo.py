@@ -7,15 +7,15 @@ a registered Python function.
 The prompts default to the SFT task's (build/data/sft_task, made by `make sft`; their "prompt" fields are used).
 
 Each iteration samples one response to each of ppo.prompts_per_iteration prompts with the current policy,
-scores them (ppo.reward, jaxllm/post/rewards.py), has the critic value them, and takes ppo.epochs passes of
+scores them (ppo.reward, jaxllm/objectives/reward_fns.py), has the critic value them, and takes ppo.epochs passes of
 train.batch_size-row minibatches over them: here 64 responses, 2 epochs of 4 minibatches, 8 steps an iteration
 (more fresh responses and fewer passes over each keep the update's noise, and so the KL it costs, down).
 Prompts longer than 96 tokens are dropped: the rows are shorter and an iteration faster.
 The reference is the base with the adapters off (no second copy). Every field is documented on its dataclass in
-jaxllm/config.py.
+jaxllm/config/schema.py.
 """
 
-from jaxllm.config import default_config_dict
+from jaxllm.config.schema import default_config_dict
 
 
 def get_config():

@@ -2,10 +2,10 @@
 
 Runs on a laptop CPU with XLA_FLAGS=--xla_force_host_platform_device_count=8 in a few minutes. For GPUs pick a
 preset and a mesh, e.g. --config.model.preset=llama_8b --config.mesh.fsdp=-1 (presets compute in bfloat16).
-Every field is documented on its dataclass in jaxllm/config.py and overridable as --config.section.key=value.
+Every field is documented on its dataclass in jaxllm/config/schema.py and overridable as --config.section.key=value.
 """
 
-from jaxllm.config import default_config_dict
+from jaxllm.config.schema import default_config_dict
 
 
 def get_config():

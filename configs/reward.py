@@ -8,10 +8,10 @@ Bradley-Terry loss. `checkpoint.restore_from` names the base (a jaxllm run, a Lo
 merged first, or a Hugging Face model directory); the run takes its architecture and tokenizer. Every parameter
 trains here; `--config.lora.rank=16` trains adapters and the head only. Pairs (preference.train_file,
 preference.eval_file: JSON lines of {"prompt", "chosen", "rejected"}) are prepared into data.path at the start.
-Every field is documented on its dataclass in jaxllm/config.py.
+Every field is documented on its dataclass in jaxllm/config/schema.py.
 """
 
-from jaxllm.config import default_config_dict
+from jaxllm.config.schema import default_config_dict
 
 
 def get_config():

@@ -7,10 +7,10 @@
 Hugging Face model directory; the run takes the base's architecture and tokenizer. The same file with
 `--config.lora.rank=0` fine-tunes every parameter. The data (sft.train_file, sft.eval_file: JSON lines of
 {"prompt", "response"} or {"messages": [...]}) is prepared into data.path at the start of the run.
-Every field is documented on its dataclass in jaxllm/config.py.
+Every field is documented on its dataclass in jaxllm/config/schema.py.
 """
 
-from jaxllm.config import default_config_dict
+from jaxllm.config.schema import default_config_dict
 
 
 def get_config():

@@ -22,10 +22,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.checkpoint import Checkpointer, directory_bytes  # noqa: E402
-from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig  # noqa: E402
-from jaxllm.mesh import make_mesh  # noqa: E402
-from jaxllm.optim import make_optimizer  # noqa: E402
+from jaxllm.runs.checkpoint import Checkpointer, directory_bytes  # noqa: E402
+from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig  # noqa: E402
+from jaxllm.parallel.mesh import make_mesh  # noqa: E402
+from jaxllm.optim.chain import make_optimizer  # noqa: E402
 from jaxllm.train.state import abstract_train_state, create_train_state  # noqa: E402
 
 # ~100M parameters: x3 (parameters, Adam mu and nu) x 4 bytes ~ 1.2 GB of state.

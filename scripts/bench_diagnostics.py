@@ -3,11 +3,11 @@
 
 Times three programs in one process on one device-resident batch, interleaved (three runs each, medians):
   hot       the production train step, with its global norms every step (gradient norm before and after
-            clipping, parameter and update norms and their ratio: jaxllm.diagnostics.norms.step_norms)
+            clipping, parameter and update norms and their ratio: jaxllm.observe.norms.step_norms)
   no_norms  the same step without step_norms (patched out here: the framework has no switch for them, they are
             always on), the baseline of their cost
   variant   the diagnostic variant the loop runs every diagnostics.every steps (per-layer and per-group norms,
-            activation statistics, Adam's second moments; jaxllm.diagnostics.variant), on the same state
+            activation statistics, Adam's second moments; jaxllm.train.diagnostic_step), on the same state
 The loop runs the variant next to the production step on a measured step, so `--every` N steps cost
 N * hot + variant: the diagnostics' throughput factor is N * hot / (N * hot + variant).
 Prints the table, the ratios, then one JSON line of the figures. On CPU set
@@ -19,8 +19,8 @@ import statistics
 import sys
 import time
 
-from jaxllm.cli import UsageError, fail, parser, split_overrides
-from jaxllm.config import ConfigError
+from jaxllm.config.cli import UsageError, fail, parser, split_overrides
+from jaxllm.config.schema import ConfigError
 
 
 def hot_step_s(cfg, steps: int) -> float:

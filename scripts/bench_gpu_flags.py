@@ -17,9 +17,9 @@ import os
 import subprocess
 import sys
 
-from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
-from jaxllm.config import ConfigError
-from jaxllm.xla_flags import apply_xla_flags, check_xla_flags
+from jaxllm.config.cli import UsageError, build_config, fail, parser, split_overrides
+from jaxllm.config.schema import ConfigError
+from jaxllm.runtime.xla_flags import apply_xla_flags, check_xla_flags
 
 RESULT = "RESULT "  # prefix of a variant process's one line of figures
 
@@ -34,7 +34,7 @@ def run_variant(config: str, overrides: list[tuple[str, str]], steps: int, drop:
     import jax
 
     from bench_step import bare_step_throughput
-    from jaxllm.config import validate
+    from jaxllm.config.schema import validate
 
     cfg = validate(cd, jax.device_count())
     result = bare_step_throughput(cfg, steps)

@@ -8,7 +8,7 @@ this machine, its step time:
   remat     model.remat policies on the default job (configs/pretrain.py, 8 devices): temp bytes and the median
             bare step time of 3 interleaved runs (scripts/bench_step.py's bare step).
   remat_1b  model.remat policies on the llama_1b shape, batch 4 x 2048 on one device, bfloat16 compute: bytes only.
-  planner   the --dry_run formula for temporaries (jaxllm/activation_memory.py) against compiled figures.
+  planner   the --dry_run formula for temporaries (jaxllm/plan/activation_memory.py) against compiled figures.
   sp        mesh.sequence_parallel off and on, on the default job's shape over tensor=4 (data=2; 4 kv heads, so
             that tensor divides them), T 128 and 1024, remat none and full: bytes only.
   offload   host offload on the default job: optim.offload=host and model.remat_offload=host (under
@@ -24,8 +24,8 @@ import json
 import statistics
 import sys
 
-from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
-from jaxllm.config import ConfigError, validate
+from jaxllm.config.cli import UsageError, build_config, fail, parser, split_overrides
+from jaxllm.config.schema import ConfigError, validate
 
 POLICIES = ("none", "save_qkv_proj", "minimal_with_context", "save_dots", "full")
 TABLES = ("chunk", "remat", "remat_1b", "planner", "sp", "offload")
@@ -60,7 +60,7 @@ def _mib(n: int) -> float:
 
 
 def chunk_table() -> list[dict]:
-    from jaxllm.plan import compiled_step_memory
+    from jaxllm.plan.footprint import compiled_step_memory
 
     rows = []
     for tensor in (1, 4):
@@ -99,7 +99,7 @@ def remat_table(steps: int) -> list[dict]:
 
 
 def remat_1b_table() -> list[dict]:
-    from jaxllm.plan import compiled_step_memory
+    from jaxllm.plan.footprint import compiled_step_memory
 
     rows = []
     for policy in POLICIES:
@@ -128,9 +128,9 @@ PLANNER_CASES = [
 
 
 def planner_table() -> list[dict]:
-    from jaxllm.activation_memory import step_temp_bytes
+    from jaxllm.plan.activation_memory import step_temp_bytes
     from jaxllm.model.visibility import resolve_attention
-    from jaxllm.plan import compiled_step_memory, memory_plan
+    from jaxllm.plan.footprint import compiled_step_memory, memory_plan
 
     rows = []
     for name, overrides in PLANNER_CASES:
@@ -140,7 +140,7 @@ def planner_table() -> list[dict]:
         compiled = compiled_step_memory(cfg)["temp"]
         rows.append(dict(case=name, formula_mib=_mib(formula), compiled_mib=_mib(compiled),
                          error=formula / compiled - 1))
-    print("memory planner: temp MiB per device, formula (jaxllm/activation_memory.py) vs memory_analysis()")
+    print("memory planner: temp MiB per device, formula (jaxllm/plan/activation_memory.py) vs memory_analysis()")
     print(f"{'case':<38} {'formula':>10} {'compiled':>10} {'error':>7}")
     for r in rows:
         print(f"{r['case']:<38} {r['formula_mib']:>10.1f} {r['compiled_mib']:>10.1f} {100 * r['error']:>+6.0f}%")
@@ -148,7 +148,7 @@ def planner_table() -> list[dict]:
 
 
 def sp_table() -> list[dict]:
-    from jaxllm.plan import compiled_step_memory
+    from jaxllm.plan.footprint import compiled_step_memory
 
     rows = []
     for seq_len in (128, 1024):
@@ -170,7 +170,7 @@ def sp_table() -> list[dict]:
 def offload_table(steps: int) -> dict:
     from bench_step import bare_step_throughput
 
-    from jaxllm.plan import compiled_step_memory, memory_plan
+    from jaxllm.plan.footprint import compiled_step_memory, memory_plan
 
     names = [name for name, _ in OFFLOAD_CASES]
     times = {name: [] for name in names}

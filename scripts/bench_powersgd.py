@@ -5,7 +5,7 @@
 Traffic: for each job, the train step is compiled ahead of time (nothing allocated) with optim.grad_compression
 none and powersgd (compression from step 1, the steady state), and the per-device bytes per step of every
 all-reduce / reduce-scatter whose replica groups span the `data` axis are summed from the HLO
-(jaxllm.diagnostics.comms: `collectives`, `reduced_bytes_across`):
+(jaxllm.observe.comms: `collectives`, `reduced_bytes_across`):
   default   configs/pretrain.py on its 8-device (data=2, fsdp=2, tensor=2) mesh.
   data8     the same job on (data=8): the convergence runs' layout.
   llama_8b  the llama_8b preset on a (data=8, fsdp=8) mesh of 64 fake CPU devices (this script re-runs itself
@@ -54,14 +54,14 @@ def measure(job: str, rank: int) -> dict:
     count)."""
     import jax
 
-    from jaxllm import powersgd
-    from jaxllm.cli import build_config, split_overrides
-    from jaxllm.config import MESH_AXES, validate
+    from jaxllm.optim import powersgd
+    from jaxllm.config.cli import build_config, split_overrides
+    from jaxllm.config.schema import MESH_AXES, validate
     from jaxllm.data.synthetic import synthetic_batch
-    from jaxllm.diagnostics.comms import collectives, reduced_bytes_across
-    from jaxllm.mesh import make_mesh
-    from jaxllm.optim import make_optimizer
-    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.observe.comms import collectives, reduced_bytes_across
+    from jaxllm.parallel.mesh import make_mesh
+    from jaxllm.optim.chain import make_optimizer
+    from jaxllm.objectives.pretrain import lm_objective
     from jaxllm.train.state import abstract_objective_state, state_shardings
     from jaxllm.train.step import jit_train_step, make_train_step
 

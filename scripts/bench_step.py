@@ -21,9 +21,9 @@ import sys
 import tempfile
 import time
 
-from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
-from jaxllm.config import ConfigError, validate
-from jaxllm.xla_flags import use_xla_flags
+from jaxllm.config.cli import UsageError, build_config, fail, parser, split_overrides
+from jaxllm.config.schema import ConfigError, validate
+from jaxllm.runtime.xla_flags import use_xla_flags
 
 
 def bench_config(path: str, overrides: list[str]):
@@ -42,11 +42,11 @@ def prepared_step(cfg, lora=None):
     import jax
 
     from jaxllm.data.synthetic import synthetic_batch
-    from jaxllm.loss_scale import loss_scaling
-    from jaxllm.mesh import make_mesh
-    from jaxllm.optim import make_optimizer
+    from jaxllm.optim.loss_scale import loss_scaling
+    from jaxllm.parallel.mesh import make_mesh
+    from jaxllm.optim.chain import make_optimizer
     from jaxllm.train.loop import StepRunner, to_global
-    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.objectives.pretrain import lm_objective
     from jaxllm.train.state import init_objective_state
     from jaxllm.train.step import batch_sharding
 
@@ -79,7 +79,7 @@ def timed_steps(compiled, state, batch, frozen, steps: int):
 
 
 def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
-    from jaxllm.metrics import mfu, peak_flops_per_device
+    from jaxllm.observe.metrics import mfu, peak_flops_per_device
     from jaxllm.model.transformer import train_flops_per_token
 
     tc = cfg.train
@@ -124,9 +124,9 @@ def pipeline_report(cfg) -> dict:
     """Schedule, theoretical bubble and per-device bytes of the stacked layer weights, pipelined vs not."""
     import dataclasses
 
-    from jaxllm.mesh import abstract_mesh
-    from jaxllm.pipeline import bubble_fraction
-    from jaxllm.sharding import bytes_per_device
+    from jaxllm.parallel.mesh import abstract_mesh
+    from jaxllm.parallel.pipeline import bubble_fraction
+    from jaxllm.parallel.sharding import bytes_per_device
     from jaxllm.train.state import abstract_model
 
     from flax import nnx
@@ -186,7 +186,7 @@ def main(argv):
                 cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from),
                                                     jax.device_count())
             return lora_vs_full(cfg, args.steps)
-        from jaxllm.train.pretrain import open_data
+        from jaxllm.objectives.pretrain import open_data
 
         open_data(cfg)  # the loop run needs the token store: check it before minutes of bare-step timing
     except (ConfigError, UsageError) as exc:

@@ -18,22 +18,22 @@ import shutil
 import sys
 from pathlib import Path
 
-from jaxllm.cli import fail, parser
+from jaxllm.config.cli import fail, parser
 
 
 def do_import(args) -> int:
     import jax
     from flax import nnx
 
-    from jaxllm import hf
-    from jaxllm.checkpoint import Checkpointer, CheckpointError
-    from jaxllm.config import OptimConfig, PrecisionConfig
+    from jaxllm.interop import hf
+    from jaxllm.runs.checkpoint import Checkpointer, CheckpointError
+    from jaxllm.config.schema import OptimConfig, PrecisionConfig
     from jaxllm.data.tokenizer import find_tokenizer_file
-    from jaxllm.evaluate import single_device_mesh
+    from jaxllm.eval.evaluate import single_device_mesh
     from jaxllm.model.reward import RewardModel
-    from jaxllm.optim import make_optimizer
-    from jaxllm.train.pretrain import lm_objective
-    from jaxllm.train.reward import reward_model_objective
+    from jaxllm.optim.chain import make_optimizer
+    from jaxllm.objectives.pretrain import lm_objective
+    from jaxllm.objectives.reward import reward_model_objective
     from jaxllm.train.state import init_objective_state
 
     out = Path(args.out)
@@ -74,10 +74,10 @@ def do_import(args) -> int:
 
 
 def do_export(args) -> int:
-    from jaxllm import hf
-    from jaxllm.checkpoint import CheckpointError
+    from jaxllm.interop import hf
+    from jaxllm.runs.checkpoint import CheckpointError
     from jaxllm.data.tokenizer import load_tokenizer, tokenizer_files
-    from jaxllm.evaluate import load_checkpoint
+    from jaxllm.eval.evaluate import load_checkpoint
 
     try:
         loaded = load_checkpoint(args.checkpoint, args.step)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from jaxllm.diagnostics.run_data import RunDirError, load_run
+from jaxllm.diagnose.run_data import RunDirError, load_run
 
 USAGE = "usage: python scripts/diagnose.py RUNDIR"
 
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     except RunDirError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from jaxllm.diagnostics.report import write_report  # after the checks: matplotlib and jax take seconds
+    from jaxllm.diagnose.report import write_report  # after the checks: matplotlib and jax take seconds
 
     outdir, diagnosis = write_report(run)
     for finding in diagnosis.findings:

@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from jaxllm.cli import UsageError, fail, parser, split_overrides
-from jaxllm.config import ConfigError
+from jaxllm.config.cli import UsageError, fail, parser, split_overrides
+from jaxllm.config.schema import ConfigError
 from jaxllm.drill.plan import FaultSpecError
 
 

@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxllm.cli import fail, parser
+from jaxllm.config.cli import fail, parser
 
 
 def main(argv):
@@ -51,8 +51,9 @@ def main(argv):
 
     from flax import nnx
 
-    from jaxllm import evaluate, hf
-    from jaxllm.checkpoint import CheckpointError
+    from jaxllm.eval import evaluate
+    from jaxllm.interop import hf
+    from jaxllm.runs.checkpoint import CheckpointError
     from jaxllm.data.tokenizer import find_tokenizer_file, load_tokenizer
 
     mesh = evaluate.single_device_mesh()
@@ -105,7 +106,7 @@ def _task(args, graphdef, params, mesh, tokenizer_file, recorded_sft: dict, seq_
     from jaxllm.data.sft import task_examples
     from jaxllm.data.sft_template import TemplateError
     from jaxllm.data.tokenizer import load_tokenizer
-    from jaxllm.task_eval import evaluate_task
+    from jaxllm.eval.task_eval import evaluate_task
 
     if tokenizer_file is None or not Path(tokenizer_file).is_file():
         fail("--task needs a tokenizer: pass --tokenizer FILE")
@@ -131,8 +132,8 @@ def _reward(args, graphdef, params, mesh, tokenizer_file, recorded: dict, seq_le
     from jaxllm.data.sft_template import TemplateError
     from jaxllm.data.tokenizer import load_tokenizer
     from jaxllm.model.reward import RewardModel
-    from jaxllm.post import pair_eval
-    from jaxllm.train.reward import pair_rewards
+    from jaxllm.objectives import pair_eval
+    from jaxllm.objectives.reward import pair_rewards
 
     if not isinstance(nnx.merge(graphdef, params), RewardModel):
         fail("--reward needs a reward model: a train.objective=reward checkpoint or a LlamaForSequenceClassification "

@@ -12,7 +12,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from jaxllm.cli import fail, parser
+from jaxllm.config.cli import fail, parser
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
@@ -49,10 +49,11 @@ def main(argv):
 
     import jax
 
-    from jaxllm import hf, sample
-    from jaxllm.checkpoint import CheckpointError
+    from jaxllm.interop import hf
+    from jaxllm.model import sample
+    from jaxllm.runs.checkpoint import CheckpointError
     from jaxllm.data.tokenizer import find_tokenizer_file, load_tokenizer
-    from jaxllm.evaluate import load_checkpoint, single_device_mesh
+    from jaxllm.eval.evaluate import load_checkpoint, single_device_mesh
 
     loaded, mesh = None, None
     if args.checkpoint is not None:

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from jaxllm.post.rewards import ends_a_sentence  # noqa: E402
+from jaxllm.objectives.reward_fns import ends_a_sentence  # noqa: E402
 from make_sft_task import _spread, corpus_arguments, play_documents, speeches, write_jsonl  # noqa: E402
 
 PROMPT = "Continue the speech.\n"

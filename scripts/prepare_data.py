@@ -10,10 +10,10 @@ one `error: ...` line and exit 2.
 """
 import sys
 
-from jaxllm.cli import parser, split_overrides
+from jaxllm.config.cli import parser, split_overrides
 from jaxllm.data.prep_config import load_config
 from jaxllm.data.prepare import PrepareError, prepare
-from jaxllm.typed_config import ConfigError
+from jaxllm.config.typed_config import ConfigError
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxllm.diagnostics.report import write_report  # noqa: E402
+from jaxllm.diagnose.report import write_report  # noqa: E402
 
 BASE_LR, BASE_INIT_STD = 3e-3, 0.02  # configs/pretrain.py
 # name -> (overrides, finding ids of which at least one must be named; empty: none at warning level or above)

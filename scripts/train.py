@@ -3,7 +3,7 @@
 --dry_run      build the model abstractly and report parameters, optimizer state and the step's temporaries in
                bytes per device for the mesh, and whether that fits an H100 / H200 (no devices needed: the mesh
                may be larger than this machine; temporaries come from a compile on a GPU host that has the
-               mesh's devices, else from a formula, see jaxllm/activation_memory.py)
+               mesh's devices, else from a formula, see jaxllm/plan/activation_memory.py)
 --print_sharding  print every parameter's path, shape, PartitionSpec and bytes per device, then exit
 --print_memory  print the 20 largest parameter and optimizer-state buffers (path, logical axes, PartitionSpec,
                bytes per device) of the run's abstract train state, then exit (nothing is allocated)
@@ -11,29 +11,29 @@
                per step by kind and mesh axes, and the largest ones with their source, then exit
 
 A config's `xla_flags` (configs/gpu/*.py) are checked against the installed XLA and put into XLA_FLAGS ahead of
-the environment's own before JAX starts (jaxllm/xla_flags.py); both are printed.
+the environment's own before JAX starts (jaxllm/runtime/xla_flags.py); both are printed.
 
 Multi-process (one process per host): under SLURM (and Open MPI) the processes find each other by themselves;
 elsewhere pass --coordinator_address host:port --num_processes N --process_id i, or set the same names in the
 environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Process 0 also listens on the
 coordinator's port + 1 for a rendezvous that names processes that do not arrive within --init_timeout seconds.
-A process that dies makes the others exit 1 at once, naming it (jaxllm/peer_watch.py); one that hangs, within
+A process that dies makes the others exit 1 at once, naming it (jaxllm/runtime/peer_watch.py); one that hangs, within
 --heartbeat_timeout seconds.
 """
 
 import os
 import sys
 
-from jaxllm.cli import UsageError, build_config, fail, parser, split_overrides
-from jaxllm.config import ConfigError, validate
-from jaxllm.xla_flags import use_xla_flags
+from jaxllm.config.cli import UsageError, build_config, fail, parser, split_overrides
+from jaxllm.config.schema import ConfigError, validate
+from jaxllm.runtime.xla_flags import use_xla_flags
 
 
 def planned_config(cfg, num_devices: int):
     """The configuration a plan describes: a fine-tuning run takes its base's architecture, and a vocabulary of
     "auto" is sized from the token store's manifest."""
     from jaxllm.train import base_model
-    from jaxllm.train.pretrain import with_store_vocab
+    from jaxllm.objectives.pretrain import with_store_vocab
 
     if cfg.train.objective == "sft" and cfg.checkpoint.restore_from:
         cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from), num_devices)
@@ -57,7 +57,7 @@ def main(argv):
     p.add_argument("--heartbeat_timeout", type=int, default=100,
                    help="seconds of silence after which a process counts as dead and the job stops (default 100)")
     args = p.parse_args(args_list)
-    from jaxllm.distributed import DistributedError, initialize, resolve_layout
+    from jaxllm.runtime.distributed import DistributedError, initialize, resolve_layout
 
     try:
         cd = build_config(args.config, overrides, args.workdir)
@@ -90,7 +90,7 @@ def main(argv):
     except (ConfigError, UsageError) as exc:
         fail(str(exc))
     if cd.precision.compute == "auto":
-        from jaxllm.auto_precision import resolve_compute
+        from jaxllm.config.auto_precision import resolve_compute
 
         print(f"precision.compute=auto: {cfg.precision.compute}, {resolve_compute()[1]}", flush=True)
 
@@ -100,19 +100,19 @@ def main(argv):
         except ConfigError as exc:
             fail(str(exc))
     if args.dry_run or args.print_comms:  # plans of the step as it will run: "auto" settings chosen first
-        from jaxllm.auto_fit import resolve_auto
+        from jaxllm.plan.auto_fit import resolve_auto
 
         try:
             cfg = resolve_auto(cfg)
         except ConfigError as exc:
             fail(str(exc))
     if args.dry_run:
-        from jaxllm.plan import format_plan, memory_plan
+        from jaxllm.plan.footprint import format_plan, memory_plan
 
         print(format_plan(memory_plan(cfg)))
         return 0
     if args.print_memory:
-        from jaxllm.diagnostics.memory import memory_report
+        from jaxllm.observe.memory import memory_report
 
         try:
             print(memory_report(cfg))
@@ -122,20 +122,20 @@ def main(argv):
     if args.print_sharding:
         from flax import nnx
 
-        from jaxllm.mesh import make_mesh
-        from jaxllm.sharding import format_report, report_rows
+        from jaxllm.parallel.mesh import make_mesh
+        from jaxllm.parallel.sharding import format_report, report_rows
         from jaxllm.train.state import abstract_model
 
         state = nnx.state(abstract_model(cfg.model, cfg.precision))
         print(format_report(report_rows(state, make_mesh(cfg.mesh))))
         return 0
     if args.print_comms:
-        from jaxllm.diagnostics.comms import comms_report, format_comms
+        from jaxllm.observe.comms import comms_report, format_comms
 
         print(format_comms(comms_report(cfg), dict(zip(("data", "fsdp", "tensor", "stage"), cfg.mesh.shape))))
         return 0
 
-    from jaxllm.checkpoint import CheckpointError
+    from jaxllm.runs.checkpoint import CheckpointError
     from jaxllm.train.loop import train
     from jaxllm.train.recovery import AnomalyAbort
 
@@ -153,7 +153,7 @@ def main(argv):
         print(f"error: training stopped: {exc}", file=sys.stderr)
         return 3
     except jax.errors.JaxRuntimeError as exc:
-        from jaxllm.diagnostics.oom import format_oom, is_oom
+        from jaxllm.observe.oom import format_oom, is_oom
 
         if is_oom(exc):  # a summary instead of XLA's text (its first line stays in the summary)
             print(format_oom(str(exc), cfg, jax.local_devices()[0].memory_stats()), file=sys.stderr)
@@ -161,7 +161,7 @@ def main(argv):
         if jax.process_count() == 1:
             raise
         # Usually a peer died mid-collective: the peer watch names it and exits this process (within ms).
-        from jaxllm.peer_watch import await_verdict
+        from jaxllm.runtime.peer_watch import await_verdict
 
         await_verdict()
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

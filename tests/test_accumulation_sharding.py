@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec
 
-from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
-from jaxllm.sharding import spec_tree
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import make_optimizer
+from jaxllm.parallel.sharding import spec_tree
+from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import abstract_objective_state, state_shardings
 from jaxllm.train.step import BATCH_KEYS, batch_sharding, jit_train_step, make_train_step
 

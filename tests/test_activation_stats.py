@@ -1,4 +1,4 @@
-"""The diagnostic forward's per-layer statistics (jaxllm/diagnostics/activations.py): equal to a hand computation
+"""The diagnostic forward's per-layer statistics (jaxllm/observe/activations.py): equal to a hand computation
 layer by layer, the same on every layout (fsdp/tensor, pipeline stages, unrolled layers, micro-batches), of the
 adapted model with LoRA, a bound with cuDNN attention, NaN from the layer where a NaN is planted on, and absent from
 the plain forward."""
@@ -11,20 +11,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jaxllm.sharding as sharding
-from jaxllm.config import LoRAConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig
+import jaxllm.parallel.sharding as sharding
+from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.diagnostics.activations import GATE_SATURATION, activation_stats, first_nonfinite_layer
-from jaxllm.lora import merge
-from jaxllm.mesh import make_mesh
+from jaxllm.observe.activations import GATE_SATURATION, activation_stats, first_nonfinite_layer
+from jaxllm.model.lora import merge
+from jaxllm.parallel.mesh import make_mesh
 import jaxllm.model.layers as layers
 from jaxllm.model.layers import apply_rope, rope_tables, xla_attention
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.visibility import attention_mask
-from jaxllm.sharding import sharding_tree
+from jaxllm.parallel.sharding import sharding_tree
 from jaxllm.train.loop import to_global
 from jaxllm.train.state import build_model
-from jaxllm.train.pretrain import next_token_loss
+from jaxllm.objectives.pretrain import next_token_loss
 from jaxllm.train.step import NO_FROZEN, batch_sharding
 
 from packed_layout import mask_from_packed_layout

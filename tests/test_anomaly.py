@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.config import AnomalyConfig
+from jaxllm.config.schema import AnomalyConfig
 from jaxllm.train.anomaly import is_spike, replay
 
 TRACES = json.loads((Path(__file__).parent / "data" / "healthy_traces.json").read_text())
@@ -75,12 +75,12 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_state_bitwise_unchanged(
     from the same state then changes all of them (so the comparison can see a change)."""
     import jax
 
-    from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+    from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
     from jaxllm.data.synthetic import synthetic_batch
-    from jaxllm.mesh import make_mesh
-    from jaxllm.optim import make_optimizer
+    from jaxllm.parallel.mesh import make_mesh
+    from jaxllm.optim.chain import make_optimizer
     from jaxllm.train.faults import NAN_FACTOR, with_scaled_loss
-    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.objectives.pretrain import lm_objective
     from jaxllm.train.state import init_objective_state
     from jaxllm.train.step import make_train_step
 

@@ -1,4 +1,4 @@
-"""`optim.grad_accum=auto` and `model.remat=auto` (jaxllm/auto_fit.py): with a budget between two candidates'
+"""`optim.grad_accum=auto` and `model.remat=auto` (jaxllm/plan/auto_fit.py): with a budget between two candidates'
 compiled memory the chosen setting fits and the next larger does not, and a run with auto trains exactly as the
 same setting chosen by hand. `train.memory_budget_gb` stands in for the device limit the CPU does not report."""
 
@@ -7,9 +7,9 @@ import io
 
 import pytest
 
-from jaxllm.auto_fit import GB, accum_candidates, choose, step_device_bytes, with_setting
-from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import ConfigError, validate
+from jaxllm.plan.auto_fit import GB, accum_candidates, choose, step_device_bytes, with_setting
+from jaxllm.config.cli import build_config, split_overrides
+from jaxllm.config.schema import ConfigError, validate
 from jaxllm.train.loop import train
 
 from train_runs import ROOT, TINY, losses

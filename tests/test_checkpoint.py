@@ -14,10 +14,10 @@ import pytest
 
 from train_runs import losses, metrics, preempt_at, resume_command, train_env
 
-from jaxllm.checkpoint import Checkpointer
-from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
+from jaxllm.runs.checkpoint import Checkpointer
+from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import make_optimizer
 from jaxllm.train.state import abstract_train_state, create_train_state
 
 MODEL = ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
@@ -224,7 +224,7 @@ def test_rollback_restores_the_checkpoint_exactly(base_run):
     lr_factor x the checkpoint's, the data offset skips the bad step's window and the batches are reopened."""
     from types import SimpleNamespace
 
-    from jaxllm.config import AnomalyConfig, Config, DataConfig, TrainConfig
+    from jaxllm.config.schema import AnomalyConfig, Config, DataConfig, TrainConfig
     from jaxllm.train.recovery import Recovery
 
     mesh = make_mesh(MeshConfig(2, 2, 2, 1))

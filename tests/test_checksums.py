@@ -5,10 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.checkpoint import CheckpointError, Checkpointer
-from jaxllm.checksums import MANIFEST
-from jaxllm.config import MeshConfig
-from jaxllm.mesh import make_mesh
+from jaxllm.runs.checkpoint import CheckpointError, Checkpointer
+from jaxllm.runs.checksums import MANIFEST
+from jaxllm.config.schema import MeshConfig
+from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.recovery import restore_latest
 
 

@@ -7,11 +7,11 @@ import sys
 import pytest
 from flax import nnx
 
-from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import MESH_AXES, validate
-from jaxllm.diagnostics.comms import collectives, mesh_axes_of, summarize
-from jaxllm.diagnostics.replica_groups import groups_of, parse_replica_groups
-from jaxllm.plan import compiled_step
+from jaxllm.config.cli import build_config, split_overrides
+from jaxllm.config.schema import MESH_AXES, validate
+from jaxllm.observe.comms import collectives, mesh_axes_of, summarize
+from jaxllm.observe.replica_groups import groups_of, parse_replica_groups
+from jaxllm.plan.footprint import compiled_step
 from jaxllm.train.state import abstract_model
 
 from train_runs import ROOT, TINY

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import train as train_script  # noqa: E402
 
-from jaxllm.cli import apply_override, load_config_file  # noqa: E402
-from jaxllm.config import ConfigError, resolve_vocab_size, validate  # noqa: E402
+from jaxllm.config.cli import apply_override, load_config_file  # noqa: E402
+from jaxllm.config.schema import ConfigError, resolve_vocab_size, validate  # noqa: E402
 
 CONFIG = str(ROOT / "configs" / "pretrain.py")
 
@@ -126,14 +126,14 @@ def test_dry_run_plans_lora_fine_tuning_of_llama_8b():
     ("cpu", {"avx2", "avx512f"}, "float32"),
 ], ids=["gpu", "x86-avx512-bf16", "arm-bf16", "x86-avx512-without-bf16"])
 def test_auto_compute_picks_bfloat16_only_where_it_is_native(platform, flags, want):
-    from jaxllm.auto_precision import auto_compute
+    from jaxllm.config.auto_precision import auto_compute
 
     dtype, reason = auto_compute(platform, flags)
     assert dtype == want and reason
 
 
 def test_auto_compute_resolves_for_this_machine_and_says_why(capsys, tmp_path):
-    from jaxllm.auto_precision import cpu_flags, resolve_compute
+    from jaxllm.config.auto_precision import cpu_flags, resolve_compute
 
     native = bool({"avx512_bf16", "amx_bf16", "bf16"} & cpu_flags())
     assert resolve_compute()[0] == ("bfloat16" if native else "float32")
@@ -197,14 +197,14 @@ def test_one_parser_for_training_and_data_prep(tmp_path, capsys):
     import importlib.util
 
     import jaxllm.data.prep_config
-    import jaxllm.typed_config
+    import jaxllm.config.typed_config
 
-    assert jaxllm.data.prep_config.ConfigError is ConfigError is jaxllm.typed_config.ConfigError
+    assert jaxllm.data.prep_config.ConfigError is ConfigError is jaxllm.config.typed_config.ConfigError
     spec = importlib.util.spec_from_file_location("prepare_data_script", ROOT / "scripts" / "prepare_data.py")
     prepare_data = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prepare_data)
     bad_file = tmp_path / "bad_steps.py"
-    bad_file.write_text("import ml_collections\nfrom jaxllm.config import default_config_dict\n\n\ndef get_config():\n"
+    bad_file.write_text("import ml_collections\nfrom jaxllm.config.schema import default_config_dict\n\n\ndef get_config():\n"
                         "    d = default_config_dict().to_dict()\n    d['train']['steps'] = 12.5\n"
                         "    return ml_collections.ConfigDict(d)\n")
     data_file = tmp_path / "bad.json"

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxllm import evaluate  # noqa: E402
+from jaxllm.eval import evaluate  # noqa: E402
 from jaxllm.data.pipeline import make_eval_batches  # noqa: E402
 from jaxllm.data.tokenizer import Tokenizer  # noqa: E402
 

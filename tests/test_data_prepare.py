@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxllm.cli import split_overrides
-from jaxllm.config import ConfigError
+from jaxllm.config.cli import split_overrides
+from jaxllm.config.schema import ConfigError
 from jaxllm.data import prepare as prepare_mod
 from jaxllm.data.clean import clean_document, normalize, quality_reason
 from jaxllm.data.dedup import find_duplicates

@@ -1,4 +1,4 @@
-"""The diagnosis (scripts/diagnose.py, jaxllm/diagnostics): each rule on a recorded healthy run of the default job
+"""The diagnosis (scripts/diagnose.py, jaxllm/diagnose): each rule on a recorded healthy run of the default job
 (tests/data/diagnose/healthy, 60 steps of configs/pretrain.py) and on that run with one pathology written into
 its records at realistic magnitudes; the command's files and errors; the seeded-pathology hooks; and one real
 seeded run (LR x30) end to end."""
@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxllm.diagnostics.diagnosis import diagnose
-from jaxllm.diagnostics.findings import THRESHOLDS, WARNING, CRITICAL
-from jaxllm.diagnostics.run_data import load_run
-from jaxllm.diagnostics.sizes import format_bytes
+from jaxllm.diagnose.diagnosis import diagnose
+from jaxllm.diagnose.findings import THRESHOLDS, WARNING, CRITICAL
+from jaxllm.diagnose.run_data import load_run
+from jaxllm.observe.sizes import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "tests" / "data" / "diagnose" / "healthy"
@@ -374,9 +374,9 @@ def test_zero_layer_gets_no_gradient():
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxllm.config import ModelConfig, PrecisionConfig
+    from jaxllm.config.schema import ModelConfig, PrecisionConfig
     from jaxllm.train.faults import with_zeroed_layer
-    from jaxllm.train.pretrain import lm_objective, next_token_loss
+    from jaxllm.objectives.pretrain import lm_objective, next_token_loss
 
     cfg = ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=2, num_kv_heads=2, head_dim=16, mlp_dim=64)
     objective = with_zeroed_layer(lm_objective(cfg, PrecisionConfig("float32", "float32", "float32")), 1)
@@ -417,7 +417,7 @@ def test_data_sleep_throttles_each_batch():
 def test_seeded_pathology_flags_are_validated(field, value, message):
     import importlib.util
 
-    from jaxllm.config import ConfigError, validate
+    from jaxllm.config.schema import ConfigError, validate
 
     spec = importlib.util.spec_from_file_location("pretrain_config", ROOT / "configs" / "pretrain.py")
     module = importlib.util.module_from_spec(spec)

@@ -1,4 +1,4 @@
-"""Diagnostic statistics (jaxllm/diagnostics/): per-layer and per-group norms against numpy, the diagnostic
+"""Diagnostic statistics (jaxllm/observe/): per-layer and per-group norms against numpy, the diagnostic
 variant's update bitwise equal to the production step's, the production step's program unchanged by
 `diagnostics.every`, the records of a short run, and the naming of the first non-finite layer."""
 
@@ -14,17 +14,17 @@ from flax import nnx
 
 from train_runs import ROOT, TINY, metrics
 
-from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import ConfigError, validate
+from jaxllm.config.cli import build_config, split_overrides
+from jaxllm.config.schema import ConfigError, validate
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.diagnostics.nonfinite import first_nonfinite
-from jaxllm.diagnostics.norms import (GROUPS, STATS, arrays, global_norm, layer_and_group_norms, leaves,
+from jaxllm.observe.nonfinite import first_nonfinite
+from jaxllm.observe.norms import (GROUPS, STATS, arrays, global_norm, layer_and_group_norms, leaves,
                                      second_moments)
-from jaxllm.diagnostics.variant import NOT_REPRODUCED
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
+from jaxllm.train.diagnostic_step import NOT_REPRODUCED
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import make_optimizer
 from jaxllm.train.loop import StepRunner, to_global, train
-from jaxllm.train.pretrain import pretrain_objective
+from jaxllm.objectives.pretrain import pretrain_objective
 from jaxllm.train.state import init_objective_state
 from jaxllm.train.step import batch_sharding
 
@@ -204,7 +204,7 @@ def diag_run(shakespeare_store, tmp_path_factory):
     return workdir, summary, out.getvalue()
 
 
-ACTIVATION_STATS = ("act_rms", "act_max", "gate_saturation", "attn_logit_max")  # jaxllm/diagnostics/activations.py
+ACTIVATION_STATS = ("act_rms", "act_max", "gate_saturation", "attn_logit_max")  # jaxllm/observe/activations.py
 
 
 def test_a_run_writes_per_step_norms_and_diag_records_every_n_steps(diag_run):

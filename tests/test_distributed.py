@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from jaxllm.config import ConfigError, MeshConfig, resolve_dcn
-from jaxllm.distributed import DistributedError, resolve_layout
-from jaxllm.mesh import make_mesh
+from jaxllm.config.schema import ConfigError, MeshConfig, resolve_dcn
+from jaxllm.runtime.distributed import DistributedError, resolve_layout
+from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.step import batch_sharding, process_rows
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
@@ -99,8 +99,8 @@ def test_a_connect_that_reaches_itself_is_not_taken_for_process_0(monkeypatch):
     simultaneous open): the socket then talks to itself. Seen in CI; it must read as "process 0 did not arrive"."""
     import socket
 
-    from jaxllm import distributed
-    from jaxllm.distributed import ProcessLayout, rendezvous
+    from jaxllm.runtime import distributed
+    from jaxllm.runtime.distributed import ProcessLayout, rendezvous
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

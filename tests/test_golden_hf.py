@@ -15,10 +15,11 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
 from golden_reference import LLAMA, LLAMA_TIED, arrays, rows
-from jaxllm import evaluate, hf
-from jaxllm.config import MeshConfig
-from jaxllm.mesh import make_mesh
-from jaxllm.sample import generate
+from jaxllm.eval import evaluate
+from jaxllm.interop import hf
+from jaxllm.config.schema import MeshConfig
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.model.sample import generate
 
 pytestmark = pytest.mark.smoke
 TOL = 1e-4  # as tests/test_hf.py

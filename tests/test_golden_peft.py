@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from golden_reference import LLAMA, LORA, arrays
-from jaxllm import hf, hf_peft
+from jaxllm.interop import hf, hf_peft
 
 pytestmark = pytest.mark.smoke
 TOL = 1e-4  # logits, as tests/test_peft.py
@@ -32,7 +32,7 @@ def test_imported_peft_adapter_gives_peft_logits(adapted):
 
 def test_merge_equals_merge_and_unload(adapted, tmp_path):
     """save_pretrained of a LoRA model writes it merged: merge_and_unload's tensors (those it changes, the
-    adapted ones; every other one is the base's), through jaxllm.lora.merge."""
+    adapted ones; every other one is the base's), through jaxllm.model.lora.merge."""
     ref = arrays(LORA)
     hf.save_pretrained(adapted, tmp_path)
     ours, base = load_file(tmp_path / hf.WEIGHTS_FILE), load_file(LLAMA / hf.WEIGHTS_FILE)

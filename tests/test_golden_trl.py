@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from golden_reference import REFERENCE, arrays, trl_cases
-from jaxllm.config import GRPO_LOSS_AGGS
-from jaxllm.post.losses import bradley_terry_loss, dpo_loss, grpo_loss, kl_penalty
+from jaxllm.config.schema import GRPO_LOSS_AGGS
+from jaxllm.objectives.losses import bradley_terry_loss, dpo_loss, grpo_loss, kl_penalty
 
 pytestmark = pytest.mark.smoke
 # As tests/test_post_losses.py and test_rl_losses.py: a relative 1e-6 (~8 float32 ulps), 1e-6 absolute near zero.

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.cli import build_config
-from jaxllm.config import ConfigError, validate
-from jaxllm.xla_flags import check_xla_flags
+from jaxllm.config.cli import build_config
+from jaxllm.config.schema import ConfigError, validate
+from jaxllm.runtime.xla_flags import check_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs" / "gpu").glob("*.py"))
@@ -64,7 +64,7 @@ def test_config_flags_reach_xla_after_import_jax_and_the_environment_wins(tmp_pa
     config_dir, env_dir = tmp_path / "config", tmp_path / "env"
     script = (
         "import jax\n"
-        "from jaxllm.xla_flags import apply_xla_flags\n"
+        "from jaxllm.runtime.xla_flags import apply_xla_flags\n"
         f"apply_xla_flags({{'xla_dump_to': {str(config_dir)!r}, 'xla_cpu_enable_fast_math': False}})\n"
         "jax.jit(lambda x: x + 1)(1)\n"
         "try:\n"

@@ -1,6 +1,6 @@
 """GRPO's loss on the shared step (in process, tiny model): on one fixed rollout batch (sampling itself differs
 across layouts) the first updates' losses agree on (8,1,1,1), (2,2,2,1) and 2 pipeline stages; the loss equals
-jaxllm.post.losses.grpo_loss on the policy's own log-probs; the LoRA reference is bitwise the base."""
+jaxllm.objectives.losses.grpo_loss on the policy's own log-probs; the LoRA reference is bitwise the base."""
 
 import dataclasses
 import functools
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config import GRPOConfig, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
-from jaxllm.post.losses import grpo_loss
-from jaxllm.post.rollout import response_logps, sequence_layout
-from jaxllm.train.dpo import reference_model
-from jaxllm.train.grpo import grpo_loss_fn
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.config.schema import GRPOConfig, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.objectives.losses import grpo_loss
+from jaxllm.objectives.rollout import response_logps, sequence_layout
+from jaxllm.objectives.dpo import reference_model
+from jaxllm.objectives.grpo import grpo_loss_fn
+from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import build_model
 
 from layout_steps import first_updates
@@ -98,7 +98,7 @@ def test_reward_model_scores_each_rollout_row_at_its_last_response_token():
     """rm:<checkpoint> rewards: the left-padded rollout row scored at its last response token equals the reward
     model on that row's own tokens alone (no padding, positions from 0), at their last token."""
     from jaxllm.model.reward import RewardModel
-    from jaxllm.train.rl import RewardModelScorer
+    from jaxllm.objectives.rl import RewardModelScorer
 
     graphdef, variables = nnx.split(build_model(MODEL, F32, jax.random.key(3), model_class=RewardModel))
     batch = _rollout_batch(seed=1)

@@ -12,7 +12,7 @@ import pytest
 from train_runs import (NAN_AT_3, RL_ITERATION_STARTS, ROOT, assert_rolled_back_at_3, checkpoint_leaves, losses,
                         metrics, preempt_at, rl_command, run_command, train_command, train_env)
 
-from jaxllm.post.rewards import single_line
+from jaxllm.objectives.reward_fns import single_line
 
 # 4 prompts x 4 responses = 16 rows an iteration, 2 epochs of 2 minibatches of 8: 4 steps an iteration.
 SMALL = ("--config.train.batch_size=8", "--config.checkpoint.every=2", "--config.grpo.prompts_per_iteration=4",

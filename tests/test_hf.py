@@ -18,10 +18,10 @@ from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from jaxllm import hf  # noqa: E402
-from jaxllm.config import MeshConfig  # noqa: E402
-from jaxllm.mesh import make_mesh  # noqa: E402
-from jaxllm.sharding import spec_tree  # noqa: E402
+from jaxllm.interop import hf  # noqa: E402
+from jaxllm.config.schema import MeshConfig  # noqa: E402
+from jaxllm.parallel.mesh import make_mesh  # noqa: E402
+from jaxllm.parallel.sharding import spec_tree  # noqa: E402
 
 TOL = 1e-4
 

@@ -13,10 +13,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxllm.checkpoint import CheckpointMismatch, Checkpointer
-from jaxllm.config import OptimConfig
-from jaxllm.metrics import JsonlWriter
-from jaxllm.optim import (current_clip_norm, decay_mask, learning_rate_schedule, make_optimizer,
+from jaxllm.runs.checkpoint import CheckpointMismatch, Checkpointer
+from jaxllm.config.schema import OptimConfig
+from jaxllm.observe.metrics import JsonlWriter
+from jaxllm.optim.chain import (current_clip_norm, decay_mask, learning_rate_schedule, make_optimizer,
                           without_clip_norm)
 from jaxllm.train.control import Change, HotUpdates, parse_control, write_control
 from jaxllm.train.state import new_train_state, older_layout
@@ -153,8 +153,8 @@ def test_the_clip_threshold_is_a_value_of_one_compiled_update_with_the_baked_cli
 
 
 def test_checkpoints_from_before_the_threshold_moved_into_the_state_restore(tmp_path):
-    from jaxllm.config import MeshConfig
-    from jaxllm.mesh import make_mesh
+    from jaxllm.config.schema import MeshConfig
+    from jaxllm.parallel.mesh import make_mesh
     from jaxllm.train.state import state_shardings
 
     _, state = tiny_state(clip_norm=0.5)

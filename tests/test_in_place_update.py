@@ -9,9 +9,9 @@ import pytest
 
 from train_runs import ROOT
 
-from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import validate
-from jaxllm.diagnostics.hlo_text import HloModule, array_shapes
+from jaxllm.config.cli import build_config, split_overrides
+from jaxllm.config.schema import validate
+from jaxllm.observe.hlo_text import HloModule, array_shapes
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_step import prepared_step  # noqa: E402

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config import (LORA_TARGETS, LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PipelineConfig,
+from jaxllm.config.schema import (LORA_TARGETS, LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PipelineConfig,
                            PrecisionConfig)
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.lora import adapters_of, merge
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
-from jaxllm.sample import generate
-from jaxllm.sharding import spec_tree
+from jaxllm.model.lora import adapters_of, merge
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import make_optimizer
+from jaxllm.model.sample import generate
+from jaxllm.parallel.sharding import spec_tree
 from jaxllm.train.loop import to_global
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import build_model, init_objective_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 

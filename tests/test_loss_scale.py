@@ -1,4 +1,4 @@
-"""Loss scaling for float16 compute (jaxllm/loss_scale.py): torch.amp.GradScaler's policy inside the compiled step,
+"""Loss scaling for float16 compute (jaxllm/optim/loss_scale.py): torch.amp.GradScaler's policy inside the compiled step,
 the scale in the train state and the checkpoint."""
 
 import dataclasses
@@ -15,18 +15,18 @@ from flax import nnx
 
 from train_runs import RESUME, ROOT, TINY, metrics
 
-from jaxllm.checkpoint import Checkpointer
-from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import (ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig, default_config_dict,
+from jaxllm.runs.checkpoint import Checkpointer
+from jaxllm.config.cli import build_config, split_overrides
+from jaxllm.config.schema import (ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig, default_config_dict,
                            validate)
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.loss_scale import INIT_SCALE, NO_LOSS_SCALING, LossScaling, loss_scaling
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
+from jaxllm.optim.loss_scale import INIT_SCALE, NO_LOSS_SCALING, LossScaling, loss_scaling
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import make_optimizer
 from jaxllm.train.faults import with_scaled_loss
 from jaxllm.train.loop import train
 from jaxllm.train.objective import Objective
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.recovery import restore_latest
 from jaxllm.train.state import abstract_objective_state, abstract_train_state, create_train_state, new_train_state
 from jaxllm.train.step import grads_and_loss, make_train_step

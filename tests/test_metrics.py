@@ -11,11 +11,11 @@ import jax
 import pytest
 from flax import nnx
 
-from jaxllm import metrics
-from jaxllm.config import ModelConfig, PrecisionConfig
+from jaxllm.observe import metrics
+from jaxllm.config.schema import ModelConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.model.transformer import train_flops_per_token
-from jaxllm.train.pretrain import next_token_loss
+from jaxllm.objectives.pretrain import next_token_loss
 from jaxllm.train.state import build_model
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config import ConfigError, ModelConfig, PrecisionConfig
+from jaxllm.config.schema import ConfigError, ModelConfig, PrecisionConfig
 from jaxllm.model.transformer import total_params
 from jaxllm.model.visibility import attention_mask, packed_segments
 from jaxllm.train.state import build_model
@@ -179,7 +179,7 @@ def test_cudnn_attention_needs_a_gpu_and_half_precision():
     if jax.default_backend() != "gpu":
         with pytest.raises(ConfigError, match="model.attention: 'cudnn' needs GPUs"):
             build_model(cfg, bf16, jax.random.key(0))(np.ones((1, 8), np.int32))
-    from jaxllm.config import default_config_dict, validate
+    from jaxllm.config.schema import default_config_dict, validate
     cd = default_config_dict()
     cd.model.attention, cd.precision.compute = "cudnn", "float32"
     with pytest.raises(ConfigError, match="needs precision.compute bfloat16 or float16"):

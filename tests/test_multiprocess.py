@@ -16,13 +16,13 @@ import pytest
 
 from train_runs import ROOT, TINY, free_port_pair, losses, metrics, run_drill, train_command, train_env
 
-from jaxllm.checkpoint import Checkpointer
-from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import MeshConfig, OptimConfig, validate
+from jaxllm.runs.checkpoint import Checkpointer
+from jaxllm.config.cli import build_config, split_overrides
+from jaxllm.config.schema import MeshConfig, OptimConfig, validate
 from jaxllm.drill.plan import hot_changes, parse_faults, schedule
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import learning_rate_schedule, make_optimizer
-from jaxllm.preemption import CHECK_EVERY
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import learning_rate_schedule, make_optimizer
+from jaxllm.runtime.preemption import CHECK_EVERY
 from jaxllm.train.control import write_control
 from jaxllm.train.state import abstract_train_state
 

@@ -12,14 +12,14 @@ from flax import nnx
 
 from train_runs import ROOT, TINY
 
-from jaxllm.checkpoint import Checkpointer
-from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig, validate
+from jaxllm.runs.checkpoint import Checkpointer
+from jaxllm.config.cli import build_config, split_overrides
+from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig, validate
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import make_optimizer
 from jaxllm.train.loop import StepRunner, to_global, train
-from jaxllm.train.pretrain import cross_entropy_sum, lm_objective, pretrain_objective
+from jaxllm.objectives.pretrain import cross_entropy_sum, lm_objective, pretrain_objective
 from jaxllm.train.state import abstract_objective_state, init_frozen, init_objective_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 

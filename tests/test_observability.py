@@ -1,4 +1,4 @@
-"""Diagnostics of a run (jaxllm/diagnostics/): TensorBoard and wandb writers that hold what metrics.jsonl holds, a
+"""Diagnostics of a run (jaxllm/observe/): TensorBoard and wandb writers that hold what metrics.jsonl holds, a
 profiler trace with step markers and named scopes, the start-up memory line, --print_memory, and the per-step host
 time breakdown (data_wait_s, checkpoint_block_s, eval_s).
 
@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 from train_runs import ROOT, metrics, run_command, train_command, train_env
 
-from jaxllm.cli import build_config
-from jaxllm.config import ConfigError, MetricsConfig, validate
-from jaxllm.diagnostics.memory import format_step_memory, step_memory
-from jaxllm.diagnostics.tensorboard import read_scalars
-from jaxllm.diagnostics.wandb_writer import wandb_mode
-from jaxllm.diagnostics.writers import MetricsWriter
+from jaxllm.config.cli import build_config
+from jaxllm.config.schema import ConfigError, MetricsConfig, validate
+from jaxllm.observe.memory import format_step_memory, step_memory
+from jaxllm.observe.tensorboard import read_scalars
+from jaxllm.observe.wandb_writer import wandb_mode
+from jaxllm.observe.writers import MetricsWriter
 
 STEPS, PROFILED = 6, (2, 3)
 RUN = ("--config.train.steps=6", "--config.train.eval_every=3", "--config.checkpoint.every=2",

@@ -1,4 +1,4 @@
-"""Host offload (jaxllm/offload.py): the optimizer state in pinned host memory and offloaded remat residuals give
+"""Host offload (jaxllm/parallel/offload.py): the optimizer state in pinned host memory and offloaded remat residuals give
 the on-device results bitwise; the state really lives in host memory (init, every step, checkpoint restore);
 a backend without host memory is a one-line config error. XLA:CPU has a pinned_host memory space, so all of
 this runs on the CPU."""
@@ -11,16 +11,16 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.checkpoint import Checkpointer
-from jaxllm.cli import build_config
-from jaxllm.config import ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig, validate
+from jaxllm.runs.checkpoint import Checkpointer
+from jaxllm.config.cli import build_config
+from jaxllm.config.schema import ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig, validate
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.mesh import make_mesh
-from jaxllm.offload import HOST, require_host_memory
-from jaxllm.optim import make_optimizer
-from jaxllm.plan import format_plan, memory_plan
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.offload import HOST, require_host_memory
+from jaxllm.optim.chain import make_optimizer
+from jaxllm.plan.footprint import format_plan, memory_plan
 from jaxllm.train.loop import to_global
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.recovery import restore_latest
 from jaxllm.train.state import abstract_objective_state, init_objective_state, state_shardings
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
@@ -156,7 +156,7 @@ def test_cli_reports_missing_host_memory_in_one_line(monkeypatch, capsys, tmp_pa
     spec = importlib.util.spec_from_file_location("_train_script", ROOT / "scripts" / "train.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    monkeypatch.setattr("jaxllm.offload.memory_kinds", lambda device: {"device"})
+    monkeypatch.setattr("jaxllm.parallel.offload.memory_kinds", lambda device: {"device"})
     with pytest.raises(SystemExit) as exit_:
         script.main(["--config", str(ROOT / "configs" / "pretrain.py"), "--workdir", str(tmp_path),
                      "--config.model.remat=save_qkv_proj", "--config.model.remat_offload=host"])

@@ -1,4 +1,4 @@
-"""Out-of-memory summaries (jaxllm/diagnostics/oom.py) on a real XLA OOM message captured on this CPU, and on the
+"""Out-of-memory summaries (jaxllm/observe/oom.py) on a real XLA OOM message captured on this CPU, and on the
 buffer-assignment listing a GPU compile adds.
 
 tests/data/oom/cpu_init.txt is the text of the JaxRuntimeError that initialising the train state of CPU_OOM_JOB
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import validate
-from jaxllm.diagnostics.oom import format_oom, is_oom, parse_oom
+from jaxllm.config.cli import build_config, split_overrides
+from jaxllm.config.schema import validate
+from jaxllm.observe.oom import format_oom, is_oom, parse_oom
 
 from train_runs import train_command, train_env
 

@@ -8,10 +8,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import decay_mask, learning_rate_schedule, make_optimizer
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import decay_mask, learning_rate_schedule, make_optimizer
 from jaxllm.train.state import abstract_model, build_model, create_train_state
 from jaxllm.train.step import batch_sharding, grads_and_loss
 
@@ -118,7 +118,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 def _one_step(optim: OptimConfig, seed=0):
     """(parameters before, parameters after) of one real jitted train step (make_train_step) on one device."""
-    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.objectives.pretrain import lm_objective
     from jaxllm.train.state import init_objective_state
     from jaxllm.train.step import make_train_step
 
@@ -185,8 +185,8 @@ def test_the_compiled_step_is_bitwise_optax_clipping_then_adamw():
     state, so hot updates can change it) leaves the same parameters, bit for bit, as the optax chain jaxllm used
     while the threshold was a constant: clip_by_global_norm(1.0) + AdamW under inject_hyperparams with the same
     schedule. (optax's traced `* threshold` made XLA round the Adam moment updates differently: 1e-7 after a
-    few steps, a different model after 60; jaxllm/optim.py's clip_by_global_norm.)"""
-    from jaxllm.train.pretrain import lm_objective
+    few steps, a different model after 60; jaxllm/optim/chain.py's clip_by_global_norm.)"""
+    from jaxllm.objectives.pretrain import lm_objective
     from jaxllm.train.state import init_objective_state
     from jaxllm.train.step import make_train_step
 

@@ -3,11 +3,11 @@
 import jax
 import numpy as np
 
-from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import make_optimizer
+from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import create_train_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 

@@ -1,4 +1,4 @@
-"""The peer watch (jaxllm/peer_watch.py): a survivor names the process whose link closed without a "bye" and
+"""The peer watch (jaxllm/runtime/peer_watch.py): a survivor names the process whose link closed without a "bye" and
 exits 1; a clean exit is not taken for a death; process 0 tells the others whom it lost. In-process, on socket
 pairs and on the real start-up rendezvous (the multi-process drill of tests/test_multiprocess.py kills a real
 process)."""
@@ -7,8 +7,8 @@ import socket
 import threading
 import time
 
-from jaxllm.distributed import ProcessLayout, free_port_pair, rendezvous
-from jaxllm.peer_watch import PeerWatch
+from jaxllm.runtime.distributed import ProcessLayout, free_port_pair, rendezvous
+from jaxllm.runtime.peer_watch import PeerWatch
 
 
 class Verdicts:

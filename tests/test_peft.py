@@ -15,9 +15,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from jaxllm import hf  # noqa: E402
-from jaxllm.config import LORA_TARGETS  # noqa: E402
-from jaxllm.lora import merge  # noqa: E402
+from jaxllm.interop import hf  # noqa: E402
+from jaxllm.config.schema import LORA_TARGETS  # noqa: E402
+from jaxllm.model.lora import merge  # noqa: E402
 
 TOL = 1e-4
 LLAMA = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

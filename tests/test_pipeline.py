@@ -16,16 +16,16 @@ import pytest
 from flax import nnx
 
 import jaxllm.model.layers as layers
-import jaxllm.sharding as sharding
-from jaxllm.config import MeshConfig, ModelConfig, OptimConfig, PipelineConfig, PrecisionConfig
+import jaxllm.parallel.sharding as sharding
+from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, PipelineConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.mesh import make_mesh
+from jaxllm.parallel.mesh import make_mesh
 from jaxllm.model.layers import xla_attention
 from jaxllm.model.transformer import Transformer
 from jaxllm.model.visibility import attention_mask
-from jaxllm.optim import make_optimizer
-from jaxllm.pipeline import bubble_fraction, pipeline
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.optim.chain import make_optimizer
+from jaxllm.parallel.pipeline import bubble_fraction, pipeline
+from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import build_model, create_train_state
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 

@@ -10,9 +10,9 @@ from flax import nnx
 
 from train_runs import ROOT
 
-from jaxllm.config import ModelConfig, PrecisionConfig
+from jaxllm.config.schema import ModelConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.train.pretrain import next_token_loss
+from jaxllm.objectives.pretrain import next_token_loss
 from jaxllm.train.state import build_model
 
 sys.path.insert(0, str(ROOT / "scripts"))

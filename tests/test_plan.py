@@ -2,9 +2,9 @@
 
 import pytest
 
-from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import validate
-from jaxllm.plan import GPUS, fit_verdict, format_plan, memory_plan
+from jaxllm.config.cli import build_config, split_overrides
+from jaxllm.config.schema import validate
+from jaxllm.plan.footprint import GPUS, fit_verdict, format_plan, memory_plan
 
 from train_runs import ROOT
 

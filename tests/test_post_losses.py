@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.post.losses import bradley_terry_loss, dpo_loss
+from jaxllm.objectives.losses import bradley_terry_loss, dpo_loss
 
 P = 64
 # A relative 1e-6 (~8 float32 ulps) on losses and rewards, with 1e-6 absolute for values near zero. The float32

@@ -1,4 +1,4 @@
-"""PowerSGD over the `data` axis (jaxllm/powersgd.py): exact at full rank, error feedback, composition with fsdp,
+"""PowerSGD over the `data` axis (jaxllm/optim/powersgd.py): exact at full rank, error feedback, composition with fsdp,
 tensor and accumulation, the all-reduce bytes across `data` in the compiled step, configuration errors."""
 
 import functools
@@ -12,17 +12,17 @@ import pytest
 from flax import traverse_util
 from jax.sharding import PartitionSpec
 
-from jaxllm import powersgd
-from jaxllm.cli import build_config
-from jaxllm.config import (MESH_AXES, ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig,
+from jaxllm.optim import powersgd
+from jaxllm.config.cli import build_config
+from jaxllm.config.schema import (MESH_AXES, ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig,
                            default_config_dict, validate)
-from jaxllm.diagnostics.comms import collectives, reduced_bytes_across
-from jaxllm.loss_scale import NO_LOSS_SCALING, LossScaling
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
+from jaxllm.observe.comms import collectives, reduced_bytes_across
+from jaxllm.optim.loss_scale import NO_LOSS_SCALING, LossScaling
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import make_optimizer
 from jaxllm.train.faults import with_scaled_loss
 from jaxllm.train.loop import to_global
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import abstract_objective_state, init_objective_state, state_shardings
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 

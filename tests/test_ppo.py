@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config import LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, PPOConfig, PrecisionConfig
-from jaxllm.mesh import make_mesh
+from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, PPOConfig, PrecisionConfig
+from jaxllm.parallel.mesh import make_mesh
 from jaxllm.model.actor_critic import VALUE
 from jaxllm.model.reward import RewardModel
-from jaxllm.optim import make_optimizer
-from jaxllm.post.losses import ppo_policy_loss, ppo_value_loss
-from jaxllm.post.rollout import response_logps, sequence_layout
-from jaxllm.train.dpo import reference_model
+from jaxllm.optim.chain import make_optimizer
+from jaxllm.objectives.losses import ppo_policy_loss, ppo_value_loss
+from jaxllm.objectives.rollout import response_logps, sequence_layout
+from jaxllm.objectives.dpo import reference_model
 from jaxllm.train.loop import to_global
-from jaxllm.train.ppo import actor_critic_objective, adapt_kl_coef, ppo_loss_fn, ppo_values, token_rewards
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.objectives.ppo import actor_critic_objective, adapt_kl_coef, ppo_loss_fn, ppo_values, token_rewards
+from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import build_model, init_objective_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 

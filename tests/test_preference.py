@@ -14,19 +14,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm import hf
-from jaxllm.config import DPOConfig, LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.interop import hf
+from jaxllm.config.schema import DPOConfig, LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.data.preference import encode_pairs, pack_pairs, prepare_preference, read_pairs
 from jaxllm.data.row_prep import PreparedDataError, PreparedRows
 from jaxllm.data.tokenizer import load_tokenizer
-from jaxllm.lora import adapters_of
-from jaxllm.mesh import make_mesh
+from jaxllm.model.lora import adapters_of
+from jaxllm.parallel.mesh import make_mesh
 from jaxllm.model.reward import RewardModel
-from jaxllm.optim import make_optimizer
-from jaxllm.train.dpo import dpo_loss_fn, reference_model, sequence_logps
+from jaxllm.optim.chain import make_optimizer
+from jaxllm.objectives.dpo import dpo_loss_fn, reference_model, sequence_logps
 from jaxllm.train.loop import to_global
-from jaxllm.train.pretrain import lm_objective
-from jaxllm.train.reward import pair_rewards, reward_loss, reward_model_objective
+from jaxllm.objectives.pretrain import lm_objective
+from jaxllm.objectives.reward import pair_rewards, reward_loss, reward_model_objective
 from jaxllm.train.state import build_model, init_objective_state
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 

@@ -13,8 +13,8 @@ import pytest
 
 from train_runs import NAN_AT_3, ROOT, assert_rolled_back_at_3, losses, metrics, preempt_at, train_env
 
-from jaxllm.checkpoint import Checkpointer
-from jaxllm.evaluate import load_checkpoint
+from jaxllm.runs.checkpoint import Checkpointer
+from jaxllm.eval.evaluate import load_checkpoint
 
 SMALL = ("--config.train.seq_len=256", "--config.train.batch_size=8", "--config.train.eval_batches=1",
          "--config.train.eval_every=1000", "--config.checkpoint.every=2", "--config.optim.warmup_steps=2",
@@ -124,7 +124,7 @@ def test_dpo_trains_new_adapters_on_the_merged_sft_model(dpo_run, lora_run):
     meta = checkpoints.read_meta(6)
     checkpoints.close()
     assert meta["base"]["kind"] == "jaxllm-lora" and meta["base"]["path"] == str(lora_run / "checkpoints" / "6")
-    from jaxllm.lora import merge
+    from jaxllm.model.lora import merge
 
     sft = merge(load_checkpoint(str(lora_run)).model)
     dpo = load_checkpoint(str(dpo_run))

@@ -9,20 +9,20 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from jaxllm.checkpoint import _array_registry
-from jaxllm.distributed import _detected_cluster
+from jaxllm.runs.checkpoint import _array_registry
+from jaxllm.runtime.distributed import _detected_cluster
 from jaxllm.model.cudnn_attention import private_cudnn_attention
-from jaxllm.quant import weight_einsum
+from jaxllm.model.quant import weight_einsum
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # (private module, the distribution it ships in, the jaxllm function that imports and uses it)
 PRIVATE = [
-    ("orbax.checkpoint._src.metadata / ._src.serialization", "orbax-checkpoint", "jaxllm/checkpoint.py",
+    ("orbax.checkpoint._src.metadata / ._src.serialization", "orbax-checkpoint", "jaxllm/runs/checkpoint.py",
      _array_registry),
     ("jax._src.cudnn.fused_attention_stablehlo", "jax", "jaxllm/model/cudnn_attention.py", private_cudnn_attention),
-    ("jax._src.clusters", "jax", "jaxllm/distributed.py", lambda: _detected_cluster({})),
-    ("qwix._src.core.dot_general_qt", "qwix", "jaxllm/quant.py",
+    ("jax._src.clusters", "jax", "jaxllm/runtime/distributed.py", lambda: _detected_cluster({})),
+    ("qwix._src.core.dot_general_qt", "qwix", "jaxllm/model/quant.py",
      lambda: weight_einsum("ab,bc->ac", jnp.ones((2, 4)), jnp.ones((4, 3)), "int8")),
 ]
 

@@ -1,4 +1,4 @@
-"""`precision.quant` (jaxllm/quant.py): with int8 the compiled train step's block weight matmuls are int8 x int8
+"""`precision.quant` (jaxllm/model/quant.py): with int8 the compiled train step's block weight matmuls are int8 x int8
 dots in the forward and both backward passes while the output head's stay in float, the default step has none,
 the tiny model trains to float32's loss within 2%, and combinations that cannot work are one-line config errors.
 With fp8 the same matmuls are e4m3 x e4m3 dots forward and e5m2-gradient dots backward in the program JAX hands
@@ -9,12 +9,12 @@ import re
 import jax
 import pytest
 
-from jaxllm.config import ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.config.schema import ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.mesh import make_mesh
-from jaxllm.optim import make_optimizer
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.optim.chain import make_optimizer
 from jaxllm.train.loop import to_global
-from jaxllm.train.pretrain import lm_objective
+from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import init_objective_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 
@@ -24,7 +24,7 @@ ROWS, SEQ, STEPS = 8, 16, 5
 # q, k, v, o, gate, up, down: each has a forward dot and two backward dots (einsum specs as in the op names).
 BLOCK_MATMULS = {"BTD,DNH->BTNH", "BSD,DKH->BSKH", "BTNH,NHD->BTD", "BTD,DF->BTF", "BTF,FD->BTD"}
 QUANTISED_MATMULS = 7
-HEAD_MATMUL = "BTD,DV->BTV"  # the output head: kept in float (jaxllm/quant.py says why)
+HEAD_MATMUL = "BTD,DV->BTV"  # the output head: kept in float (jaxllm/model/quant.py says why)
 # HLO instructions: `%name = type[shape]... ` and dots `%name = type[...] dot(%lhs, %rhs), ... op_name="..."`.
 DEFINITION = re.compile(r"^\s*(?:ROOT )?(%\S+) = (\w+)\[")
 DOT = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[[^=]*? dot\((%[^,\s)]+), (%[^,\s)]+)\)")
@@ -151,7 +151,7 @@ def test_fp8_trains_close_to_float32(runs):
     (PrecisionConfig(quant="int4"), "precision.quant: 'int4' is not one of"),
 ])
 def test_bad_quant_is_a_config_error(precision, message):
-    from jaxllm.config import _check_quant
+    from jaxllm.config.schema import _check_quant
 
     with pytest.raises(ConfigError) as info:
         _check_quant(precision)

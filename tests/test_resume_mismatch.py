@@ -11,8 +11,8 @@ import pytest
 
 from train_runs import ROOT, TINY, rl_command, run_sft, sft_command
 
-from jaxllm.cli import build_config, split_overrides
-from jaxllm.config import ConfigError, validate
+from jaxllm.config.cli import build_config, split_overrides
+from jaxllm.config.schema import ConfigError, validate
 from jaxllm.train.loop import train
 
 

@@ -1,5 +1,5 @@
-"""RL prompt data (jaxllm/data/prompts.py), its length buckets (jaxllm/train/rl.py) and the reward-function
-registry (jaxllm/post/rewards.py)."""
+"""RL prompt data (jaxllm/data/prompts.py), its length buckets (jaxllm/objectives/rl.py) and the reward-function
+registry (jaxllm/objectives/reward_fns.py)."""
 
 import json
 
@@ -9,8 +9,8 @@ from jaxllm.data.prompts import read_prompts
 from jaxllm.data.sft import encode_examples
 from jaxllm.data.sft_template import encode, prompt_pieces, render
 from jaxllm.data.tokenizer import load_tokenizer
-from jaxllm.post import rewards
-from jaxllm.train.rl import prompt_bucket
+from jaxllm.objectives import reward_fns as rewards
+from jaxllm.objectives.rl import prompt_bucket
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +80,11 @@ def test_registry_resolves_registered_functions_and_names_the_others():
         rewards.resolve("fn:nope")
     with pytest.raises(ValueError, match="expected fn:<name>"):
         rewards.resolve("ends_sentence")
-    assert rewards.resolve("fn:jaxllm.post.rewards:single_line") is rewards.single_line  # a module's function
+    assert rewards.resolve("fn:jaxllm.objectives.reward_fns:single_line") is rewards.single_line  # a module's function
     with pytest.raises(ValueError, match="cannot import reward module 'no_such_module'"):
         rewards.resolve("fn:no_such_module:f")
-    with pytest.raises(ValueError, match="module 'jaxllm.post.rewards' has no reward function 'nope'"):
-        rewards.resolve("fn:jaxllm.post.rewards:nope")
+    with pytest.raises(ValueError, match="module 'jaxllm.objectives.reward_fns' has no reward function 'nope'"):
+        rewards.resolve("fn:jaxllm.objectives.reward_fns:nope")
 
 
 def test_an_iterations_prompts_pad_to_its_bucket():

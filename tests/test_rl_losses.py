@@ -1,4 +1,4 @@
-"""jaxllm's PPO / GRPO functions (jaxllm/post/losses.py) against TRL.
+"""jaxllm's PPO / GRPO functions (jaxllm/objectives/losses.py) against TRL.
 
 PPO left TRL in 2026, so gae, whiten, kl_penalty, ppo_policy_loss and ppo_value_loss are checked against
 float64 NumPy transcriptions of the last-published trl/trainer/ppo_trainer.py (PPOTrainer.train) and of TRL's
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.post.losses import (GRPO_LOSS_AGGS, KL_ESTIMATORS, gae, group_advantages, grpo_loss, kl_penalty,
+from jaxllm.objectives.losses import (GRPO_LOSS_AGGS, KL_ESTIMATORS, gae, group_advantages, grpo_loss, kl_penalty,
                                 ppo_policy_loss, ppo_value_loss, whiten)
 
 B, T = 6, 12

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config import MeshConfig, ModelConfig, PrecisionConfig
-from jaxllm.mesh import make_mesh
-from jaxllm.post.losses import ppo_policy_loss
-from jaxllm.post.rollout import response_logps, rollout, sequence_layout
-from jaxllm.sample import left_pad
-from jaxllm.sharding import sharding_tree
+from jaxllm.config.schema import MeshConfig, ModelConfig, PrecisionConfig
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.objectives.losses import ppo_policy_loss
+from jaxllm.objectives.rollout import response_logps, rollout, sequence_layout
+from jaxllm.model.sample import left_pad
+from jaxllm.parallel.sharding import sharding_tree
 from jaxllm.train.state import build_model
 
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")

@@ -14,10 +14,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxllm import hf  # noqa: E402
-from jaxllm.config import MeshConfig  # noqa: E402
-from jaxllm.mesh import make_mesh  # noqa: E402
-from jaxllm.sample import generate, greedy_generate  # noqa: E402
+from jaxllm.interop import hf  # noqa: E402
+from jaxllm.config.schema import MeshConfig  # noqa: E402
+from jaxllm.parallel.mesh import make_mesh  # noqa: E402
+from jaxllm.model.sample import generate, greedy_generate  # noqa: E402
 
 NEW = 8
 # Lengths 1..13 share one prompt bucket (16) and one cache bucket (32): one compilation per decoding mode.

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config import LoRAConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.mesh import make_mesh
-from jaxllm.sharding import sharding_tree
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.sharding import sharding_tree
 from jaxllm.train.loop import to_global
-from jaxllm.train.pretrain import next_token_loss
+from jaxllm.objectives.pretrain import next_token_loss
 from jaxllm.train.state import build_model
 from jaxllm.train.step import batch_sharding
 

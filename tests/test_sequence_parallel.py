@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm import sharding
-from jaxllm.activation_memory import step_temp_bytes
-from jaxllm.config import (ConfigError, LoRAConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig,
+from jaxllm.parallel import sharding
+from jaxllm.plan.activation_memory import step_temp_bytes
+from jaxllm.config.schema import (ConfigError, LoRAConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig,
                            default_config_dict, validate)
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.lora import merge
-from jaxllm.mesh import make_mesh
-from jaxllm.sample import generate
-from jaxllm.train.ppo import actor_critic_objective
-from jaxllm.train.pretrain import lm_objective
-from jaxllm.train.reward import reward_model_objective
+from jaxllm.model.lora import merge
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.model.sample import generate
+from jaxllm.objectives.ppo import actor_critic_objective
+from jaxllm.objectives.pretrain import lm_objective
+from jaxllm.objectives.reward import reward_model_objective
 from jaxllm.train.state import build_model
 from jaxllm.train.step import batch_sharding, grads_and_loss
 

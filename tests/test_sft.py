@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config import MeshConfig, ModelConfig, PrecisionConfig
+from jaxllm.config.schema import MeshConfig, ModelConfig, PrecisionConfig
 from jaxllm.data.row_prep import PreparedDataError, PreparedRows
 from jaxllm.data.sft import encode_examples, pack, prepare_sft
 from jaxllm.data.sft_template import TemplateError, encode, prompt_pieces, render
 from jaxllm.data.tokenizer import load_tokenizer
-from jaxllm.mesh import make_mesh
-from jaxllm.sharding import sharding_tree
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.sharding import sharding_tree
 from jaxllm.train.base_model import fingerprint
-from jaxllm.train.pretrain import next_token_loss
+from jaxllm.objectives.pretrain import next_token_loss
 from jaxllm.train.state import build_model
 
 MODEL = ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)

@@ -13,8 +13,8 @@ import numpy as np
 
 from train_runs import ROOT, losses, preempt_at, run_sft, sft_command, train_env
 
-from jaxllm.checkpoint import Checkpointer, directory_bytes
-from jaxllm.evaluate import load_checkpoint
+from jaxllm.runs.checkpoint import Checkpointer, directory_bytes
+from jaxllm.eval.evaluate import load_checkpoint
 
 def _leaves(workdir):
     return [np.asarray(x) for x in jax.tree.leaves(load_checkpoint(str(workdir)).params)]
@@ -100,8 +100,8 @@ def test_bad_sft_settings_are_one_line_errors(bases, sft_task, tmp_path):
 
 
 def test_export_merged_and_adapter_only(bases, lora_run, tmp_path):
-    from jaxllm import hf
-    from jaxllm.lora import merge
+    from jaxllm.interop import hf
+    from jaxllm.model.lora import merge
 
     export = [sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "export"]
     for args in (("--checkpoint", str(bases[0]), "--out", str(tmp_path / "base")),

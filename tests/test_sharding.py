@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.cli import build_config
-from jaxllm.config import MeshConfig, validate
-from jaxllm.mesh import abstract_mesh, make_mesh
-from jaxllm.sharding import (bytes_per_device, format_replicated, format_report, logical_to_spec, replicated_rows,
+from jaxllm.config.cli import build_config
+from jaxllm.config.schema import MeshConfig, validate
+from jaxllm.parallel.mesh import abstract_mesh, make_mesh
+from jaxllm.parallel.sharding import (bytes_per_device, format_replicated, format_report, logical_to_spec, replicated_rows,
                              report_rows, sharding_tree)
 from jaxllm.train.state import abstract_model, build_model
 
@@ -93,7 +93,7 @@ def test_initialised_parameters_are_born_in_their_shards(default_cfg):
 
 def test_abstract_mesh_plans_beyond_this_machine(default_cfg):
     # 64-way fsdp on an 8-device machine: planning uses an AbstractMesh, so nothing needs 64 devices.
-    from jaxllm.config import MeshConfig
+    from jaxllm.config.schema import MeshConfig
     mesh = abstract_mesh(MeshConfig(data=1, fsdp=64, tensor=1, stage=1))
     state = nnx.state(abstract_model(default_cfg.model, default_cfg.precision))
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))

@@ -5,7 +5,7 @@ import time
 
 from train_runs import losses, train_command, train_env
 
-from jaxllm.watchdog import HANG_EXIT_CODE, HangWatchdog
+from jaxllm.runtime.watchdog import HANG_EXIT_CODE, HangWatchdog
 
 
 def _watch(tmp_path, timeout_s: float, beats: int, every_s: float):

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxllm.distributed import free_port_pair  # noqa: F401  (the multi-process tests' ports)
+from jaxllm.runtime.distributed import free_port_pair  # noqa: F401  (the multi-process tests' ports)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,6 +173,6 @@ def checkpoint_leaves(workdir) -> list:
     import jax
     import numpy as np
 
-    from jaxllm.evaluate import load_checkpoint
+    from jaxllm.eval.evaluate import load_checkpoint
 
     return [np.asarray(x) for x in jax.tree.leaves(load_checkpoint(str(workdir)).params)]

@@ -10,7 +10,7 @@ bf16 projection GEMMs and cuDNN attention, then a 128256-way head). Defaults cit
 model.scan_layers; the GPU-tuning issue keeps or removes each flag by its figures.
 """
 
-from jaxllm.config import apply_preset, default_config_dict
+from jaxllm.config.schema import apply_preset, default_config_dict
 
 
 def get_config():

@@ -13,7 +13,7 @@ scripts/bench_gpu_flags.py drops one flag at a time and flips model.scan_layers;
 removes each flag by its figures.
 """
 
-from jaxllm.config import apply_preset, default_config_dict
+from jaxllm.config.schema import apply_preset, default_config_dict
 
 
 def get_config():

@@ -5,7 +5,7 @@
 
 The JSON file holds any subset of the sections, e.g. {"clean": {"min_words": 20}, "dedup": {"threshold": 0.7}}.
 Unknown sections or fields are errors (a typo must not silently keep a default); values are parsed and errors
-worded as for the training config, by jaxllm/typed_config.py. Every field that changes
+worded as for the training config, by jaxllm/config/typed_config.py. Every field that changes
 what a stage produces is part of that stage's fingerprint, so changing it re-runs the stage.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from jaxllm.typed_config import ConfigError, build, set_value
+from jaxllm.config.typed_config import ConfigError, build, set_value
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,8 @@ def _read_json(path: str | os.PathLike) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[tuple[str, str]] = ()) -> PrepConfig:
-    """Defaults, then the JSON file (if any), then `(section.field, text)` overrides (jaxllm.cli.split_overrides
-    of `--section.field=value` arguments), through the training config's path (jaxllm/typed_config.py): the same
+    """Defaults, then the JSON file (if any), then `(section.field, text)` overrides (jaxllm.config.cli.split_overrides
+    of `--section.field=value` arguments), through the training config's path (jaxllm/config/typed_config.py): the same
     coercion, key checks and ConfigError. Raises ConfigError."""
     tree = build(PrepConfig, _read_json(path) if path is not None else {}).to_dict()
     for key, text in overrides:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxllm.checksums import MANIFEST
+from jaxllm.runs.checksums import MANIFEST
 
 
 def corrupt_checkpoint(step_dir: Path, damage: str, pick: float) -> str:

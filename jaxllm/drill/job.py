@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from jaxllm.distributed import free_port_pair
+from jaxllm.runtime.distributed import free_port_pair
 
 RESUMED = re.compile(r"resuming from checkpoint step (\d+)")
 QUARANTINED = re.compile(r"checkpoints/(\d+) is unreadable.*moved it to \S*corrupt-\1-\d+")

@@ -4,7 +4,7 @@ Every fault lands after the job has logged the loss of a step drawn uniformly fr
 process faults) after a further random fraction of a step time, so that kills also land inside async saves.
 
 - `kill9`: SIGKILL.
-- `sigterm`: SIGTERM, which the job answers by saving the step it is at and exiting 0 (jaxllm/preemption.py).
+- `sigterm`: SIGTERM, which the job answers by saving the step it is at and exiting 0 (jaxllm/runtime/preemption.py).
 - `corrupt`: the job is stopped with SIGTERM (so its newest committed checkpoint is the one it would resume),
   then one file of that checkpoint, listed in its checksum manifest, is truncated or deleted while it is down.
 - `diskfull`: the checkpoint directory is a small tmpfs (jaxllm/drill/disk.py, root only); the fault limits it
@@ -12,7 +12,7 @@ process faults) after a further random fraction of a step time, so that kills al
   is down the space comes back and it restarts.
 - `peer`: SIGKILL to one process of a 2-process job (the whole drill then runs the job, and its reference, as
   2 processes on this host); the other must stop on its own with an error naming the dead process
-  (jaxllm/peer_watch.py), then both restart.
+  (jaxllm/runtime/peer_watch.py), then both restart.
 - `nan`, `spike`: the loop's own injections (`debug.inject_nan_at_step`, `debug.inject_spike_at_step`), at most
   one of each per run; the job handles them in process per `train.on_anomaly` (rollback by default).
 - `hotlr`: a hot update (jaxllm/train/control.py) that halves the LR scale at the drawn step, written to the job's
@@ -84,7 +84,7 @@ def schedule(counts: dict[str, int], seed: int, steps: int, every: int, min_hist
     rolls back and is counted in the checkpoints' rollbacks, see `anomaly_flags`), a spike only once
     `min_history` healthy steps are known, then the hot updates (drawn last, so that adding them leaves the
     other faults of a seed where they were). `stop_every`: a SIGTERM stops the job at the next multiple of it (a
-    multi-process job's processes agree every jaxllm.preemption.CHECK_EVERY steps): sigterm and corrupt faults
+    multi-process job's processes agree every jaxllm.runtime.preemption.CHECK_EVERY steps): sigterm and corrupt faults
     land early enough for the job to stop before its last step."""
     rng = random.Random(seed)
     last = steps - 2  # the job must still be running when the fault lands (one step later at most)

@@ -17,7 +17,7 @@ def compare_params(run_dir: Path, reference_dir: Path, step: int) -> tuple[bool,
     import jax
     import numpy as np
 
-    from jaxllm.evaluate import load_checkpoint
+    from jaxllm.eval.evaluate import load_checkpoint
 
     ours = jax.tree_util.tree_leaves_with_path(load_checkpoint(str(run_dir), step=step).params)
     theirs = jax.tree_util.tree_leaves_with_path(load_checkpoint(str(reference_dir), step=step).params)

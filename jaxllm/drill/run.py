@@ -8,13 +8,13 @@ import os
 import sys
 from pathlib import Path
 
-from jaxllm.cli import UsageError, build_config
+from jaxllm.config.cli import UsageError, build_config
 from jaxllm.drill.disk import DiskError, SmallDisk
 from jaxllm.drill.job import Start, final_history, recorded_hot_updates, write_hot_updates
 from jaxllm.drill.plan import ANOMALY_KINDS, Fault, anomaly_flags, hot_changes, parse_faults, schedule
 from jaxllm.drill.report import compare_params, summarize
 from jaxllm.drill.supervisor import DrillError, Supervisor
-from jaxllm.preemption import CHECK_EVERY
+from jaxllm.runtime.preemption import CHECK_EVERY
 
 # Config keys that may differ between the drilled run and its reference: where it runs, and the injections that
 # each start of the drilled job gets or not (the reference's are checked separately).

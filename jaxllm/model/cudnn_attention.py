@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxllm.config import ConfigError
+from jaxllm.config.schema import ConfigError
 from jaxllm.model.visibility import PackedSegments, attention_mask
 
 

@@ -5,7 +5,7 @@ Dimension letters (shape suffixes and einsum strings):
   N query heads   K kv heads   G query heads per kv head (N = K*G)   H head dim
   F MLP hidden   V vocabulary   L stacked layers
 
-Parameters carry logical axis names in `out_sharding` metadata; `jaxllm.sharding.RULES` maps them to mesh
+Parameters carry logical axis names in `out_sharding` metadata; `jaxllm.parallel.sharding.RULES` maps them to mesh
 axes. Blocks that are stacked over layers take `stack=(L,)`: their parameters get a leading `layers` dimension
 and their `__call__` sees one layer's slice (inside `lax.scan`).
 
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.lora import adapter, project
+from jaxllm.model.lora import adapter, project
 from jaxllm.model.cudnn_attention import cudnn_attention
-from jaxllm.sharding import constrain
+from jaxllm.parallel.sharding import constrain
 
 # Masked attention scores use a large finite negative: -inf would turn fully masked rows (padding) into NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -142,7 +142,7 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
 
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions (q_proj, k_proj, v_proj, o_proj), each projection with
-    an optional LoRA adapter (`lora`: a `jaxllm.lora.LoRAConfig`)."""
+    an optional LoRA adapter (`lora`: a `jaxllm.model.lora.LoRAConfig`)."""
 
     def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None, quant: str = "none"):
         D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -1,6 +1,6 @@
 """The reward model: the decoder's final hidden states and a scalar head, `score` [D, 1] (Hugging Face's
 LlamaForSequenceClassification with num_labels=1; no lm_head). It scores every position; a sequence's reward is
-the score of its last token (jaxllm/post/pairs.py picks those in packed rows).
+the score of its last token (jaxllm/objectives/pairs.py picks those in packed rows).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.config import LoRAConfig, ModelConfig, PrecisionConfig
+from jaxllm.config.schema import LoRAConfig, ModelConfig, PrecisionConfig
 from jaxllm.model.layers import RopeScaling, param
 from jaxllm.model.transformer import Transformer
 

@@ -15,17 +15,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.config import LoRAConfig, ModelConfig, PrecisionConfig
+from jaxllm.config.schema import LoRAConfig, ModelConfig, PrecisionConfig
 from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, param, rope_tables
 from jaxllm.model.visibility import attention_visibility, resolve_attention
-from jaxllm.offload import DEVICE, HOST
-from jaxllm.pipeline import num_stages, pipeline
-from jaxllm.sharding import constrain
+from jaxllm.parallel.offload import DEVICE, HOST
+from jaxllm.parallel.pipeline import num_stages, pipeline
+from jaxllm.parallel.sharding import constrain
 
 _QKV = ("query_proj", "key_proj", "value_proj")
 # Named intermediates (jaxllm/model/layers.py) each named policy keeps, as MaxText's policies of the same names:
 # the projections and the attention context, recomputing the norms, rotations, softmax and SwiGLU product; or only
-# the q/k/v projections, recomputing attention and the whole MLP. jaxllm/activation_memory.py counts the same.
+# the q/k/v projections, recomputing attention and the whole MLP. jaxllm/plan/activation_memory.py counts the same.
 REMAT_SAVED_NAMES = {
     "minimal_with_context": _QKV + ("context", "out_proj", "mlp_gate", "mlp_up", "mlp_out"),
     "save_qkv_proj": _QKV,
@@ -53,7 +53,7 @@ def remat_policy(remat: str, offload: str = "none"):
 
 def residual_seq_axis(sequence_parallel: bool) -> str:
     """The logical name of the residual stream's sequence dimension: `residual_seq` (split over `tensor` by
-    jaxllm.sharding.RULES, Megatron-style sequence parallelism) or the plain, unsplit `seq`."""
+    jaxllm.parallel.sharding.RULES, Megatron-style sequence parallelism) or the plain, unsplit `seq`."""
     return "residual_seq" if sequence_parallel else "seq"
 
 
@@ -73,7 +73,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
 
     def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None, taps: dict | None = None):
-        """The block's output; a `taps` dict (diagnostics, jaxllm/diagnostics/activations.py) receives the
+        """The block's output; a `taps` dict (diagnostics, jaxllm/observe/activations.py) receives the
         intermediates attention and the MLP put there."""
         attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
         residual = ("batch", self.seq_axis, "embed")
@@ -138,7 +138,7 @@ def in_compute_dtype(stacked, dtype):
     """The stacked layers' matrices (kernels and adapters, 3 or more dims) cast to the compute `dtype` once, ahead
     of the layer loop; norm scales stay as they are (they are applied in float32).
 
-    Every matmul casts its weight to the compute dtype anyway (`jaxllm.lora.project`), so the values are the same;
+    Every matmul casts its weight to the compute dtype anyway (`jaxllm.model.lora.project`), so the values are the same;
     cast inside the loop instead, the backward pass casts each kernel a second time and converts each layer's
     gradient on its own (about 5% of the bf16 step of a 6-layer, d256 model on 8 CPU devices, against a plain JAX
     step: scripts/bench_step.py). Under fsdp the layer loop then gathers the weights in the compute dtype."""
@@ -205,7 +205,7 @@ def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat:
 def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", *,
                     microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False, keys_L=None,
                     remat_offload: str = "none", layer_loop=scan_layers, probe=None):
-    """`scan_layers` as a pipeline over the active mesh's `stage` axis (see `jaxllm.pipeline`): each stage
+    """`scan_layers` as a pipeline over the active mesh's `stage` axis (see `jaxllm.parallel.pipeline`): each stage
     runs its own chunks of the stacked layers with `layer_loop` (`scan_layers`, or `unroll_layers` to unroll
     within a chunk); visibility (mask or packed documents) and rotary tables travel with their micro-batch.
     Per-layer keys travel with their layers, so a step's micro-batches share them. Returns (x_BTD, stats) as
@@ -251,7 +251,7 @@ class Transformer(nnx.Module):
         self.precision = precision
         self.compute_dtype = jnp.dtype(precision.compute)
         self.output_dtype = jnp.dtype(precision.output)
-        # Adapters (jaxllm.lora) on the stacked projections; None or rank 0: none. Static, in the graphdef.
+        # Adapters (jaxllm.model.lora) on the stacked projections; None or rank 0: none. Static, in the graphdef.
         self.lora = lora if lora is not None and lora.rank else None
         self.embed_tokens = Embed(cfg.vocab_size, cfg.dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
         self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs, lora=self.lora,
@@ -267,7 +267,7 @@ class Transformer(nnx.Module):
 
     def probed_hidden_states(self, tokens_BT, segment_ids_BT, positions_BT, probe):
         """(`hidden_states` without dropout, the statistics `probe` took of every layer, stacked [L, ...]): the
-        diagnostic forward of jaxllm/diagnostics/activations.py. `probe(layer, x_BTD, visible, sin_BTh, cos_BTh,
+        diagnostic forward of jaxllm/observe/activations.py. `probe(layer, x_BTD, visible, sin_BTh, cos_BTh,
         key) -> (out_BTD, stats)` runs each layer in place of its plain call, inside the same layer loop
         (scanned, unrolled or pipelined); stats must be per row ([B, ...] leaves) for the pipeline."""
         return self._run_layers(tokens_BT, segment_ids_BT, positions_BT, None, probe)

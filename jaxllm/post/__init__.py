@@ -1,1 +1,3 @@
-"""Post-training on preference pairs: DPO and reward-model losses, per-sequence values of preference rows."""
+"""Kept only so that `jaxllm.post.losses` keeps importing: the post-training modules live in
+`jaxllm.objectives` (the losses in `jaxllm.objectives.losses`).
+"""

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import AnomalyConfig
+from jaxllm.config.schema import AnomalyConfig
 
 
 def window_stats(window):

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxllm.checkpoint import CheckpointError, Checkpointer
-from jaxllm.config import Config, ConfigError, validate
-from jaxllm.sharding import sharding_tree
+from jaxllm.runs.checkpoint import CheckpointError, Checkpointer
+from jaxllm.config.schema import Config, ConfigError, validate
+from jaxllm.parallel.sharding import sharding_tree
 
 # ModelConfig fields that describe the network itself (adopted from the base); the others (remat, attention,
 # init_std, preset) are choices of this run.
@@ -63,13 +63,13 @@ class Base:
             finally:
                 source.close()
         if self.kind == "jaxllm-lora":
-            from jaxllm.evaluate import load_checkpoint
-            from jaxllm.lora import merge
+            from jaxllm.eval.evaluate import load_checkpoint
+            from jaxllm.model.lora import merge
 
             dtype = jnp.dtype(jax.tree.leaves(abstract)[0].dtype).name
             loaded = load_checkpoint(str(self.path), mesh=mesh, compute=dtype)
             return _placed_like(nnx.state(merge(loaded.model), nnx.Param), abstract, mesh)
-        from jaxllm import hf
+        from jaxllm.interop import hf
 
         dtype = jax.tree.leaves(abstract)[0].dtype
         model = hf.from_pretrained(self.path, mesh=mesh, dtype=jnp.dtype(dtype).name)
@@ -93,7 +93,7 @@ def locate(restore_from: str) -> Base:
 
     path = Path(restore_from).absolute()
     if is_hf_directory(path):
-        from jaxllm import hf
+        from jaxllm.interop import hf
 
         hf_cfg = json.loads((path / "config.json").read_text())
         try:

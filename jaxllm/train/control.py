@@ -39,7 +39,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxllm.optim import current_clip_norm, with_clip_norm
+from jaxllm.optim.chain import current_clip_norm, with_clip_norm
 
 CONTROL_FILE = "control.json"
 HOT_UPDATES = "hot_updates"  # the checkpoint metadata key of the applied changes

@@ -8,7 +8,7 @@ fires once per process: a rolled-back step that runs again is not injected again
 `debug.stall_at_step=K` makes the loop wait `debug.stall_s` seconds for step K's metrics, a hung step for the
 hang watchdog (train.hang_timeout_s) to catch.
 
-`debug.zero_layer` and `debug.data_sleep_s` seed pathologies for the diagnosis (jaxllm/diagnostics): a dead layer
+`debug.zero_layer` and `debug.data_sleep_s` seed pathologies for the diagnosis (jaxllm/diagnose): a dead layer
 and a throttled loader.
 """
 
@@ -20,7 +20,7 @@ import time
 import jax
 from flax import nnx
 
-from jaxllm.config import DebugConfig
+from jaxllm.config.schema import DebugConfig
 from jaxllm.train.objective import Objective
 
 NAN_FACTOR, SPIKE_FACTOR = float("nan"), 1000.0

@@ -6,7 +6,7 @@ on the devices, so the host's Python (data, logging) overlaps device work instea
 
 The parts, each small: `Run` (the mutable position of the run: state, data offset, rollbacks, batch source),
 `StepRunner` (the compiled step and its drill variants), `MetricsLog` (jaxllm/train/metrics_log.py: metrics.jsonl,
-progress bar, timing), `HangWatchdog` (jaxllm/watchdog.py: exits when steps stop completing), `AnomalyPolicy`
+progress bar, timing), `HangWatchdog` (jaxllm/runtime/watchdog.py: exits when steps stop completing), `AnomalyPolicy`
 (jaxllm/train/recovery.py: what a flagged step calls for), `HotUpdates` (jaxllm/train/control.py: an
 operator's changes from `<workdir>/control.json`) and `train`, whose loop reads top to bottom as what
 happens in a step.
@@ -25,26 +25,26 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxllm import powersgd
-from jaxllm.auto_fit import GB
-from jaxllm.checkpoint import Checkpointer
-from jaxllm.config import AUTO_GRAD_ACCUM, AUTO_REMAT, AUTO_VOCAB, Config, ConfigError
+from jaxllm.optim import powersgd
+from jaxllm.plan.auto_fit import GB
+from jaxllm.runs.checkpoint import Checkpointer
+from jaxllm.config.schema import AUTO_GRAD_ACCUM, AUTO_REMAT, AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
-from jaxllm.diagnostics.activations import activation_stats
-from jaxllm.diagnostics.comms import step_comms
-from jaxllm.diagnostics.memory import format_step_memory, step_memory
-from jaxllm.diagnostics.profiler import StepProfiler
-from jaxllm.diagnostics.variant import DiagnosticSteps
-from jaxllm.loss_scale import loss_scaling
-from jaxllm.mesh import make_mesh
-from jaxllm.metrics import JsonlWriter
+from jaxllm.observe.activations import activation_stats
+from jaxllm.observe.comms import step_comms
+from jaxllm.observe.memory import format_step_memory, step_memory
+from jaxllm.observe.profiler import StepProfiler
+from jaxllm.train.diagnostic_step import DiagnosticSteps
+from jaxllm.optim.loss_scale import loss_scaling
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.observe.metrics import JsonlWriter
 from jaxllm.model.visibility import resolve_attention
-from jaxllm.offload import HOST, require_host_memory
-from jaxllm.optim import make_optimizer
-from jaxllm.preemption import PreemptionGuard
-from jaxllm.sample import greedy_generate
-from jaxllm.sharding import format_replicated, replicated_rows, sharding_tree
-from jaxllm.task_eval import format_table
+from jaxllm.parallel.offload import HOST, require_host_memory
+from jaxllm.optim.chain import make_optimizer
+from jaxllm.runtime.preemption import PreemptionGuard
+from jaxllm.model.sample import greedy_generate
+from jaxllm.parallel.sharding import format_replicated, replicated_rows, sharding_tree
+from jaxllm.eval.task_eval import format_table
 from jaxllm.train.control import HOT_UPDATES, HotUpdates
 from jaxllm.train.faults import planned_faults, planned_stalls, with_scaled_loss
 from jaxllm.train.metrics_log import MetricsLog
@@ -52,7 +52,7 @@ from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.recovery import Recovery, restore_start
 from jaxllm.train.state import abstract_objective_state, state_shardings
 from jaxllm.train.step import batch_sharding, jit_eval_step, jit_train_step, make_eval_step, make_train_step, process_rows
-from jaxllm.watchdog import HangWatchdog
+from jaxllm.runtime.watchdog import HangWatchdog
 
 HOLD_TIMEOUT_S = 600.0
 
@@ -204,26 +204,26 @@ def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
     """The objective `train.objective` names, and the config as it shapes it (fine-tuning adopts the base
     model's architecture)."""
     if cfg.train.objective == "sft":
-        from jaxllm.train.sft import sft_objective
+        from jaxllm.objectives.sft import sft_objective
 
         return sft_objective(cfg, jax.device_count(), log)
     if cfg.train.objective == "reward":
-        from jaxllm.train.reward import reward_objective
+        from jaxllm.objectives.reward import reward_objective
 
         return reward_objective(cfg, jax.device_count(), log)
     if cfg.train.objective == "dpo":
-        from jaxllm.train.dpo import dpo_objective
+        from jaxllm.objectives.dpo import dpo_objective
 
         return dpo_objective(cfg, jax.device_count(), log)
     if cfg.train.objective == "grpo":
-        from jaxllm.train.grpo import grpo_objective
+        from jaxllm.objectives.grpo import grpo_objective
 
         return grpo_objective(cfg, jax.device_count(), log)
     if cfg.train.objective == "ppo":
-        from jaxllm.train.ppo import ppo_objective
+        from jaxllm.objectives.ppo import ppo_objective
 
         return ppo_objective(cfg, jax.device_count(), log)
-    from jaxllm.train.pretrain import pretrain_objective, with_store_vocab
+    from jaxllm.objectives.pretrain import pretrain_objective, with_store_vocab
 
     cfg = with_store_vocab(cfg)
     return cfg, pretrain_objective(cfg)
@@ -238,7 +238,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     if is_main:  # before any work: a run directory that cannot be made is a bad --workdir
         make_workdir(workdir)
     if objective is None:
-        from jaxllm.auto_fit import resolve_auto  # before the model is built: its remat policy is part of it
+        from jaxllm.plan.auto_fit import resolve_auto  # before the model is built: its remat policy is part of it
 
         cfg = resolve_auto(cfg, log)
         cfg, objective = objective_for(cfg, log)
@@ -310,7 +310,7 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     metrics_log = MetricsLog(cfg, mesh, workdir, start_step, is_main, stream, objective.progress_metrics,
                              on_step=watchdog.beat, stalls=planned_stalls(cfg.debug))
     summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak,
-                     # which device ran it: the diagnosis judges MFU only against a known peak (jaxllm.metrics)
+                     # which device ran it: the diagnosis judges MFU only against a known peak (jaxllm.observe.metrics)
                      "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
                      "memory": memory, "comms": comms}
     if start.base is not None:

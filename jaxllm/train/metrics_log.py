@@ -13,13 +13,13 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxllm.config import Config
-from jaxllm.diagnostics.step_timing import HostTimes
-from jaxllm.diagnostics.variant import split_diag
-from jaxllm.diagnostics.writers import MetricsWriter
-from jaxllm.metrics import mfu, peak_flops_per_device
+from jaxllm.config.schema import Config
+from jaxllm.observe.step_timing import HostTimes
+from jaxllm.train.diagnostic_step import split_diag
+from jaxllm.observe.writers import MetricsWriter
+from jaxllm.observe.metrics import mfu, peak_flops_per_device
 from jaxllm.model.transformer import train_flops_per_token
-from jaxllm.progress import ProgressBar
+from jaxllm.observe.progress import ProgressBar
 
 
 class MetricsLog:
@@ -59,7 +59,7 @@ class MetricsLog:
     def report(self, step: int, metrics, host: dict, tokens: int) -> dict:
         """Fetch one step's metrics (blocks on that step only), log them with the `host` ones of its batch (see
         `host_metrics`), its throughput (`tokens` slots in the batch) and the host time breakdown since the last
-        record (`host_times`, jaxllm/diagnostics/step_timing.py), return them."""
+        record (`host_times`, jaxllm/observe/step_timing.py), return them."""
         time.sleep(self.stalls.pop(step, 0.0))
         values, diag = split_diag({k: float(v) for k, v in jax.device_get(metrics).items()})
         now = time.perf_counter()
@@ -69,7 +69,7 @@ class MetricsLog:
         record = dict(values, step=step, step_time_s=step_time, tokens_per_sec=tps, mfu=self.mfu(tps),
                       mfu_causal=self.mfu(tps, causal=True), **host, **self.host_times.take())
         self.writer.write(record)
-        if diag:  # the diagnostic variant's statistics (jaxllm/diagnostics/): a record of their own
+        if diag:  # the diagnostic variant's statistics (jaxllm/observe/): a record of their own
             self.writer.write({"step": step, **diag})
         self.step_times.append(step_time)
         self.step_tokens.append(tokens)

@@ -15,9 +15,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxllm.checkpoint import CheckpointError, CheckpointMismatch, Checkpointer
-from jaxllm.config import Config, ConfigError
-from jaxllm.loss_scale import loss_scaling
+from jaxllm.runs.checkpoint import CheckpointError, CheckpointMismatch, Checkpointer
+from jaxllm.config.schema import Config, ConfigError
+from jaxllm.optim.loss_scale import loss_scaling
 from jaxllm.train.anomaly import incident_kind
 from jaxllm.train.base_model import check_same_base, fingerprint
 from jaxllm.train.control import HOT_UPDATES
@@ -288,7 +288,7 @@ class Recovery:
         """Handle `record` (one step's fetched metrics) for `run`; True when `run` was rolled back."""
         step = record["step"]
         incident = dict(step=step, loss=record["loss"], grad_norm=record["grad_norm"], kind=incident_kind(record))
-        if "diag/first_nonfinite" in record:  # named by the diagnostic variant (jaxllm/diagnostics/variant.py)
+        if "diag/first_nonfinite" in record:  # named by the diagnostic variant (jaxllm/train/diagnostic_step.py)
             incident["first_nonfinite"] = record["diag/first_nonfinite"]
         if record["grad_spike"] and not record["anomaly"]:  # counted and reported, not acted on
             self.grad_spikes += 1

@@ -15,13 +15,13 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from jaxllm import powersgd
-from jaxllm.config import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
-from jaxllm.loss_scale import LossScale, new_loss_scale
+from jaxllm.optim import powersgd
+from jaxllm.config.schema import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.optim.loss_scale import LossScale, new_loss_scale
 from jaxllm.model.transformer import Transformer
-from jaxllm.offload import host_shardings
-from jaxllm.optim import current_clip_norm, with_clip_norm, without_clip_norm
-from jaxllm.sharding import sharding_tree
+from jaxllm.parallel.offload import host_shardings
+from jaxllm.optim.chain import current_clip_norm, with_clip_norm, without_clip_norm
+from jaxllm.parallel.sharding import sharding_tree
 from jaxllm.train.anomaly import empty_window
 
 
@@ -30,12 +30,12 @@ class TrainState:
     """Everything the train step updates and a checkpoint holds.
 
     `params` are the objective's trainable variables and `opt_state` their optimizer state (with the learning
-    rate and the clipping threshold as hyperparameters, jaxllm/optim.py). `lr_scale` multiplies every update
+    rate and the clipping threshold as hyperparameters, jaxllm/optim/chain.py). `lr_scale` multiplies every update
     (recovery lowers it, hot updates change it; it survives restarts). `rng` is the run's key data: step N
     draws from `fold_in(rng, N)`, so dropout resumes bitwise. `loss_window` and `grad_window` hold the last
     healthy steps' loss and gradient norm (NaN = empty) for the anomaly checks inside the step. `loss_scale` is
-    float16 loss scaling's scale and counter (jaxllm/loss_scale.py; 1.0 and never read without scaling).
-    `powersgd` is the gradient compression's state (`jaxllm.powersgd.PowerSGDState`; None without compression).
+    float16 loss scaling's scale and counter (jaxllm/optim/loss_scale.py; 1.0 and never read without scaling).
+    `powersgd` is the gradient compression's state (`jaxllm.optim.powersgd.PowerSGDState`; None without compression).
     """
 
     step: jax.Array
@@ -66,7 +66,7 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, key: jax.Array,
                 pipeline: PipelineConfig = PipelineConfig(), lora: LoRAConfig | None = None,
                 rope_scaling=None, model_class=Transformer, sequence_parallel: bool = False) -> Transformer:
     """Construct the model (`model_class`: the LM, or jaxllm.model.reward.RewardModel) without flax's eager
-    sharding: placement is decided by `jaxllm.sharding` instead. `sequence_parallel` is
+    sharding: placement is decided by `jaxllm.parallel.sharding` instead. `sequence_parallel` is
     `config.MeshConfig.sequence_parallel`: a static layout choice that leaves the parameters unchanged."""
     with nnx.use_eager_sharding(False):
         return model_class(cfg, precision, rngs=nnx.Rngs(params=key), pipeline_microbatches=pipeline.microbatches,
@@ -79,7 +79,7 @@ def abstract_model(cfg: ModelConfig, precision: PrecisionConfig,
     """The model with ShapeDtypeStructs in place of arrays: no memory allocated.
 
     Plain `jax.eval_shape` rather than `nnx.eval_shape`: the latter resolves `out_sharding` names against the
-    active mesh itself, and in jaxllm logical names are resolved by `jaxllm.sharding` only.
+    active mesh itself, and in jaxllm logical names are resolved by `jaxllm.parallel.sharding` only.
     """
     graphdef, state = jax.eval_shape(lambda: nnx.split(build_model(cfg, precision, jax.random.key(0), pipeline)))
     return nnx.merge(graphdef, state)
@@ -166,7 +166,7 @@ def state_from_params(params, tx, shardings: TrainState, seed: int, window: int 
 
 def abstract_train_state(cfg: ModelConfig, precision: PrecisionConfig, tx, window: int = 50) -> TrainState:
     """Shapes and dtypes of the language model's whole train state, without allocating it."""
-    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.objectives.pretrain import lm_objective
 
     return abstract_objective_state(lm_objective(cfg, precision), tx, window)[0]
 
@@ -178,7 +178,7 @@ def create_train_state(cfg: ModelConfig, precision: PrecisionConfig, tx, mesh, s
     Returns (graphdef, state, state_shardings); `nnx.merge(graphdef, state.params)` rebuilds the model (the
     pipeline schedule lives in the graphdef; parameters are laid out the same for every schedule).
     """
-    from jaxllm.train.pretrain import lm_objective
+    from jaxllm.objectives.pretrain import lm_objective
 
     objective = lm_objective(cfg, precision, pipeline)
     state, _, shardings, _ = init_objective_state(objective, tx, mesh, seed, window)

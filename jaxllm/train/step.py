@@ -17,15 +17,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllm.config import AnomalyConfig
-from jaxllm.diagnostics.norms import step_norms
-from jaxllm.loss_scale import NO_LOSS_SCALING, LossScaling, excuse_overflow, non_finite
-from jaxllm.offload import on_host, stream_opt_state
-from jaxllm.optim import current_clip_norm, current_lr
-from jaxllm.powersgd import PowerSGD, compressed_grads_and_loss
-from jaxllm.sharding import active_mesh, constrain, logical_to_spec, spec_tree
+from jaxllm.config.schema import AnomalyConfig
+from jaxllm.observe.norms import step_norms
+from jaxllm.optim.loss_scale import NO_LOSS_SCALING, LossScaling, excuse_overflow, non_finite
+from jaxllm.parallel.offload import on_host, stream_opt_state
+from jaxllm.optim.chain import current_clip_norm, current_lr
+from jaxllm.optim.powersgd import PowerSGD, compressed_grads_and_loss
+from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, spec_tree
 from jaxllm.train.anomaly import detect, push
-from jaxllm.train.pretrain import next_token_loss
+from jaxllm.objectives.pretrain import next_token_loss
 from jaxllm.train.state import TrainState
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -95,7 +95,7 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next
     Micro-batch i draws from `fold_in(rng, i)`; `metrics` (from `loss_fn`) are averaged over micro-batches.
     The accumulated gradients (the scan's carry) and each micro-batch's gradients are pinned to the parameters'
     layout: under fsdp the carry is split like the parameters, never a replicated float32 copy.
-    With a loss `scale` (jaxllm/loss_scale.py) the backward pass runs on the loss times `scale`, and the
+    With a loss `scale` (jaxllm/optim/loss_scale.py) the backward pass runs on the loss times `scale`, and the
     accumulated gradients are divided by it again: they come back unscaled (non-finite where it overflowed).
     """
     def loss_of(p, mb, key):
@@ -153,10 +153,10 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
                     compression: PowerSGD | None = None) -> Callable:
     """`step(state, batch, frozen=NO_FROZEN) -> (state, metrics)` for `objective` (see the module docstring).
     Metrics are device scalars (the loop reads them one step late), among them the global norms of
-    `jaxllm.diagnostics.norms.step_norms` (against the clipping threshold in the optimizer state, 0: none).
+    `jaxllm.observe.norms.step_norms` (against the clipping threshold in the optimizer state, 0: none).
 
     With `observe`, the step returns `(state, metrics, observe(trace))` instead: the same computation with more
-    outputs (the diagnostic variant, jaxllm/diagnostics/variant.py). Without it nothing of it is traced.
+    outputs (the diagnostic variant, jaxllm/train/diagnostic_step.py). Without it nothing of it is traced.
 
     Every step checks for anomalies (`jaxllm.train.anomaly.detect` against the state's history windows); with
     `skip_anomalies` an anomalous step leaves parameters and optimizer state unchanged, decided inside the
@@ -166,7 +166,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
     gradients overflow is skipped the same way (optimizer step count included) without being an anomaly or
     entering the history windows; metrics gain `loss_scale` (the scale this step used) and `overflow` (0 or 1).
 
-    With `compression` (PowerSGD, jaxllm/powersgd.py; the state carries its `powersgd` state) the gradients are
+    With `compression` (PowerSGD, jaxllm/optim/powersgd.py; the state carries its `powersgd` state) the gradients are
     computed per `data` shard, unscaled, and reduced over `data` as low-rank factors; the optimizer sees the
     decompressed mean. A skipped step (overflow, anomaly) leaves the compression's state unchanged too.
     """

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from jaxllm.cli import UsageError, fail, parser  # noqa: E402
+from jaxllm.config.cli import UsageError, fail, parser  # noqa: E402
 
 TEMPLATES = {"slurm": Path(__file__).with_name("slurm.sbatch"), "jobset": Path(__file__).with_name("jobset.yaml")}
 

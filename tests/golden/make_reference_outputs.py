@@ -52,7 +52,7 @@ LORA = dict(r=8, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 NEW_TOKENS = 8
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [42]]
-# (context, continuation) pairs scored by summed log-probs, as jaxllm.evaluate.continuation_logprobs does.
+# (context, continuation) pairs scored by summed log-probs, as jaxllm.eval.evaluate.continuation_logprobs does.
 PAIRS = [([1, 17, 33], [9]), ([1, 4], [50, 2, 61, 7]), ([3, 3, 3, 3, 3, 3, 3, 3], [12, 40])]
 GREEDY_MARGIN = 1e-3  # greedy steps need a top-1 / top-2 logit gap well above the tests' 1e-4 logits tolerance
 

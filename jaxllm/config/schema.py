@@ -1,0 +1,954 @@
+"""Typed configuration: the ConfigDict from `configs/*.py` is validated once into frozen dataclasses.
+
+Every check names the key it rejects (`mesh.tensor: ...`), so scripts can print one line and exit 2.
+Functions downstream take only their own sub-config (`ModelConfig`, `OptimConfig`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+from jaxllm.model.presets import GPU_PRESETS, PRESETS
+from jaxllm.config.typed_config import ConfigError, build
+
+MESH_AXES = ("data", "fsdp", "tensor", "stage")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "save_dots", "minimal_with_context", "save_qkv_proj")
+GRAD_COMPRESSIONS = ("none", "powersgd")  # optim.grad_compression (jaxllm/optim/powersgd.py)
+OFFLOADS = ("none", "host")  # optim.offload, model.remat_offload (jaxllm/parallel/offload.py)
+ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
+OPTIMIZERS = ("adamw", "lamb", "adafactor")
+SCHEDULES = ("cosine", "constant", "wsd")
+OBJECTIVES = ("pretrain", "sft", "reward", "dpo", "grpo", "ppo")
+DPO_LOSSES = ("sigmoid", "ipo", "robust")
+DPO_REFERENCES = ("shared", "precomputed")
+GRPO_LOSS_AGGS = ("dapo", "grpo", "bnpo", "dr_grpo")  # GRPO's loss aggregations (jaxllm.objectives.losses)
+KL_ESTIMATORS = ("k1", "k2", "k3")  # per-token KL estimators (jaxllm.objectives.losses.kl_penalty)
+SFT_TEMPLATES = ("alpaca", "chatml", "model")
+OVERLONG_RULES = ("truncate", "drop")
+AUTO_VOCAB = 0  # model.vocab_size "auto": the tokenizer's size, padded (resolve_vocab_size)
+VOCAB_MULTIPLE = 128  # "auto" pads to a multiple of this times mesh.tensor (Megatron's make-vocab-size-divisible-by)
+AUTO_GRAD_ACCUM = 0  # optim.grad_accum "auto": the fewest micro-batches that fit (jaxllm/plan/auto_fit.py)
+AUTO_REMAT = "auto"  # model.remat "auto": the least recomputation that fits (jaxllm/plan/auto_fit.py)
+# keys that accept "auto" on the command line, and what it stores
+AUTO_VALUES = {"model.vocab_size": AUTO_VOCAB, "optim.grad_accum": AUTO_GRAD_ACCUM, "model.remat": AUTO_REMAT}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the four mesh axes (their product is the device count, over all processes).
+
+    With several processes (hosts) the `dcn_*` sizes say how much of each axis crosses hosts: axis `a` is laid out
+    as `dcn_a` host groups of `a / dcn_a` devices inside a host (a hybrid mesh), so axes with dcn size 1 stay on the
+    fast intra-host links. All 0 (the default): the processes go on `data`, then `stage`, then `fsdp`; never on
+    `tensor` unless asked for.
+
+    `sequence_parallel` (Megatron-style sequence parallelism): the residual stream between the attention and MLP
+    blocks (embedding output, layer outputs, the norms) is split along the sequence over `tensor` instead of
+    being replicated there, so those activations take 1/tensor of the memory; the sequence is all-gathered
+    before the q/k/v and gate/up projections and reduce-scattered after o_proj and down_proj (in place of the
+    all-reduce). Same losses, same parameters and checkpoints. Needs `train.seq_len` divisible by `tensor`;
+    with tensor = 1 it changes nothing.
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    stage: int = 1
+    dcn_data: int = 0
+    dcn_fsdp: int = 0
+    dcn_tensor: int = 0
+    dcn_stage: int = 0
+    sequence_parallel: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.data, self.fsdp, self.tensor, self.stage)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dcn_shape(self) -> tuple[int, int, int, int]:
+        """How many host groups each axis spans (unset sizes count as 1)."""
+        return tuple(max(d, 1) for d in (self.dcn_data, self.dcn_fsdp, self.dcn_tensor, self.dcn_stage))
+
+    @property
+    def host_shape(self) -> tuple[int, int, int, int]:
+        """The axis sizes inside one host (process)."""
+        return tuple(size // dcn for size, dcn in zip(self.shape, self.dcn_shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics-independent options of the Llama-style decoder.
+
+    `vocab_size` "auto" (stored as 0) is the tokenizer's size padded up to a multiple of 128 * mesh.tensor,
+    resolved when the run opens its data (or, for a plan, reads the token store's manifest); padding ids are
+    never sampled."""
+
+    vocab_size: int = 4096
+    dim: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    mlp_dim: int = 768
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    remat: str = "none"  # or "auto": chosen before training by jaxllm/plan/auto_fit.py
+    # "host": what `remat` saves for the backward pass (save_dots, minimal_with_context, save_qkv_proj) goes to
+    # pinned host memory instead of staying on the device; "none": it stays (jaxllm/parallel/offload.py).
+    remat_offload: str = "none"
+    # Sequence positions per chunk of the output head's loss (jaxllm/model/head.py); 0: the whole sequence at once.
+    loss_chunk: int = 0
+    # auto: cudnn on GPUs when computing in bf16/fp16, else xla (see jaxllm.model.visibility.resolve_attention)
+    attention: str = "auto"
+    # False: the training forward runs the stacked layers in an unrolled Python loop (transformer.unroll_layers;
+    # within each stage under the pipeline) instead of lax.scan, so XLA can schedule and fuse across layers (on
+    # GPUs); compile time grows with depth. Same parameters, checkpoints and results. KV-cache decoding scans.
+    scan_layers: bool = True
+    preset: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Mixed-precision policy: storage of parameters/optimizer state, matmul compute, and logits. `compute`
+    "auto" picks bfloat16 where the hardware computes it natively, else float32 (jaxllm/config/auto_precision.py).
+    `loss_scale` (jaxllm/optim/loss_scale.py): "auto" (dynamic for float16 compute, else none), "dynamic", "static:<v>"
+    or "none"; the dynamic scale doubles after `loss_scale_growth_interval` consecutive finite steps."""
+
+    params: str = "float32"
+    compute: str = "bfloat16"
+    output: str = "float32"
+    loss_scale: str = "auto"
+    loss_scale_growth_interval: int = 2000
+    # Quantised weight matmuls in training: "none", "int8" (qwix, forward and backward; jaxllm/model/quant.py), "fp8".
+    quant: str = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer, learning-rate schedule, clipping and gradient accumulation."""
+
+    name: str = "adamw"
+    lr: float = 3e-4
+    schedule: str = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    grad_accum: int = 1  # "auto" (stored as 0): the fewest micro-batches that fit (jaxllm/plan/auto_fit.py)
+    # "host": the optimizer state lives in pinned host memory and streams to the device for the update inside
+    # the step (jaxllm/parallel/offload.py); "none": it stays on the device.
+    offload: str = "none"
+    # "powersgd": gradients cross the `data` mesh axis as rank-`powersgd_rank` PowerSGD factors with error
+    # feedback, after `powersgd_start_step` uncompressed steps (jaxllm/optim/powersgd.py); "none": whole, as XLA
+    # all-reduces them. 100 uncompressed steps: under AdamW each compressed step of early training costs
+    # progress that is never made up (on the default job over data=8, 300 steps, rank 4 from step 10 / 50 / 100
+    # ends 14.9% / 5.7% / 3.5% above the uncompressed held-out loss, scripts/bench_powersgd.py); torch's hook
+    # likewise starts at step 1000 and advises >= 10% of the run and >= the LR warm-up.
+    grad_compression: str = "none"
+    powersgd_rank: int = 4
+    powersgd_start_step: int = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Length and shape of the run, and what it trains: `objective` "pretrain" (next-token prediction on a token
+    store), "sft" (supervised fine-tuning, see SFTConfig), "reward" (a reward model on preference pairs, see
+    PreferenceConfig and RewardConfig), "dpo" (direct preference optimisation, see DPOConfig), "grpo" (group
+    relative policy optimisation on the policy's own rollouts, see GRPOConfig) or "ppo" (proximal policy
+    optimisation with a critic, see PPOConfig). The end-of-run
+    greedy sample continues `sample_prompt` (empty: the objective's own prompt) by `sample_tokens` tokens.
+
+    `hang_timeout_s` (0: off): when no step completes for that long (the first step of the loop: twice that),
+    every process that notices dumps its threads' stacks and exits with code 75 for the scheduler to requeue
+    (jaxllm/runtime/watchdog.py). 30 minutes is far above a healthy step plus what runs between steps (evaluation, a
+    checkpoint's blocking part, a rollback's restore) at any scale, and as long as NCCL's own default
+    collective timeout; a false alarm costs a requeue, a silent hang the rest of the allocation."""
+
+    objective: str = "pretrain"
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 1
+    sample_tokens: int = 48
+    sample_prompt: str = ""
+    on_anomaly: str = "rollback"
+    hang_timeout_s: float = 1800.0
+    # optim.grad_accum / model.remat "auto" pick what fits memory_fraction x the device's memory, or x
+    # memory_budget_gb (10^9 bytes per device; > 0 stands in for the device's limit, e.g. on a CPU).
+    memory_budget_gb: float = 0.0
+    memory_fraction: float = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the token store lives and how it is read."""
+
+    path: str = "build/data/shakespeare"
+    num_workers: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in `<workdir>/checkpoints`: async saves every `every` steps, the last `keep` kept plus
+    every `keep_every`-th step permanently (0: none). `restore_from` starts a new run from another run's
+    checkpoint directory (or one step directory in it): parameters only, or everything with `restore_all`."""
+
+    every: int = 100
+    keep: int = 3
+    keep_every: int = 0
+    async_save: bool = True
+    restore_from: str = ""
+    restore_all: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AnomalyConfig:
+    """Anomaly detection (jaxllm/train/anomaly.py). A non-finite loss or gradient norm is an anomaly, and so is
+    a loss spike: on the log scale, more than `z` standard deviations above the mean of the last `window` healthy
+    steps (once `min_history` are known) and at least `loss_ratio` times their geometric mean. Gradient-norm
+    spikes (`grad_z`, `grad_ratio`, the same way) are counted and reported, and acted on only with
+    `act_on_grad_spike` (clipping already bounds them). Without `act_on_loss_spike` loss spikes are only
+    reported too (preference losses near zero jump many times over from batch to batch in healthy runs). An
+    anomaly is handled per `train.on_anomaly`."""
+
+    window: int = 50
+    min_history: int = 20
+    z: float = 6.0
+    loss_ratio: float = 1.5
+    grad_z: float = 6.0
+    grad_ratio: float = 4.0
+    act_on_grad_spike: bool = False
+    act_on_loss_spike: bool = True
+    lr_factor: float = 0.5
+    max_rollbacks: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugConfig:
+    """Fault injection for tests and drills (0: off). Each fires once per process, at that step.
+
+    `hold_at_step`: after step K's metrics are written, the loop waits (up to 10 minutes) for SIGTERM/SIGINT
+    before going on, so that a test's signal or kill always lands mid-run however fast the steps are.
+    `stall_at_step`: the loop waits `stall_s` seconds for step K's metrics, as if step K hung on the devices
+    (a drill for `train.hang_timeout_s`; the default outlasts any watchdog timeout worth drilling).
+    Seeded pathologies for the diagnosis (scripts/seeded_pathologies.py), pretraining only: `zero_layer` (-1:
+    off) starts that layer with every weight zero, a dead layer (all-zero weights get zero gradients, so it
+    never trains); `data_sleep_s` sleeps that long before each train batch, a throttled loader.
+    `emulate_fp8`: accept precision.quant=fp8 on a CPU, where XLA widens the float8 dots to float32: fp8's
+    numerics without its speed, for convergence checks (scripts/bench_quant.py).
+    """
+
+    inject_nan_at_step: int = 0
+    inject_spike_at_step: int = 0
+    hold_at_step: int = 0
+    stall_at_step: int = 0
+    stall_s: float = 3600.0
+    zero_layer: int = -1
+    data_sleep_s: float = 0.0
+    emulate_fp8: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DiagnosticsConfig:
+    """Per-layer statistics (jaxllm/observe/): every `every` steps (0: never) that step runs a second compiled
+    variant of the train step, with the same update, that also measures per-layer and per-group norms of
+    gradients, parameters and updates, activation statistics and the optimizer's second moments (`diag/...`
+    records of metrics.jsonl). The production step is the same program whatever `every` is."""
+
+    every: int = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """Where each metrics record goes besides `<workdir>/metrics.jsonl` (always written): TensorBoard event files
+    in `<workdir>/tb` (tensorboardX, no TensorFlow) with `tensorboard`, and a Weights & Biases run in project
+    `wandb_project` with `wandb` (the optional `wandb` extra; offline into `<workdir>/wandb` unless WANDB_MODE
+    asks otherwise and an API key is there). See jaxllm/observe/writers.py."""
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "jaxllm"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A `jax.profiler` trace of `steps` train steps from step `start_step` (0: off) into `<workdir>/profile`
+    (TensorBoard's profile plugin / xprof, and Perfetto: perfetto_trace.json.gz). See
+    jaxllm/observe/profiler.py."""
+
+    start_step: int = 0
+    steps: int = 3
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Adapters of rank `rank` on `targets` (comma-separated projection names), scaled by alpha / rank (alpha /
+    sqrt(rank) with `rslora`), with dropout `dropout` on their input. Rank 0 means full fine-tuning (no
+    adapters)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.1
+    targets: str = "q_proj,v_proj"
+    rslora: bool = False
+
+    @property
+    def target_list(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+ANOMALY_POLICIES = ("rollback", "skip", "abort")
+
+
+@dataclasses.dataclass(frozen=True)
+class FineTuningData:
+    """The data fields SFT and preference learning share (see each): JSON-lines files, the held-out fraction,
+    the template, the overlong rule and the tokenizer."""
+
+    train_file: str = ""
+    eval_file: str = ""
+    eval_fraction: float = 0.05
+    template: str = "alpaca"
+    overlong: str = "truncate"
+    tokenizer: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(FineTuningData):
+    """Supervised fine-tuning data (train.objective="sft"), prepared into `data.path` at the start of the run
+    (skipped when it is up to date).
+
+    `train_file` / `eval_file`: JSON lines of {"prompt", "response"} or {"messages": [{"role", "content"}...]}
+    (an optional "task" names the group an example's metrics are reported in); no `eval_file`: a seeded
+    `eval_fraction` of the train file is held out. `template` renders examples as tokens (jaxllm/data/sft.py):
+    "alpaca", "chatml" or "model" (the base tokenizer's own chat_template, rendered by transformers). An
+    example longer than train.seq_len + 1 tokens is cut (`overlong`="truncate") or left out ("drop"); either
+    is counted. `tokenizer`: the base model's tokenizer file ("" = found from checkpoint.restore_from).
+    `eval_examples` held-out examples are generated (greedy, up to `max_new_tokens`) for exact-match accuracy and
+    BLEU, before and after training."""
+
+    eval_examples: int = 200
+    max_new_tokens: int = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig(FineTuningData):
+    """Preference pairs (train.objective "reward" or "dpo"), prepared into `data.path` at the start of the run
+    (jaxllm/data/preference.py; skipped when up to date).
+
+    `train_file` / `eval_file`: JSON lines of {"prompt", "chosen", "rejected"} (strings), or the chat form with a
+    `prompt` list of messages and `chosen` / `rejected` as assistant messages; an optional "kind" (str) names the
+    group a pair's accuracy is reported in. No `eval_file`: a seeded `eval_fraction` is held out. `template`,
+    `tokenizer` as in SFTConfig. A pair's two sequences share one row of train.seq_len positions (up to
+    `pairs_per_row` pairs a row); a sequence longer than half a row is cut (`overlong`="truncate") or its pair
+    left out ("drop"). `eval_pairs` held-out pairs (0: all) are scored per kind before and after training."""
+
+    pairs_per_row: int = 4
+    eval_pairs: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """The reward model's Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin) + center_coef *
+    (r_chosen + r_rejected)^2 per pair (TRL's RewardTrainer; `margin` is a constant here)."""
+
+    margin: float = 0.0
+    center_coef: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    """Direct preference optimisation (jaxllm.objectives.losses.dpo_loss): `loss` "sigmoid", "ipo" or "robust",
+    `beta`, `label_smoothing` (robust; with sigmoid it gives conservative DPO, which TRL 1.13.0's sigmoid
+    ignores). `reference` "shared": the reference is the base with the adapters off (the same arrays, no copy;
+    needs lora.rank > 0); "precomputed": the base scores every pair once before training and the sums are stored
+    with the data (jaxllm/objectives/reference.py): no reference model in memory, for full fine-tuning too."""
+
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    reference: str = "shared"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """What PPO and GRPO share: prompts, sampling, and the held-out report.
+
+    Prompts: `train_file` / `eval_file` JSON lines of {"prompt"} or {"messages"} ending with a user turn
+    (jaxllm/data/prompts.py; no `eval_file`: a seeded `eval_fraction` is held out), rendered with `template`,
+    at most `max_prompt_tokens` tokens (longer ones are left out and counted); `tokenizer` as in SFTConfig.
+    Each iteration takes `prompts_per_iteration` prompts and samples responses to them with the current policy
+    (up to `max_new_tokens`, at `temperature`, stopping at EOS), scored by `reward` ("fn:<name>",
+    jaxllm/objectives/reward_fns.py; "rm:<checkpoint>" of a reward-model run); it then trains `epochs` passes over them
+    in minibatches of train.batch_size rows, one optimizer step each. `clip` is the policy ratio's clip range.
+    `eval_prompts` held-out prompts are answered (same sampling, fixed seed) and scored before and after
+    training. Every `samples_every` iterations (0: never) `samples` of the iteration's prompts with their
+    responses and rewards are appended to <workdir>/samples.jsonl."""
+
+    train_file: str = ""
+    eval_file: str = ""
+    eval_fraction: float = 0.05
+    template: str = "alpaca"
+    tokenizer: str = ""
+    reward: str = ""
+    max_prompt_tokens: int = 64
+    max_new_tokens: int = 32
+    prompts_per_iteration: int = 8
+    epochs: int = 1
+    temperature: float = 1.0
+    clip: float = 0.2
+    eval_prompts: int = 32
+    samples_every: int = 10
+    samples: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(RolloutConfig):
+    """Group relative policy optimisation (train.objective="grpo", jaxllm/objectives/grpo.py), with the rollout
+    settings of RolloutConfig: `num_generations` responses to each prompt, so an iteration is
+    epochs * prompts_per_iteration * num_generations / train.batch_size optimizer steps. Loss:
+    jaxllm.objectives.losses.grpo_loss with `beta` (the k3 KL to the reference, the base with the adapters off), `clip`
+    and `loss_agg`."""
+
+    num_generations: int = 4
+    beta: float = 0.04
+    loss_agg: str = "dapo"
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig(RolloutConfig):
+    """Proximal policy optimisation with a critic (train.objective="ppo", jaxllm/objectives/ppo.py), with the rollout
+    settings of RolloutConfig: one response to each prompt, so an iteration is
+    epochs * prompts_per_iteration / train.batch_size optimizer steps.
+
+    Per-token rewards: -kl_coef * kl_t (`kl_estimator` k1, k2 or k3 of the sampler's against the reference's
+    log-probs), plus the score at the response's last token, less `missing_eos_penalty` when it has no EOS.
+    `target_kl` > 0 adapts kl_coef toward that per-response KL (Ziegler et al.'s proportional controller, over
+    `kl_horizon` responses); 0 keeps it fixed. Advantages: GAE with `gamma` and `lam`, whitened over valid
+    tokens. Loss: the clipped policy loss (`clip`), `vf_coef` x the clipped value loss (`value_clip`), less
+    `entropy_coef` x the mean entropy. An update whose minibatch's approximate KL to the sampling policy passes
+    `max_approx_kl` (0: never) is skipped, which stops the iteration's updates while the policy is that far."""
+
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    target_kl: float = 0.0
+    kl_horizon: int = 10000
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
+    vf_coef: float = 0.1
+    entropy_coef: float = 0.0
+    missing_eos_penalty: float = 0.0
+    max_approx_kl: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline schedule over the `stage` mesh axis: p = mesh.stage stages, m micro-batches, r repeats.
+
+    r = 1 is GPipe; r > 1 is the circular (interleaved) schedule, bubble (p-1)/(r*m+p-1).
+    """
+
+    microbatches: int = 1
+    repeats: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole validated configuration of a run."""
+
+    mesh: MeshConfig
+    model: ModelConfig
+    precision: PrecisionConfig
+    optim: OptimConfig
+    train: TrainConfig
+    data: DataConfig
+    pipeline: PipelineConfig = PipelineConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    anomaly: AnomalyConfig = AnomalyConfig()
+    debug: DebugConfig = DebugConfig()
+    diagnostics: DiagnosticsConfig = DiagnosticsConfig()
+    lora: LoRAConfig = LoRAConfig()
+    sft: SFTConfig = SFTConfig()
+    preference: PreferenceConfig = PreferenceConfig()
+    reward: RewardConfig = RewardConfig()
+    dpo: DPOConfig = DPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    ppo: PPOConfig = PPOConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    profile: ProfileConfig = ProfileConfig()
+    workdir: str = "runs/pretrain"
+    peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
+    # XLA compiler flags, name (without the leading --) -> value, put into XLA_FLAGS by the scripts before JAX
+    # starts (jaxllm/runtime/xla_flags.py); the GPU presets in configs/gpu/ carry theirs with a reason for each.
+    xla_flags: dict = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def apply_preset(cd: ml_collections.ConfigDict, name: str) -> None:
+    """Write a named model preset's shape fields into `cd.model` (later overrides still win).
+
+    The GPU-sized presets also switch compute to bfloat16, the policy they are meant to train with.
+    """
+    if name not in PRESETS:
+        raise ConfigError("model.preset", f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    with cd.unlocked():
+        for key, value in PRESETS[name].items():
+            cd.model[key] = value
+        cd.model.preset = name
+        if name in GPU_PRESETS:
+            cd.precision.compute = "bfloat16"
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, f"{value!r} is not one of {list(allowed)}")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(key, f"must be positive, got {value}")
+
+
+def resolve_vocab_size(cfg: Config, tokenizer_size: int, tokenizer: str) -> Config:
+    """`cfg` with model.vocab_size "auto" set to `tokenizer_size` rounded up to a multiple of VOCAB_MULTIPLE *
+    mesh.tensor; a set vocab_size smaller than the tokenizer's (file `tokenizer`) is a ConfigError."""
+    if cfg.model.vocab_size == AUTO_VOCAB:
+        multiple = VOCAB_MULTIPLE * cfg.mesh.tensor
+        model = dataclasses.replace(cfg.model, vocab_size=-(-tokenizer_size // multiple) * multiple)
+        return dataclasses.replace(cfg, model=model)
+    if tokenizer_size > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the tokenizer's "
+                                              f"{tokenizer_size} tokens ({tokenizer})")
+    return cfg
+
+
+def resolve_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
+    """Fill the one axis given as -1 so that the product equals `num_devices`, and check the product."""
+    sizes = dict(zip(MESH_AXES, mesh.shape))
+    fill = [name for name, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ConfigError(f"mesh.{fill[1]}", "only one mesh axis may be -1")
+    for name, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{name}", f"must be a positive size or -1, got {size}")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if num_devices % known:
+            raise ConfigError(
+                f"mesh.{fill[0]}", f"cannot fill: {num_devices} devices are not divisible by the other axes' product {known}"
+            )
+        sizes[fill[0]] = num_devices // known
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        shape = "x".join(str(sizes[a]) for a in MESH_AXES)
+        raise ConfigError(
+            "mesh", f"data*fsdp*tensor*stage = {shape} = {product} but there are {num_devices} devices"
+        )
+    return dataclasses.replace(mesh, **sizes)
+
+
+DCN_ORDER = ("data", "stage", "fsdp")  # axes that take processes when mesh.dcn_* are unset, in this order
+
+
+def resolve_dcn(mesh: MeshConfig, num_processes: int) -> MeshConfig:
+    """Fill the `dcn_*` sizes for `num_processes` hosts (see `MeshConfig`) and check they fit the axes."""
+    given = {a: getattr(mesh, f"dcn_{a}") for a in MESH_AXES}
+    for axis, dcn in given.items():
+        if dcn < 0:
+            raise ConfigError(f"mesh.dcn_{axis}", f"must be >= 0 (0: automatic), got {dcn}")
+    sizes = dict(zip(MESH_AXES, mesh.shape))
+    if any(given.values()):
+        dcn = {a: max(d, 1) for a, d in given.items()}
+    else:
+        dcn, remaining = dict.fromkeys(MESH_AXES, 1), num_processes
+        for axis in DCN_ORDER:
+            dcn[axis] = math.gcd(sizes[axis], remaining)
+            remaining //= dcn[axis]
+        if remaining > 1:
+            raise ConfigError(
+                "mesh", f"cannot lay {num_processes} processes over data={sizes['data']}, stage={sizes['stage']}, "
+                f"fsdp={sizes['fsdp']}; set mesh.dcn_* (their product must be the process count)")
+    for axis in MESH_AXES:
+        if sizes[axis] % dcn[axis]:
+            raise ConfigError(f"mesh.dcn_{axis}", f"{dcn[axis]} does not divide mesh.{axis}={sizes[axis]}")
+    if math.prod(dcn.values()) != num_processes:
+        shape = "x".join(str(dcn[a]) for a in MESH_AXES)
+        raise ConfigError("mesh", f"dcn_data*dcn_fsdp*dcn_tensor*dcn_stage = {shape} but there are "
+                          f"{num_processes} processes")
+    return dataclasses.replace(mesh, **{f"dcn_{a}": d for a, d in dcn.items()})
+
+
+def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool = True,
+             num_processes: int | None = 1) -> Config:
+    """Turn a ConfigDict into a typed `Config`, raising `ConfigError` on the first problem.
+
+    `num_devices` is the device count the mesh must cover (for a dry run: the hypothetical cluster), spread over
+    `num_processes` processes (None: do not lay the mesh out over hosts, as in a dry run).
+    `check_batch=False` skips the batch-versus-mesh checks (a dry run plans parameters and optimizer state).
+    """
+    cfg = build(Config, cd, auto=AUTO_VALUES)
+    mesh = resolve_mesh(cfg.mesh, num_devices)
+    if num_processes is not None:
+        mesh = resolve_dcn(mesh, num_processes)
+    precision = cfg.precision
+    if precision.compute == "auto":  # resolved here, so everything downstream sees a real dtype
+        from jaxllm.config.auto_precision import resolve_compute
+
+        precision = dataclasses.replace(precision, compute=resolve_compute()[0])
+    model, optim, train, data, pipeline = cfg.model, cfg.optim, cfg.train, cfg.data, cfg.pipeline
+    checkpoint, anomaly, debug, lora = cfg.checkpoint, cfg.anomaly, cfg.debug, cfg.lora
+    sft, preference, dpo, grpo, ppo = cfg.sft, cfg.preference, cfg.dpo, cfg.grpo, cfg.ppo
+
+    for key in ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+        _positive(f"model.{key}", getattr(model, key))
+    if model.vocab_size != AUTO_VOCAB:
+        _positive("model.vocab_size", model.vocab_size)
+    _positive("model.rope_theta", model.rope_theta)
+    _positive("model.norm_eps", model.norm_eps)
+    _choice("model.remat", model.remat, REMAT_POLICIES + (AUTO_REMAT,))
+    _choice("model.remat_offload", model.remat_offload, OFFLOADS)
+    if model.remat_offload == "host" and model.remat == AUTO_REMAT:
+        raise ConfigError("model.remat_offload", "'host' offloads what a named model.remat policy saves, and "
+                                                 "model.remat=auto may choose none or full: name the policy")
+    if model.remat_offload == "host" and model.remat in ("none", "full"):
+        raise ConfigError("model.remat_offload", f"'host' offloads what model.remat saves by name, and "
+                                                 f"model.remat={model.remat!r} saves nothing to offload (use "
+                                                 f"save_dots, minimal_with_context or save_qkv_proj)")
+    if model.loss_chunk < 0:
+        raise ConfigError("model.loss_chunk", f"must be >= 0 (0: no chunking), got {model.loss_chunk}")
+    _choice("model.attention", model.attention, ATTENTION_IMPLS)
+    if model.attention == "cudnn" and precision.compute not in ("bfloat16", "float16"):
+        raise ConfigError("model.attention", f"'cudnn' needs precision.compute bfloat16 or float16, got "
+                                             f"{precision.compute!r}")
+    if model.num_heads % model.num_kv_heads:
+        raise ConfigError(
+            "model.num_kv_heads", f"{model.num_kv_heads} must divide model.num_heads={model.num_heads} (grouped-query attention)"
+        )
+    if model.num_heads % mesh.tensor:
+        raise ConfigError("model.num_heads", f"{model.num_heads} heads are not divisible by mesh.tensor={mesh.tensor}")
+    if model.num_kv_heads % mesh.tensor:
+        raise ConfigError(
+            "model.num_kv_heads", f"{model.num_kv_heads} kv heads are not divisible by mesh.tensor={mesh.tensor}"
+        )
+    if model.mlp_dim % mesh.tensor:
+        raise ConfigError("model.mlp_dim", f"{model.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}")
+    if mesh.sequence_parallel and train.seq_len % mesh.tensor:
+        raise ConfigError("mesh.sequence_parallel", f"splits the sequence over mesh.tensor={mesh.tensor}, which does "
+                                                    f"not divide train.seq_len={train.seq_len}")
+    if model.vocab_size % mesh.tensor:  # else embeddings and the head would silently stay whole on every device
+        raise ConfigError("model.vocab_size", f"{model.vocab_size} is not divisible by mesh.tensor={mesh.tensor} "
+                                              "(pad it, or use model.vocab_size=auto)")
+    if model.dim % mesh.fsdp:
+        raise ConfigError("model.dim", f"{model.dim} is not divisible by mesh.fsdp={mesh.fsdp}")
+    _positive("pipeline.microbatches", pipeline.microbatches)
+    _positive("pipeline.repeats", pipeline.repeats)
+    if model.num_layers % (mesh.stage * pipeline.repeats):
+        raise ConfigError(
+            "model.num_layers",
+            f"{model.num_layers} layers are not divisible by mesh.stage*pipeline.repeats={mesh.stage * pipeline.repeats}",
+        )
+    if mesh.stage > 1 and pipeline.microbatches < mesh.stage:
+        raise ConfigError(
+            "pipeline.microbatches",
+            f"{pipeline.microbatches} micro-batches cannot fill {mesh.stage} stages (need at least mesh.stage)",
+        )
+    if model.head_dim % 2:
+        raise ConfigError("model.head_dim", f"must be even for rotary embeddings, got {model.head_dim}")
+
+    for key in ("params", "compute", "output"):
+        _choice(f"precision.{key}", getattr(precision, key), DTYPES)
+    from jaxllm.optim.loss_scale import loss_scaling, resolve_loss_scale  # imports jax: only when validating
+
+    loss_scaling(precision)  # checks both keys
+    precision = dataclasses.replace(precision, loss_scale=resolve_loss_scale(precision.loss_scale, precision.compute))
+    _check_quant(precision, debug.emulate_fp8)
+
+    _choice("optim.name", optim.name, OPTIMIZERS)
+    _choice("optim.schedule", optim.schedule, SCHEDULES)
+    _choice("optim.offload", optim.offload, OFFLOADS)
+    _positive("optim.lr", optim.lr)
+    if optim.grad_accum != AUTO_GRAD_ACCUM:
+        _positive("optim.grad_accum", optim.grad_accum)
+    if train.memory_budget_gb < 0:
+        raise ConfigError("train.memory_budget_gb", f"must be >= 0 (0: the device's own limit), got "
+                                                    f"{train.memory_budget_gb}")
+    if not 0.0 < train.memory_fraction <= 1.0:
+        raise ConfigError("train.memory_fraction", f"must be in (0, 1], got {train.memory_fraction}")
+    if optim.warmup_steps < 0:
+        raise ConfigError("optim.warmup_steps", f"must be >= 0, got {optim.warmup_steps}")
+    if not 0.0 <= optim.min_lr_ratio <= 1.0:
+        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {optim.min_lr_ratio}")
+    if not 0.0 <= optim.decay_fraction <= 1.0:
+        raise ConfigError("optim.decay_fraction", f"must be in [0, 1], got {optim.decay_fraction}")
+    if optim.clip_norm < 0:
+        raise ConfigError("optim.clip_norm", f"must be >= 0 (0 disables clipping), got {optim.clip_norm}")
+    _check_compression(optim, mesh)
+
+    for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every"):
+        _positive(f"train.{key}", getattr(train, key))
+    if train.eval_batches < 0:
+        raise ConfigError("train.eval_batches", f"must be >= 0, got {train.eval_batches}")
+    batch_shards = mesh.data * mesh.fsdp if check_batch else 1
+    if train.batch_size % batch_shards:
+        raise ConfigError(
+            "train.batch_size",
+            f"{train.batch_size} is not divisible by mesh.data*mesh.fsdp={batch_shards}",
+        )
+    accum = max(optim.grad_accum, 1)  # "auto" chooses among the counts that split the batch
+    if train.batch_size % (accum * batch_shards):
+        raise ConfigError(
+            "optim.grad_accum",
+            f"train.batch_size={train.batch_size} does not split into {optim.grad_accum} micro-batches "
+            f"divisible by mesh.data*mesh.fsdp={batch_shards}",
+        )
+    if check_batch and train.batch_size % (pipeline.microbatches * accum):
+        raise ConfigError(
+            "pipeline.microbatches",
+            f"train.batch_size={train.batch_size} does not split into {pipeline.microbatches} pipeline micro-batches "
+            f"(times optim.grad_accum={optim.grad_accum})",
+        )
+    _choice("train.on_anomaly", train.on_anomaly, ANOMALY_POLICIES)
+    if not train.hang_timeout_s >= 0:
+        raise ConfigError("train.hang_timeout_s", f"must be >= 0 (0: no hang watchdog), got {train.hang_timeout_s}")
+    _positive("debug.stall_s", debug.stall_s)
+    if not -1 <= debug.zero_layer < model.num_layers:
+        raise ConfigError("debug.zero_layer", f"must be -1 (off) or a layer index below model.num_layers="
+                                              f"{model.num_layers}, got {debug.zero_layer}")
+    if not debug.data_sleep_s >= 0:
+        raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {debug.data_sleep_s}")
+    if debug.hold_at_step and num_processes is not None and num_processes > 1:
+        raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
+    _positive("checkpoint.every", checkpoint.every)
+    _positive("checkpoint.keep", checkpoint.keep)
+    if checkpoint.keep_every < 0:
+        raise ConfigError("checkpoint.keep_every", f"must be >= 0, got {checkpoint.keep_every}")
+    if checkpoint.restore_from and not Path(checkpoint.restore_from).exists():
+        raise ConfigError("checkpoint.restore_from", f"no checkpoint at {checkpoint.restore_from}")
+    _positive("anomaly.window", anomaly.window)
+    _positive("anomaly.z", anomaly.z)
+    _positive("anomaly.grad_z", anomaly.grad_z)
+    for key in ("loss_ratio", "grad_ratio"):
+        if not getattr(anomaly, key) >= 1.0:
+            raise ConfigError(f"anomaly.{key}", f"must be >= 1, got {getattr(anomaly, key)}")
+    if not 0.0 < anomaly.lr_factor <= 1.0:
+        raise ConfigError("anomaly.lr_factor", f"must be in (0, 1], got {anomaly.lr_factor}")
+    if anomaly.max_rollbacks < 0:
+        raise ConfigError("anomaly.max_rollbacks", f"must be >= 0, got {anomaly.max_rollbacks}")
+    if cfg.diagnostics.every < 0:
+        raise ConfigError("diagnostics.every", f"must be >= 0 (0: off), got {cfg.diagnostics.every}")
+    _check_lora(lora)
+    _choice("train.objective", train.objective, OBJECTIVES)
+    if train.objective == "sft":
+        _check_sft(sft)
+    if train.objective in ("reward", "dpo"):
+        _check_preference(preference)
+    if train.objective == "dpo":
+        _check_dpo(dpo, lora)
+    if train.objective == "grpo":
+        _check_grpo(grpo, lora, train.batch_size)
+    if train.objective == "ppo":
+        _check_ppo(ppo, lora, train.batch_size)
+    if data.num_workers < 0:
+        raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
+    if not str(cd.get("workdir", "")):
+        raise ConfigError("workdir", "must not be empty")
+    _check_diagnostics(cfg.metrics, cfg.profile)
+
+    return dataclasses.replace(cfg, mesh=mesh, precision=precision, xla_flags=_xla_flags(cfg.xla_flags))
+
+
+XLA_FLAG_NAME = re.compile(r"xla_[a-z0-9_]+")
+
+
+def _check_quant(precision: PrecisionConfig, emulate_fp8: bool = False) -> None:
+    """`precision.quant`: a known mode, and one that can work with the rest of the precision policy."""
+    from jaxllm.model.quant import QUANT_MODES
+
+    _choice("precision.quant", precision.quant, QUANT_MODES)
+    if precision.quant != "none" and precision.compute == "float16":
+        # Measured (qwix 0.1.8, CPU, the default job's first step, loss scaling off): with float16 operands the
+        # int8 backward dots give a gradient norm of 0.73 where float32, int8 in float32 and plain float16 give 3.21;
+        # the fp8 backward dots return float32 gradients for float16 operands, which the step cannot even trace.
+        raise ConfigError("precision.quant", f"{precision.quant} needs precision.compute float32 or bfloat16 (with "
+                                             f"float16 its backward dots give wrong gradients)")
+    if precision.quant == "fp8" and not emulate_fp8:
+        import jax
+
+        backend = jax.default_backend()
+        if backend != "gpu":
+            raise ConfigError("precision.quant", f"fp8 needs a GPU (this run's backend is {backend}); use int8 or none "
+                                                 "(debug.emulate_fp8=true runs its numerics on a CPU, slowly)")
+
+
+def _xla_flags(flags) -> dict:
+    """The `xla_flags` section as a plain dict; names and value types checked here, the names themselves against
+    the installed XLA by the scripts (jaxllm.runtime.xla_flags.check_xla_flags)."""
+    for name, value in flags.items():
+        if not XLA_FLAG_NAME.fullmatch(name):
+            raise ConfigError(f"xla_flags.{name}", "expected an XLA flag name (xla_..., without the leading --)")
+        if not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(f"xla_flags.{name}", f"expected a bool, number or string, got {value!r}")
+    return dict(flags.items())
+
+
+def _check_compression(optim: OptimConfig, mesh: MeshConfig) -> None:
+    _choice("optim.grad_compression", optim.grad_compression, GRAD_COMPRESSIONS)
+    _positive("optim.powersgd_rank", optim.powersgd_rank)
+    if optim.powersgd_start_step < 0:
+        raise ConfigError("optim.powersgd_start_step", f"must be >= 0, got {optim.powersgd_start_step}")
+    if optim.grad_compression != "powersgd":
+        return
+    if mesh.data == 1:
+        raise ConfigError("optim.grad_compression", "powersgd compresses gradients across mesh.data, which is 1: "
+                                                    "nothing to compress (use none)")
+    if mesh.stage > 1:
+        raise ConfigError("optim.grad_compression", f"powersgd does not support pipeline stages (mesh.stage="
+                                                    f"{mesh.stage}); use mesh.stage=1 or none")
+
+
+def _check_diagnostics(metrics: MetricsConfig, profile: ProfileConfig) -> None:
+    if metrics.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.wandb", "needs the wandb package: pip install 'jaxllm[wandb]' (or set it false)")
+    if profile.start_step < 0:
+        raise ConfigError("profile.start_step", f"must be >= 0 (0: no trace), got {profile.start_step}")
+    _positive("profile.steps", profile.steps)
+
+
+def _check_lora(cfg: LoRAConfig) -> None:
+    if cfg.rank < 0:
+        raise ConfigError("lora.rank", f"must be >= 0 (0: full fine-tuning), got {cfg.rank}")
+    if cfg.rank and cfg.alpha <= 0:
+        raise ConfigError("lora.alpha", f"must be positive, got {cfg.alpha}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError("lora.dropout", f"must be in [0, 1), got {cfg.dropout}")
+    unknown = [t for t in cfg.target_list if t not in LORA_TARGETS]
+    if unknown or (cfg.rank and not cfg.target_list):
+        raise ConfigError("lora.targets", f"expected a comma-separated subset of {','.join(LORA_TARGETS)}, got "
+                                          f"{cfg.targets!r}")
+
+
+def _check_data(cfg: FineTuningData, section: str, what: str) -> None:
+    if not cfg.train_file:  # the files themselves are opened when the run starts (a dry run needs none)
+        raise ConfigError(f"{section}.train_file", f"must name a JSON-lines file of {what}")
+    if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
+        raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
+    _choice(f"{section}.template", cfg.template, SFT_TEMPLATES)
+    _choice(f"{section}.overlong", cfg.overlong, OVERLONG_RULES)
+
+
+def _check_sft(cfg: SFTConfig) -> None:
+    _check_data(cfg, "sft", "examples")
+    if cfg.eval_examples < 0:
+        raise ConfigError("sft.eval_examples", f"must be >= 0, got {cfg.eval_examples}")
+    _positive("sft.max_new_tokens", cfg.max_new_tokens)
+
+
+def _check_preference(cfg: PreferenceConfig) -> None:
+    _check_data(cfg, "preference", "preference pairs")
+    _positive("preference.pairs_per_row", cfg.pairs_per_row)
+    if cfg.eval_pairs < 0:
+        raise ConfigError("preference.eval_pairs", f"must be >= 0 (0: all), got {cfg.eval_pairs}")
+
+
+def _check_dpo(cfg: DPOConfig, lora: LoRAConfig) -> None:
+    _positive("dpo.beta", cfg.beta)
+    _choice("dpo.loss", cfg.loss, DPO_LOSSES)
+    if not 0.0 <= cfg.label_smoothing < 0.5:
+        raise ConfigError("dpo.label_smoothing", f"must be in [0, 0.5), got {cfg.label_smoothing}")
+    _choice("dpo.reference", cfg.reference, DPO_REFERENCES)
+    if cfg.reference == "shared" and not lora.rank:
+        raise ConfigError("dpo.reference", "'shared' (the base with adapters off) needs LoRA adapters "
+                                           "(lora.rank > 0)")
+
+
+def _check_rollout(cfg: RolloutConfig, section: str, lora: LoRAConfig, batch_size: int, rows: int) -> None:
+    """The checks PPO and GRPO share; `rows` are an iteration's responses."""
+    if not cfg.train_file:
+        raise ConfigError(f"{section}.train_file", "must name a JSON-lines file of prompts")
+    if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
+        raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
+    _choice(f"{section}.template", cfg.template, SFT_TEMPLATES)
+    kind, _, name = cfg.reward.partition(":")
+    if kind not in ("fn", "rm") or not name:
+        raise ConfigError(f"{section}.reward", f"expected fn:<name> (jaxllm/objectives/reward_fns.py) or rm:<reward-model "
+                                               f"checkpoint>, got {cfg.reward!r}")
+    if kind == "rm" and not Path(name).exists():
+        raise ConfigError(f"{section}.reward", f"no reward-model checkpoint at {name}")
+    for key in ("max_prompt_tokens", "max_new_tokens", "prompts_per_iteration", "epochs", "temperature", "clip"):
+        _positive(f"{section}.{key}", getattr(cfg, key))
+    if rows % batch_size:
+        raise ConfigError("train.batch_size", f"{batch_size} does not divide an iteration's {rows} responses")
+    if not lora.rank:
+        raise ConfigError("lora.rank", f"{section.upper()} trains LoRA adapters (its reference is the base with "
+                                       "adapters off); full fine-tuning is not supported yet")
+    for key in ("eval_prompts", "samples_every", "samples"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{section}.{key}", f"must be >= 0, got {getattr(cfg, key)}")
+
+
+def _check_grpo(cfg: GRPOConfig, lora: LoRAConfig, batch_size: int) -> None:
+    if cfg.num_generations < 2:
+        raise ConfigError("grpo.num_generations", f"must be >= 2 (advantages compare a group), got "
+                                                  f"{cfg.num_generations}")
+    _check_rollout(cfg, "grpo", lora, batch_size, cfg.prompts_per_iteration * cfg.num_generations)
+    if cfg.beta < 0:
+        raise ConfigError("grpo.beta", f"must be >= 0, got {cfg.beta}")
+    _choice("grpo.loss_agg", cfg.loss_agg, GRPO_LOSS_AGGS)
+
+
+def _check_ppo(cfg: PPOConfig, lora: LoRAConfig, batch_size: int) -> None:
+    _check_rollout(cfg, "ppo", lora, batch_size, cfg.prompts_per_iteration)
+    _choice("ppo.kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
+    for key in ("kl_coef", "target_kl", "vf_coef", "entropy_coef", "missing_eos_penalty", "max_approx_kl"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"ppo.{key}", f"must be >= 0, got {getattr(cfg, key)}")
+    for key in ("kl_horizon", "value_clip"):
+        _positive(f"ppo.{key}", getattr(cfg, key))
+    for key in ("gamma", "lam"):
+        if not 0.0 <= getattr(cfg, key) <= 1.0:
+            raise ConfigError(f"ppo.{key}", f"must be in [0, 1], got {getattr(cfg, key)}")
+
+
+def default_config_dict() -> ml_collections.ConfigDict:
+    """A ConfigDict holding every field with its dataclass default; config files start from it."""
+    sections = dict(mesh=MeshConfig, model=ModelConfig, precision=PrecisionConfig, optim=OptimConfig,
+                    train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
+                    anomaly=AnomalyConfig, debug=DebugConfig, diagnostics=DiagnosticsConfig, lora=LoRAConfig,
+                    sft=SFTConfig, preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig,
+                    ppo=PPOConfig, metrics=MetricsConfig, profile=ProfileConfig)
+    cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
+    cd.workdir = Config.workdir
+    cd.peak_flops = Config.peak_flops
+    cd.xla_flags = ml_collections.ConfigDict()
+    return cd

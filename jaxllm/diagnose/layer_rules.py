@@ -1,0 +1,144 @@
+"""Diagnosis rules on the per-layer diagnostic records (`diag/<stat>/layer_<i>`, logged every N steps): a layer
+whose norms stand far from the others (dead or exploding), gradients vanishing toward the input, saturated
+SwiGLU gates, and growing attention logits. Each names the layers it rests on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllm.diagnose.findings import CRITICAL, WARNING, Finding, NotEvaluated, Rule, Thresholds
+from jaxllm.diagnose.run_data import RunData
+
+# The per-layer norms compared across layers, most telling first: a layer that does not learn shows first in its
+# update ratio, a zeroed one in every norm.
+OUTLIER_STATS = ("update_ratio", "grad_norm", "update_norm", "param_norm")
+
+
+def _layer_medians(run: RunData, stat: str, last_fraction: float = 1.0) -> dict[int, float]:
+    """{layer: median of diag/<stat>/layer_<i> over the last `last_fraction` of its records}; NotEvaluated when
+    the run logged no such records."""
+    series = run.layer_series(stat)
+    if not series:
+        raise NotEvaluated(f"metrics.jsonl has no `diag/{stat}/layer_<i>` records (per-layer diagnostics off, "
+                           "or an older run)")
+    medians = {}
+    for layer, (_, values) in sorted(series.items()):
+        tail = values[-max(1, int(np.ceil(len(values) * last_fraction))):]
+        finite = tail[np.isfinite(tail)]
+        medians[layer] = float(np.median(finite)) if finite.size else float("nan")
+    return medians
+
+
+def _outliers(run: RunData, t: Thresholds, dead: bool) -> dict[int, dict]:
+    """{layer: {stat: (value, median of the other layers)}} of layers below 1/x (`dead`) or above x times the
+    median of the others, x = t.layer_outlier, over OUTLIER_STATS."""
+    found: dict[int, dict] = {}
+    available = 0
+    for stat in OUTLIER_STATS:
+        try:
+            medians = _layer_medians(run, stat)
+        except NotEvaluated:
+            continue
+        available += 1
+        if len(medians) < 2:
+            raise NotEvaluated(f"only {len(medians)} layer in the diag records: nothing to compare it with")
+        for layer, value in medians.items():
+            others = float(np.nanmedian([v for k, v in medians.items() if k != layer]))
+            if not others > 0:
+                continue
+            off = value < others / t.layer_outlier if dead else value > others * t.layer_outlier
+            if off:
+                found.setdefault(layer, {})[stat] = {"value": value, "others_median": others}
+    if not available:
+        raise NotEvaluated("metrics.jsonl has no per-layer norm records (`diag/update_ratio/layer_<i>`, "
+                           "`diag/grad_norm/layer_<i>`, ...)")
+    return found
+
+
+def _describe(layers: dict[int, dict]) -> str:
+    return "; ".join(f"layer {layer}: " + ", ".join(f"{stat} {v['value']:.3g} vs {v['others_median']:.3g} for the "
+                                                   f"others" for stat, v in stats.items())
+                     for layer, stats in sorted(layers.items()))
+
+
+def dead_layer(run: RunData, t: Thresholds) -> Finding | None:
+    """A layer whose norms are far below the other layers' (it does not learn)."""
+    layers = _outliers(run, t, dead=True)
+    if not layers:
+        return None
+    return Finding("dead_layer", CRITICAL,
+                   {"summary": f"{_describe(layers)} (below 1/{t.layer_outlier:g} of the others)",
+                    "layers": sorted(layers), "values": {f"layer_{k}": v for k, v in layers.items()}},
+                   "Check how these layers are initialised or frozen (all-zero weights receive zero gradients "
+                   "and never train); re-initialise them or remove what freezes them.")
+
+
+def exploding_layer(run: RunData, t: Thresholds) -> Finding | None:
+    """A layer whose norms are far above the other layers'."""
+    layers = _outliers(run, t, dead=False)
+    if not layers:
+        return None
+    return Finding("exploding_layer", CRITICAL,
+                   {"summary": f"{_describe(layers)} (above {t.layer_outlier:g}x the others)",
+                    "layers": sorted(layers), "values": {f"layer_{k}": v for k, v in layers.items()}},
+                   "Lower optim.lr or tighten optim.clip_norm; check that layer's initialisation (model.init_std) "
+                   "and its inputs' scale (activation RMS plot).")
+
+
+def vanishing_gradients(run: RunData, t: Thresholds) -> Finding | None:
+    """Gradient norms that fall toward the input: layers below a small fraction of the largest layer's, with
+    the first layer among them (zeros are dead layers, not vanishing ones)."""
+    medians = _layer_medians(run, "grad_norm")
+    top = max(medians.values())
+    low = {k: v for k, v in medians.items() if 0 < v < t.vanishing_ratio * top}
+    if not low or min(medians) not in low:
+        return None
+    return Finding("vanishing_gradients", WARNING,
+                   {"summary": "gradient norms of layers " + ", ".join(f"{k} ({v:.2g})" for k, v in low.items())
+                               + f" are below {t.vanishing_ratio:g} of the largest layer's ({top:.2g})",
+                    "layers": sorted(low), "values": {"grad_norm": medians}},
+                   "The residual stream is not carrying gradients down: check the norms (pre-norm layers), "
+                   "model.init_std, and that no activation saturates.")
+
+
+def saturated_gates(run: RunData, t: Thresholds) -> Finding | None:
+    """SwiGLU gates whose inputs sit in silu's flat tails (recent records)."""
+    medians = _layer_medians(run, "gate_saturation", last_fraction=1 / 3)
+    high = {k: v for k, v in medians.items() if v > t.gate_saturation}
+    if not high:
+        return None
+    return Finding("saturated_gates", WARNING,
+                   {"summary": "gate saturation " + ", ".join(f"layer {k}: {100 * v:.0f}%" for k, v in high.items())
+                               + f" (above {100 * t.gate_saturation:.0f}%)",
+                    "layers": sorted(high), "values": {"gate_saturation": medians}},
+                   "Lower model.init_std (0.02 is usual) or optim.lr; saturated gates pass little gradient.")
+
+
+def attention_logit_growth(run: RunData, t: Thresholds) -> Finding | None:
+    """Attention logits that are very large, or grew several times over the run."""
+    series = run.layer_series("attn_logit_max")
+    if not series:
+        raise NotEvaluated("metrics.jsonl has no `diag/attn_logit_max/layer_<i>` records")
+    flagged = {}
+    for layer, (steps, values) in sorted(series.items()):
+        finite = values[np.isfinite(values)]
+        if not finite.size:
+            continue
+        last, first = float(finite[-1]), float(finite[0])
+        grew = first > 0 and last / first > t.attn_logit_growth and last > t.attn_logit_max / 2
+        if last > t.attn_logit_max or grew:
+            flagged[layer] = {"first": first, "last": last, "last_step": int(steps[-1])}
+    if not flagged:
+        return None
+    return Finding("attention_logit_growth", WARNING,
+                   {"summary": "max attention logit " + ", ".join(f"layer {k}: {v['first']:.3g} -> {v['last']:.3g}"
+                                                                   for k, v in flagged.items())
+                               + f" (limit {t.attn_logit_max:g}, or {t.attn_logit_growth:g}x growth)",
+                    "layers": sorted(flagged), "values": flagged},
+                   "Softmax is turning one-hot: lower optim.lr or model.init_std; QK-norm or logit soft-capping "
+                   "bound the growth.")
+
+
+LAYER_RULES: tuple[Rule, ...] = (dead_layer, exploding_layer, vanishing_gradients, saturated_gates,
+                                 attention_logit_growth)

@@ -1,0 +1,400 @@
+"""Hugging Face Llama checkpoints <-> jaxllm `Transformer`, through one declarative table; reward models <->
+`LlamaForSequenceClassification` (num_labels=1) through the same table with its `score` head for the lm_head.
+
+`TABLE` has one row per tensor kind: the Hugging Face name (with `{i}` for the layer), the jaxllm parameter
+path, and the layout transform between them. Import reads it forwards, export backwards. Weights are read with
+`safetensors` in numpy mode (no torch needed); `ml_dtypes` registers bfloat16 with numpy so bf16 files load.
+
+With a mesh, every parameter is created directly in its shards (`jax.make_array_from_callback`), each shard
+reading only its own slice of each layer's tensor from disk, so no process holds a whole large tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy mode then reads bf16)
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxllm.config.schema import ModelConfig, PrecisionConfig
+from jaxllm.model.layers import RopeScaling
+from jaxllm.model.reward import RewardModel
+from jaxllm.model.transformer import Transformer
+from jaxllm.parallel.sharding import sharding_tree
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+# Layout transforms between one Hugging Face tensor and one layer's jaxllm parameter. HF Linear weights are
+# [out, in]; jaxllm keeps [in, out] with heads split out. Each transform knows the HF shape for a jaxllm shape,
+# which HF slice covers a jaxllm slice (so sharded loads read only what a shard needs), and both directions.
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    name: str
+    hf_shape: Callable[[tuple], tuple]
+    hf_slices: Callable[[tuple, tuple], tuple]  # (jaxllm slices, jaxllm shape) -> HF slices to read
+    to_jax: Callable[[np.ndarray, tuple, tuple], np.ndarray]  # (HF part, jaxllm slices, jaxllm shape)
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _heads(s: slice, n: int, h: int) -> slice:
+    """Rows of a fused [N*H] axis that cover heads `s` of [N, H]."""
+    start, stop, _ = s.indices(n)
+    return slice(start * h, stop * h)
+
+
+IDENTITY = Transform("identity", lambda shape: shape, lambda sl, shape: sl, lambda w, sl, shape: w, lambda w: w)
+TRANSPOSE = Transform(
+    "transpose", lambda shape: shape[::-1], lambda sl, shape: sl[::-1], lambda w, sl, shape: w.T, lambda w: w.T
+)
+# q/k/v_proj: HF [N*H, D] <-> jaxllm [D, N, H].
+SPLIT_OUT_HEADS = Transform(
+    "[N*H, D] -> [D, N, H]",
+    lambda shape: (shape[1] * shape[2], shape[0]),
+    lambda sl, shape: (_heads(sl[1], shape[1], shape[2]), sl[0]),
+    lambda w, sl, shape: w.T.reshape(w.shape[1], -1, shape[2])[:, :, sl[2]],
+    lambda w: w.reshape(w.shape[0], -1).T,
+)
+# o_proj: HF [D, N*H] <-> jaxllm [N, H, D].
+SPLIT_IN_HEADS = Transform(
+    "[D, N*H] -> [N, H, D]",
+    lambda shape: (shape[2], shape[0] * shape[1]),
+    lambda sl, shape: (sl[2], _heads(sl[0], shape[0], shape[1])),
+    lambda w, sl, shape: w.T.reshape(-1, shape[1], w.shape[0])[:, sl[1], :],
+    lambda w: w.reshape(-1, w.shape[-1]).T,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One tensor kind: HF name (`{i}` = layer), jaxllm parameter path, transform; `stacked` if per layer."""
+
+    hf: str
+    path: tuple[str, ...]
+    transform: Transform
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.hf
+
+
+TABLE: tuple[Row, ...] = (
+    Row("model.embed_tokens.weight", ("embed_tokens", "embedding"), IDENTITY),
+    Row("model.layers.{i}.self_attn.q_proj.weight", ("layers", "self_attn", "q_proj"), SPLIT_OUT_HEADS),
+    Row("model.layers.{i}.self_attn.k_proj.weight", ("layers", "self_attn", "k_proj"), SPLIT_OUT_HEADS),
+    Row("model.layers.{i}.self_attn.v_proj.weight", ("layers", "self_attn", "v_proj"), SPLIT_OUT_HEADS),
+    Row("model.layers.{i}.self_attn.o_proj.weight", ("layers", "self_attn", "o_proj"), SPLIT_IN_HEADS),
+    Row("model.layers.{i}.mlp.gate_proj.weight", ("layers", "mlp", "gate_proj"), TRANSPOSE),
+    Row("model.layers.{i}.mlp.up_proj.weight", ("layers", "mlp", "up_proj"), TRANSPOSE),
+    Row("model.layers.{i}.mlp.down_proj.weight", ("layers", "mlp", "down_proj"), TRANSPOSE),
+    Row("model.layers.{i}.input_layernorm.weight", ("layers", "input_layernorm", "scale"), IDENTITY),
+    Row("model.layers.{i}.post_attention_layernorm.weight", ("layers", "post_attention_layernorm", "scale"),
+        IDENTITY),
+    Row("model.norm.weight", ("norm", "scale"), IDENTITY),
+    Row("lm_head.weight", ("lm_head",), TRANSPOSE),  # absent from the model (and file) when tied
+)
+# A reward model (jaxllm.model.reward.RewardModel): the same body, `score` [D, 1] <-> HF score.weight [1, D].
+REWARD_TABLE: tuple[Row, ...] = TABLE[:-1] + (Row("score.weight", ("score",), TRANSPOSE),)
+REWARD_ARCHITECTURE = "LlamaForSequenceClassification"
+
+
+def _table(model) -> tuple[Row, ...]:
+    return REWARD_TABLE if isinstance(model, RewardModel) else TABLE
+
+
+def is_reward_config(hf: dict) -> bool:
+    """Whether a config.json describes a sequence-classification (reward) model."""
+    return REWARD_ARCHITECTURE in (hf.get("architectures") or [])
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+def _rope_parameters(hf: dict) -> dict:
+    """transformers 5 keeps rope_theta and scaling in `rope_parameters`; older files in top-level keys."""
+    params = dict(hf.get("rope_scaling") or {})
+    params.update(hf.get("rope_parameters") or {})
+    if "rope_theta" not in params and "rope_theta" in hf:
+        params["rope_theta"] = hf["rope_theta"]
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    return params
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """A jaxllm ModelConfig from a Hugging Face LlamaForCausalLM (or LlamaForSequenceClassification)
+    `config.json` dict."""
+    archs = hf.get("architectures") or ["LlamaForCausalLM"]
+    if hf.get("model_type", "llama") != "llama" or archs[0] not in ("LlamaForCausalLM", REWARD_ARCHITECTURE):
+        raise ValueError(f"{CONFIG_FILE}: unsupported architecture {archs[0]!r} (model_type "
+                         f"{hf.get('model_type')!r}); only LlamaForCausalLM and {REWARD_ARCHITECTURE} are "
+                         "supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ValueError(f"{CONFIG_FILE}: {key}=true is not supported (jaxllm projections have no bias)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{CONFIG_FILE}: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        mlp_dim=hf["intermediate_size"],
+        rope_theta=float(_rope_parameters(hf).get("rope_theta", 10000.0)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
+    """The RoPE rescaling a config asks for; None for plain RoPE. Unsupported kinds raise NotImplementedError."""
+    params = _rope_parameters(hf)
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind not in ("llama3", "linear"):
+        raise NotImplementedError(f"{CONFIG_FILE}: rope_parameters.rope_type={kind!r} is not supported "
+                                  "(only 'default', 'llama3', 'linear')")
+    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
+    return RopeScaling(rope_type=kind, **{k: params[k] for k in fields if k in params})
+
+
+def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtype: str = "float32",
+                 reward_pad_id: int | None = None) -> dict:
+    """A LlamaForCausalLM `config.json` dict for `cfg` (readable by transformers 4.x and 5.x); with
+    `reward_pad_id`, a LlamaForSequenceClassification one (one label) whose pad token is that id (it finds each
+    sequence's last non-padding token by it)."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if rope_scaling is not None:
+        rope.update(dataclasses.asdict(rope_scaling))
+    reward = {} if reward_pad_id is None else {"architectures": [REWARD_ARCHITECTURE], "num_labels": 1,
+                                                 "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+                                                 "pad_token_id": reward_pad_id}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.mlp_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,  # transformers 4.x reads these two; 5.x reads rope_parameters
+        "rope_scaling": None if rope_scaling is None else rope,
+        "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": cfg.init_std,
+        "max_position_embeddings": 8192,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        **reward,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+
+class _Weights:
+    """Tensor name -> file lookup over a single or index-sharded safetensors checkpoint; files opened lazily."""
+
+    def __init__(self, path: Path, weights_file: str = WEIGHTS_FILE):
+        if (path / INDEX_FILE).is_file() and weights_file == WEIGHTS_FILE:
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+            self.files = {name: path / file for name, file in weight_map.items()}
+            for file in set(self.files.values()):
+                if not file.is_file():
+                    raise FileNotFoundError(f"{file}: listed in {path / INDEX_FILE} but missing")
+        elif (path / weights_file).is_file():
+            with safe_open(path / weights_file, framework="np") as f:
+                self.files = {name: path / weights_file for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"{path}: no {weights_file} or {INDEX_FILE} (only safetensors are supported)")
+        self._open: dict[Path, object] = {}
+
+    def _handle(self, name: str):
+        if name not in self.files:
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint")
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="np")
+        return self._open[file]
+
+    def check_shape(self, name: str, expected: tuple) -> None:
+        found = tuple(self._handle(name).get_slice(name).get_shape())
+        if found != tuple(expected):
+            raise ValueError(f"{self.files[name]}: tensor {name!r} has shape {list(found)}, "
+                             f"expected {list(expected)} for this config.json")
+
+    def read(self, name: str, slices: tuple) -> np.ndarray:
+        """Only the given slice of tensor `name` is read from disk."""
+        return self._handle(name).get_slice(name)[slices]
+
+
+def _full_slices(index, shape) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+
+
+def _load_param(weights: _Weights, row: Row, shape: tuple, dtype, sharding) -> jax.Array:
+    """Parameter `row` of global `shape` placed by `sharding`, each shard reading just its slice."""
+    layer_shape = shape[1:] if row.stacked else shape
+    names = [row.hf.format(i=i) for i in range(shape[0])] if row.stacked else [row.hf]
+    for name in names:
+        weights.check_shape(name, row.transform.hf_shape(layer_shape))
+
+    def read_layer(name, sl):
+        part = weights.read(name, row.transform.hf_slices(sl, layer_shape))
+        return np.asarray(row.transform.to_jax(part, sl, layer_shape)).astype(dtype)
+
+    def callback(index):
+        index = _full_slices(index, shape)
+        if not row.stacked:
+            return read_layer(names[0], index)
+        return np.stack([read_layer(names[i], index[1:]) for i in range(*index[0].indices(shape[0]))])
+
+    return jax.make_array_from_callback(shape, sharding, callback)
+
+
+def _get(state, path):
+    for key in path:
+        state = state[key]
+    return state
+
+
+def _unwrap(x):
+    return x.get_value() if isinstance(x, nnx.Variable) else x
+
+
+def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "float32",
+                    adapter=None) -> Transformer:
+    """Load a Hugging Face LlamaForCausalLM directory (config.json + safetensors) as a jaxllm Transformer (a
+    LlamaForSequenceClassification one with one label as a jaxllm.model.reward.RewardModel).
+
+    Parameters are stored and computed in `dtype` (logits in float32). With `mesh`, parameters are sharded
+    per `jaxllm.parallel.sharding.RULES` and loaded shard by shard; without, they are plain single-device arrays.
+    `adapter`: a PEFT LoRA adapter directory applied to this base (the model then carries the adapters).
+    """
+    from jaxllm.interop import hf_peft
+
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path / CONFIG_FILE}: not found (expected a Hugging Face model directory)")
+    hf_cfg = json.loads((path / CONFIG_FILE).read_text())
+    cfg = config_from_hf(hf_cfg)
+    scaling = rope_scaling_from_hf(hf_cfg)
+    precision = PrecisionConfig(params=dtype, compute=dtype, output="float32")
+    lora = hf_peft.read_config(Path(adapter)) if adapter is not None else None
+    reward = is_reward_config(hf_cfg)
+    if reward and hf_cfg.get("num_labels", len(hf_cfg.get("id2label") or {0: 0})) != 1:
+        raise ValueError(f"{path / CONFIG_FILE}: a sequence-classification model with more than one label is not a "
+                         "reward model")
+    model_class = RewardModel if reward else Transformer
+    sources = [(_Weights(path), REWARD_TABLE if reward else TABLE)]
+    if lora is not None:
+        sources.append((_Weights(Path(adapter), hf_peft.WEIGHTS_FILE), hf_peft.adapter_rows(lora.target_list)))
+
+    def build():
+        with nnx.use_eager_sharding(False):
+            return nnx.split(model_class(cfg, precision, rngs=nnx.Rngs(params=0), rope_scaling=scaling, lora=lora))
+
+    graphdef, abstract = jax.eval_shape(build)
+    if mesh is not None:
+        shardings = sharding_tree(abstract, mesh)
+    else:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: single, abstract)
+    for weights, rows in sources:
+        for row in rows:
+            if row.path == ("lm_head",) and cfg.tie_embeddings:
+                continue  # tied: the embedding is the head; a stray lm_head.weight in the file is ignored
+            var, sharding = _get(abstract, row.path), _unwrap(_get(shardings, row.path))
+            value = var.get_value()
+            loaded = _load_param(weights, row, tuple(value.shape), value.dtype, sharding)
+            var.set_value(loaded)
+    return nnx.merge(graphdef, abstract)
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+
+def _hf_tensors(model: Transformer, rows):
+    """(HF name, numpy array) for every tensor, one layer at a time (a sharded array is gathered per layer)."""
+    state = nnx.state(model)
+    for row in rows:
+        if row.path == ("lm_head",) and model.cfg.tie_embeddings:
+            continue
+        value = _get(state, row.path).get_value()
+        if row.stacked:
+            for i in range(value.shape[0]):
+                yield row.hf.format(i=i), np.ascontiguousarray(row.transform.to_hf(np.asarray(value[i])))
+        else:
+            yield row.hf, np.ascontiguousarray(row.transform.to_hf(np.asarray(value)))
+
+
+def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = None, adapter_only: bool = False,
+                    base_model: str = "", pad_token_id: int = 0) -> None:
+    """Write `model` as a Hugging Face LlamaForCausalLM directory loadable by `AutoModelForCausalLM` (a reward
+    model as LlamaForSequenceClassification with `pad_token_id`, loadable by
+    `AutoModelForSequenceClassification`).
+
+    Tensors keep the model's parameter dtype. Above `max_shard_bytes` the weights are split over
+    `model-0000k-of-0000n.safetensors` files with a `model.safetensors.index.json`. A model with LoRA adapters
+    is written merged (W + scale * A @ B); with `adapter_only` only its adapters are written, in PEFT's format
+    (loadable by `peft.PeftModel.from_pretrained` on the base; `base_model` goes into its config).
+    """
+    from jaxllm.interop import hf_peft
+    from jaxllm.model.lora import merge
+
+    path = Path(path)
+    if adapter_only:
+        if model.lora is None:
+            raise ValueError("adapter_only=True: the model has no LoRA adapters")
+        path.mkdir(parents=True, exist_ok=True)
+        config = hf_peft.config_json(model.lora, base_model)
+        (path / hf_peft.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        tensors = dict(_hf_tensors(model, hf_peft.adapter_rows(model.lora.target_list)))
+        save_file(tensors, path / hf_peft.WEIGHTS_FILE, metadata={"format": "pt"})
+        return
+    model = merge(model)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = dict(_hf_tensors(model, _table(model)))
+    dtype = str(np.dtype(next(iter(tensors.values())).dtype))
+    config = config_to_hf(model.cfg, getattr(model, "rope_scaling", None), dtype,
+                          pad_token_id if isinstance(model, RewardModel) else None)
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    metadata = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
+    total = sum(t.nbytes for t in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, path / WEIGHTS_FILE, metadata=metadata)
+        return
+    shards: list[dict] = [{}]
+    for name, tensor in tensors.items():  # greedy packing in table order; a tensor never spans two files
+        if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+        shards[-1][name] = tensor
+    weight_map = {}
+    for k, shard in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / file, metadata=metadata)
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+

@@ -1,0 +1,113 @@
+"""Direct preference optimisation as an objective: the policy is the base LM with fresh LoRA adapters (or all of
+it at lora.rank=0). The reference is, with `dpo.reference="shared"`, the same base with the adapters off: the
+frozen arrays themselves, merged into the plain model's graph, so it costs no second copy of the weights
+(`reference_model`); with "precomputed", the base's log-probabilities of every pair, computed once before
+training and stored with the data (jaxllm/objectives/reference.py), read from the batch.
+
+A LoRA SFT run as the base is merged first (jaxllm/train/base_model.py, kind "jaxllm-lora"): the merged SFT model
+is the frozen base, hence the reference, and DPO trains new adapters on it.
+
+Log-probabilities are summed over each response's tokens (jaxllm/objectives/pairs.py); the loss is
+jaxllm.objectives.losses.dpo_loss. Metrics carry TRL's names: rewards/chosen, rewards/rejected, rewards/accuracies,
+rewards/margins, logps/chosen, logps/rejected. The task report gives, per kind of held-out pair, the accuracy of
+the implicit reward (beta * (log pi - log ref) of chosen above rejected) and of the policy's own log-likelihood
+(chosen more likely than rejected), before and after training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config.schema import Config, ConfigError, DPOConfig
+from jaxllm.data.tokenizer import load_tokenizer
+from jaxllm.model.actor_critic import VALUE
+from jaxllm.model.head import head_stats
+from jaxllm.objectives import pair_eval
+from jaxllm.objectives.losses import dpo_loss
+from jaxllm.objectives.pairs import masked_mean, pair_mask, per_sequence_sums
+from jaxllm.objectives.finetune import row_batches
+from jaxllm.train.objective import Objective
+from jaxllm.objectives.pretrain import lm_objective
+from jaxllm.objectives.reference import FIELD, reference_logps
+from jaxllm.objectives.reward import held_out_rows, load_pairs
+
+
+def reference_model(model, plain_graphdef):
+    """The model with its adapters off: its non-adapter variables (the same arrays) in the plain model's graph
+    (a PPO actor-critic's critic left out)."""
+    return nnx.merge(plain_graphdef, nnx.state(model, nnx.All(nnx.Not(nnx.LoRAParam), nnx.Not(VALUE))))
+
+
+def sequence_logps(model, batch, pairs_per_row: int, rng=None):
+    """(chosen [B, K], rejected [B, K]): each response's log-probability, summed over its tokens."""
+    x_BTD = model.hidden_states(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
+    logps_BT = head_stats(model, x_BTD, batch["targets"])[0] * batch["loss_mask"]
+    return per_sequence_sums(logps_BT, batch["segment_ids"], pairs_per_row)
+
+
+def pair_logps(model, batch, plain_graphdef, pairs_per_row: int, rng=None) -> dict:
+    """Policy and reference log-probabilities of each pair's responses, and the responses' lengths in tokens."""
+    chosen, rejected = sequence_logps(model, batch, pairs_per_row, rng)
+    if FIELD in batch:  # precomputed
+        ref_chosen, ref_rejected = batch[FIELD][..., 0], batch[FIELD][..., 1]
+    else:
+        ref_chosen, ref_rejected = jax.lax.stop_gradient(
+            sequence_logps(reference_model(model, plain_graphdef), batch, pairs_per_row))
+    chosen_len, rejected_len = per_sequence_sums(batch["loss_mask"], batch["segment_ids"], pairs_per_row)
+    return {"chosen": chosen, "rejected": rejected, "ref_chosen": ref_chosen, "ref_rejected": ref_rejected,
+            "chosen_len": chosen_len, "rejected_len": rejected_len}
+
+
+def dpo_loss_fn(model, batch, rng=None, *, plain_graphdef, pairs_per_row: int, dpo: DPOConfig = DPOConfig()):
+    """`loss_fn` of DPO: the loss summed over the batch's pairs, counted per pair."""
+    lp = pair_logps(model, batch, plain_graphdef, pairs_per_row, rng)
+    mask = pair_mask(batch["segment_ids"], pairs_per_row)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(
+        lp["chosen"], lp["rejected"], lp["ref_chosen"], lp["ref_rejected"], beta=dpo.beta, loss_type=dpo.loss,
+        label_smoothing=dpo.label_smoothing, chosen_lengths=lp["chosen_len"], rejected_lengths=lp["rejected_len"])
+    metrics = {"rewards/chosen": masked_mean(chosen_rewards, mask),
+               "rewards/rejected": masked_mean(rejected_rewards, mask),
+               "rewards/accuracies": masked_mean((chosen_rewards > rejected_rewards).astype(jnp.float32), mask),
+               "rewards/margins": masked_mean(chosen_rewards - rejected_rewards, mask),
+               "logps/chosen": masked_mean(lp["chosen"], mask), "logps/rejected": masked_mean(lp["rejected"], mask)}
+    return jnp.sum(losses * mask), jnp.sum(mask), metrics
+
+
+def dpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
+    """(cfg with the base's architecture, the DPO objective), preparing the pairs (and, precomputed, the
+    reference log-probabilities) first."""
+    cfg, base, directory, manifest = load_pairs(cfg, num_devices, log)
+    if base is None:
+        raise ConfigError("checkpoint.restore_from", "DPO starts from a model, its reference: name a jaxllm run or "
+                                                     "a Hugging Face model directory")
+    K = cfg.preference.pairs_per_row
+    rope = base.rope_scaling
+    sp = cfg.mesh.sequence_parallel
+    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
+    policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora if cfg.lora.rank else None,
+                          rope_scaling=rope, sequence_parallel=sp)
+    extra = {}
+    if cfg.dpo.reference == "precomputed":
+        stored = reference_logps(cfg, base, directory, plain, lambda m, b: sequence_logps(m, b, K), log)
+        extra = {split: {FIELD: stored / f"{split}.npy"} for split in ("train", "eval")}
+    pairs, rows = held_out_rows(cfg, directory, extra.get("eval"))
+    open_batches, eval_batches = row_batches(cfg, directory, extra)
+
+    def report(graphdef, variables, mesh):
+        lp = pair_eval.score_rows(graphdef, variables, mesh, rows, cfg.train.batch_size,
+                                  lambda model, batch: pair_logps(model, batch, plain.graphdef, K))
+        get = lambda name: pair_eval.per_pair(pairs, lp[name])
+        implicit = (get("chosen") - get("ref_chosen")) > (get("rejected") - get("ref_rejected"))
+        return pair_eval.accuracy_report(pairs, {"reward_accuracy": implicit,
+                                                 "logp_accuracy": get("chosen") > get("rejected")})
+
+    loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain.graphdef, pairs_per_row=K, dpo=cfg.dpo)
+    return cfg, dataclasses.replace(policy, name="dpo", loss_fn=loss_fn, open_batches=open_batches,
+                                    eval_batches=eval_batches,
+                                    tokenizer=load_tokenizer(directory / manifest["tokenizer"]), sample_prompt=None,
+                                    base=base, report=report)

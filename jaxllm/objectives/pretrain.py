@@ -1,0 +1,116 @@
+"""Pretraining as an objective: the Llama LM, every parameter trainable, next-token cross-entropy on packed rows
+of a token store.
+
+A batch is a dict of int32 arrays [B, T]: `tokens`, `targets`, `segment_ids`, `positions`, `loss_mask`; the loss
+counts target tokens with `loss_mask == 1` (SFT reuses it with the mask on response tokens only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jaxllm.config.schema import (AUTO_VOCAB, Config, ConfigError, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig,
+                           resolve_vocab_size)
+from jaxllm.data.pipeline import make_eval_batches, make_train_iterator
+from jaxllm.data.token_store import TokenStore
+from jaxllm.data.tokenizer import Tokenizer, load_tokenizer
+from jaxllm.model.lora import trainable as lora_trainable
+from jaxllm.model.head import head_stats
+from jaxllm.train.faults import ThrottledBatches, with_zeroed_layer
+from jaxllm.train.objective import BatchRequest, Objective
+from jaxllm.train.state import build_model
+
+
+def cross_entropy_sum(model, batch, mask_BT, rng=None):
+    """(sum of the token losses of `batch["targets"]` where `mask_BT` is 1, number of counted tokens), float32;
+    the head runs chunk by chunk when `model.loss_chunk` is set (jaxllm/model/head.py)."""
+    x_BTD = model.hidden_states(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
+    logps_BT, _ = head_stats(model, x_BTD, batch["targets"])
+    mask_BT = mask_BT.astype(jnp.float32)
+    return -jnp.sum(logps_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def next_token_loss(model, batch, rng=None):
+    """`loss_fn` of language modelling: summed cross-entropy over the masked targets of packed rows."""
+    loss_sum, count = cross_entropy_sum(model, batch, batch["loss_mask"], rng)
+    return loss_sum, count, {}
+
+
+def lm_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: PipelineConfig = PipelineConfig(),
+                 lora: LoRAConfig | None = None, rope_scaling=None, sequence_parallel: bool = False) -> Objective:
+    """The model-and-loss half of language modelling (no data): what the train step needs. With `lora` (rank >
+    0) the model carries adapters and only they train; `sequence_parallel` as `build_model`."""
+    return Objective(name="pretrain", build_model=functools.partial(build_model, model, precision,
+                                                                     pipeline=pipeline, lora=lora,
+                                                                     rope_scaling=rope_scaling,
+                                                                     sequence_parallel=sequence_parallel),
+                     loss_fn=next_token_loss, trainable=lora_trainable(lora))
+
+
+def open_data(cfg: Config) -> tuple[TokenStore, Tokenizer]:
+    """The token store and its tokenizer, checked against the model's vocabulary."""
+    store_path = Path(cfg.data.path)
+    if not (store_path / "manifest.json").exists():
+        raise ConfigError("data.path", f"no token store at {store_path} (run `make data` or scripts/prepare_data.py)")
+    store = TokenStore.open(str(store_path))
+    check_rows_fit(store, cfg.train.seq_len)
+    tokenizer = load_tokenizer(str(store_path / store.manifest.get("tokenizer", "tokenizer.model")))
+    resolve_vocab_size(cfg, tokenizer.vocab_size, str(store_path))
+    return store, tokenizer
+
+
+def with_store_vocab(cfg: Config) -> Config:
+    """`cfg` with model.vocab_size "auto" sized from the manifest of the token store at data.path (no data read:
+    plans use it too); a ConfigError when there is no store to size it from."""
+    if cfg.model.vocab_size != AUTO_VOCAB:
+        return cfg
+    manifest = Path(cfg.data.path) / "manifest.json"
+    if not manifest.exists():
+        raise ConfigError("model.vocab_size", f"auto takes the tokenizer's size from the token store at data.path, "
+                                              f"and there is none at {cfg.data.path}: give a number to run without it")
+    try:
+        tokenizer_size = TokenStore.open(cfg.data.path).manifest["vocab_size"]
+    except ValueError as exc:
+        raise ConfigError("model.vocab_size", f"auto: {exc}") from None
+    return resolve_vocab_size(cfg, tokenizer_size, str(manifest))
+
+
+def check_rows_fit(store: TokenStore, seq_len: int, splits: tuple[str, ...] = ("train", "eval")) -> None:
+    """Each of the run's `splits` (those the store has) holds at least one row of `seq_len` + 1 tokens."""
+    for name in splits:
+        if name not in store.split_names:
+            continue
+        tokens = store.split(name).num_tokens
+        if tokens < seq_len + 1:
+            raise ConfigError("train.seq_len", f"{seq_len} is longer than split {name!r} of {store.root}: a row "
+                                               f"needs seq_len + 1 = {seq_len + 1} tokens, the split has {tokens}")
+
+
+def pretrain_objective(cfg: Config) -> Objective:
+    """Pretraining on `cfg.data.path`: batches are a pure function of (seed, data index), whatever the process
+    count; held-out batches come from the store's eval split."""
+    _, tokenizer = open_data(cfg)
+    tc = cfg.train
+
+    def open_batches(request: BatchRequest):
+        index, count = request.rows
+        source = make_train_iterator(cfg.data.path, split="train", global_batch_size=tc.batch_size,
+                                     seq_len=tc.seq_len, seed=tc.seed, process_index=index, process_count=count,
+                                     start_step=request.first, num_steps=request.end,
+                                     num_workers=cfg.data.num_workers)
+        return ThrottledBatches(source, cfg.debug.data_sleep_s) if cfg.debug.data_sleep_s > 0 else source
+
+    def eval_batches(rows):
+        index, count = rows
+        return list(make_eval_batches(cfg.data.path, split="eval", batch_size=tc.batch_size, seq_len=tc.seq_len,
+                                      max_batches=tc.eval_batches or None, process_index=index,
+                                      process_count=count))
+
+    objective = dataclasses.replace(lm_objective(cfg.model, cfg.precision, cfg.pipeline,
+                                                 sequence_parallel=cfg.mesh.sequence_parallel),
+                                    open_batches=open_batches, eval_batches=eval_batches, tokenizer=tokenizer)
+    return with_zeroed_layer(objective, cfg.debug.zero_layer) if cfg.debug.zero_layer >= 0 else objective

@@ -1,0 +1,342 @@
+"""What PPO and GRPO share: the sampler that makes scored rollouts from the current policy, the reward (a
+registered function or a trained reward model), the batch source of iterations, and the held-out report.
+
+An iteration: the batch source takes the iteration's prompts, and the current policy (the variables the next
+step updates, `BatchRequest.current`) samples responses with the KV-cache sampler, on the run's mesh and from
+the same parameter arrays; the reward scores them and the reference (the base with the adapters off: the frozen
+arrays, no copy) gives its log-probabilities once. The objective's `score` hook then turns the rows into what
+its loss needs (GRPO: group advantages; PPO: values, per-token rewards, GAE), and the iteration's rows feed
+`epochs` passes of minibatches, one optimizer step each.
+
+Everything an iteration made travels in the batch source's state, saved with every checkpoint: a run resumed in
+the middle of an iteration trains on the very rollouts it had, and resumes bitwise. The policy's forward pass
+uses no dropout, so that at an iteration's first update the ratio is 1 (TRL's PPO and GRPO disable dropout
+too). Prompts are bucketed by length: an iteration's prompts are left-padded to its longest one rounded up to a
+multiple of PROMPT_BUCKET tokens (at most max_prompt_tokens rounded up), its responses to max_new_tokens, so
+short prompts cost short rows and the step compiles once per bucket (jaxllm.train.loop.StepRunner). One
+process per run for now: the rollout is read back whole on the host.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import io
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.config.schema import Config, ConfigError, RolloutConfig
+from jaxllm.data.prompts import read_prompts
+from jaxllm.data.tokenizer import load_tokenizer
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.observe.metrics import JsonlWriter
+from jaxllm.objectives import reward_fns as rewards
+from jaxllm.objectives.rollout import response_logps, rollout, sequence_layout
+from jaxllm.model.sample import left_pad
+from jaxllm.objectives.dpo import reference_model
+from jaxllm.objectives.finetune import data_errors, locate_base, tokenizer_path
+from jaxllm.train.objective import BatchRequest, Objective
+from jaxllm.objectives.pretrain import lm_objective
+
+
+# Prompt buckets are multiples of this many tokens: finer than the sampler's powers of two (prompts of 65 tokens
+# cost rows of 96 + max_new_tokens, not 128 + max_new_tokens), with a few compiled shapes.
+PROMPT_BUCKET = 32
+
+
+def prompt_bucket(longest: int, max_prompt_tokens: int) -> int:
+    """The padded prompt length of an iteration whose longest prompt has `longest` tokens."""
+    round_up = lambda n: PROMPT_BUCKET * max(1, -(-n // PROMPT_BUCKET))
+    return min(round_up(longest), round_up(max_prompt_tokens))
+
+
+def rows_prompt_len(rows: dict[str, np.ndarray]) -> int:
+    """The prompt length of rollout rows: their slots less the response slots."""
+    return rows["tokens"].shape[1] - rows["mask"].shape[1]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "temperature"))
+def _logps(graphdef, variables, tokens, segment_ids, positions, *, prompt_len: int, temperature: float):
+    return response_logps(nnx.merge(graphdef, variables), tokens, segment_ids, positions, prompt_len, temperature)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _last_token_scores(graphdef, variables, tokens, segment_ids, positions, last_B):
+    scores_BS = nnx.merge(graphdef, variables)(tokens, segment_ids, positions)
+    return jnp.take_along_axis(scores_BS, last_B[:, None], axis=1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelScorer:
+    """`reward=rm:<checkpoint>`: a trained reward model (jaxllm.model.reward.RewardModel, its own frozen arrays
+    on the run's mesh) scores each rollout row at its last response token, as it scored each sequence's last
+    token in training; the rows are the prompt rendered with the same template, then the response and its EOS,
+    which is how its training pairs were encoded."""
+
+    graphdef: object
+    variables: object
+
+    def __call__(self, tokens, segment_ids, positions, mask, prompt_len: int) -> np.ndarray:
+        last = prompt_len + np.maximum(np.asarray(mask).sum(axis=1).astype(np.int32), 1) - 1
+        return np.asarray(_last_token_scores(self.graphdef, self.variables, tokens, segment_ids, positions,
+                                             jnp.asarray(last)))
+
+
+def load_reward_model(spec: str, mesh, compute: str, vocab_size: int, key: str) -> RewardModelScorer:
+    """The scorer of `rm:<checkpoint>` (a train.objective=reward run, a LoRA one included); ConfigError (`key`)
+    when it is not a reward model of the policy's vocabulary."""
+    from jaxllm.runs.checkpoint import CheckpointError
+    from jaxllm.eval.evaluate import load_checkpoint
+
+    path = spec[len("rm:"):]
+    try:
+        loaded = load_checkpoint(path, mesh=mesh, compute=compute)
+    except (CheckpointError, FileNotFoundError) as exc:
+        raise ConfigError(key, str(exc)) from None
+    if (loaded.config.get("train") or {}).get("objective") != "reward":
+        raise ConfigError(key, f"{path} is not a reward model (train.objective=reward) checkpoint")
+    if loaded.model_cfg.vocab_size != vocab_size:
+        raise ConfigError(key, f"{path} has a vocabulary of {loaded.model_cfg.vocab_size} tokens, the policy "
+                               f"{vocab_size}: they must share the tokenizer")
+    return RewardModelScorer(loaded.graphdef, loaded.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """What rollouts need: the policy's and the plain LM's graphs, the mesh, the tokenizer, the reward
+    function and the settings."""
+
+    graphdef: object
+    plain_graphdef: object
+    mesh: object
+    tokenizer: object
+    reward_fn: object  # fn(prompt, response) -> float, or a RewardModelScorer
+    settings: RolloutConfig
+
+    def respond(self, variables, prompts: list[dict], key, timings: dict | None = None) -> dict[str, np.ndarray]:
+        """One sampled response to each prompt, scored: host arrays of the rows (tokens, layout, mask, the
+        sampler's and the reference's log-probs, and per row [B, 1]: scores, stopped; a batch field's leading
+        axis is split over the batch mesh axes, its second is the sequence). `timings` gets the seconds spent
+        sampling ("rollout_s") and scoring: the reference's log-probs and the scores ("scoring_s")."""
+        jax.block_until_ready(variables)  # the update that made them is not the rollout's time
+        s, started = self.settings, time.perf_counter()
+        P = prompt_bucket(max(len(p["prompt_ids"]) for p in prompts), s.max_prompt_tokens)
+        tokens_BP, start_B = left_pad([p["prompt_ids"] for p in prompts], len(prompts), P)
+        with jax.set_mesh(self.mesh):
+            out = rollout(self.graphdef, variables, tokens_BP, start_B, max_new_tokens=s.max_new_tokens,
+                          temperature=s.temperature, stop_ids=(self.tokenizer.eos_id,), key=key,
+                          vocab_limit=self.tokenizer.vocab_size)
+            N = s.max_new_tokens  # the sampler's cache bucket may hold more slots: never filled
+            mask = np.asarray(out.mask[:, :N])  # waits for the sampler
+            sampled = time.perf_counter()
+            tokens = out.tokens[:, : P + N]
+            segment_ids, positions = sequence_layout(tokens, out.start)
+            reference = reference_model(nnx.merge(self.graphdef, variables), self.plain_graphdef)
+            ref_logps = _logps(self.plain_graphdef, nnx.state(reference), tokens, segment_ids, positions,
+                               prompt_len=P, temperature=s.temperature)
+            model_scores = (self.reward_fn(tokens, segment_ids, positions, mask, P)
+                            if isinstance(self.reward_fn, RewardModelScorer) else None)
+        rows = {"tokens": np.asarray(tokens), "segment_ids": np.asarray(segment_ids),
+                "positions": np.asarray(positions), "mask": mask, "old_logps": np.asarray(out.logps[:, :N]),
+                "ref_logps": np.asarray(ref_logps) * mask,
+                "stopped": np.asarray(out.stopped, np.float32)[:, None]}
+        rows["scores"] = (model_scores.astype(np.float32)[:, None] if model_scores is not None else
+                          np.asarray([[self.score(p, r, m)] for p, r, m in zip(prompts, rows["tokens"], mask)],
+                                     np.float32))
+        if timings is not None:
+            timings.update(rollout_s=sampled - started, scoring_s=time.perf_counter() - sampled)
+        return rows
+
+    def response_text(self, row_tokens: np.ndarray, mask: np.ndarray) -> str:
+        """A rollout row's response as text, without its EOS."""
+        ids = row_tokens[len(row_tokens) - len(mask):][: int(mask.sum())]
+        return self.tokenizer.decode([int(t) for t in ids if t != self.tokenizer.eos_id])
+
+    def score(self, prompt: dict, row_tokens: np.ndarray, mask: np.ndarray) -> float:
+        return float(self.reward_fn(prompt["prompt"], self.response_text(row_tokens, mask)))
+
+
+def response_kl(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """Each row's sampled-response KL to the reference [B], in nats: the sum over its tokens of log pi - log ref
+    (the k1 estimator, unbiased for tokens drawn from the policy)."""
+    return ((rows["old_logps"] - rows["ref_logps"]) * rows["mask"]).sum(axis=1)
+
+
+def _encode(rows: dict[str, np.ndarray]) -> str:
+    buffer = io.BytesIO()
+    np.savez(buffer, **rows)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _decode(text: str) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(base64.b64decode(text))) as archive:
+        return {k: archive[k] for k in archive.files}
+
+
+class RolloutBatches:
+    """The batch source of an RL objective (see the module doc): data index i is step i of iteration i // S, S
+    the steps an iteration takes; each epoch visits the iteration's rows in a seeded order. Subclasses give
+    `score(rows, variables)` (what the loss needs beyond the sampled rows) and may keep state of their own
+    across iterations (`extra_state`, restored by `restore_extra`)."""
+
+    responses_per_prompt = 1
+
+    def __init__(self, cfg: Config, settings: RolloutConfig, request: BatchRequest, sampler: Sampler,
+                 prompts: list[dict]):
+        tc = cfg.train
+        self.samples = JsonlWriter(Path(cfg.workdir) / "samples.jsonl",
+                                   enabled=bool(settings.samples_every and settings.samples)
+                                   and jax.process_index() == 0)
+        self.rows = settings.prompts_per_iteration * self.responses_per_prompt
+        self.batch_size, self.seed, self.settings = tc.batch_size, tc.seed, settings
+        self.steps_per_epoch = self.rows // tc.batch_size
+        self.steps_per_iteration = settings.epochs * self.steps_per_epoch
+        self.request, self.sampler, self.prompts = request, sampler, prompts
+        self.index, self.end = request.first, request.end
+        self.iteration, self.buffer = None, None
+        self.timings: dict = {}  # of the rollout made for the batch given last (none: empty)
+        saved = request.state or {}
+        self.restore_extra(saved)
+        if "rollout" in saved and saved["iteration"] == self.index // self.steps_per_iteration:
+            self.iteration, self.buffer = saved["iteration"], _decode(saved["rollout"])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.index >= self.end:
+            raise StopIteration
+        iteration, cursor = divmod(self.index, self.steps_per_iteration)
+        self.timings = {}
+        if iteration != self.iteration:
+            self.iteration, self.buffer = iteration, self._make(iteration)
+        epoch, k = divmod(cursor, self.steps_per_epoch)
+        order = np.random.default_rng([self.seed, iteration, epoch]).permutation(self.rows)
+        rows = order[k * self.batch_size:(k + 1) * self.batch_size]
+        index, count = self.request.rows
+        block = len(rows) // count
+        rows = rows[index * block:(index + 1) * block]
+        self.index += 1
+        return {name: values[rows] for name, values in self.buffer.items()}
+
+    def _make(self, iteration: int) -> dict[str, np.ndarray]:
+        """The iteration's scored rollouts from the current policy."""
+        G = self.responses_per_prompt
+        order = np.random.default_rng([self.seed, iteration, 1 << 20]).permutation(len(self.prompts))
+        chosen = [self.prompts[i] for i in np.resize(order, self.settings.prompts_per_iteration)]
+        key = jax.random.fold_in(jax.random.key(self.seed), iteration)
+        variables = self.request.current()
+        rows = self.sampler.respond(variables, [p for p in chosen for _ in range(G)], key, self.timings)
+        self.timings["rollout_tokens_per_sec"] = float(rows["mask"].sum()) / max(self.timings["rollout_s"], 1e-9)
+        started = time.perf_counter()
+        rows = self.score(rows, variables)
+        self.timings["scoring_s"] += time.perf_counter() - started
+        if self.settings.samples_every and iteration % self.settings.samples_every == 0:
+            self._write_samples(iteration, chosen, rows)
+        return rows
+
+    def score(self, rows: dict[str, np.ndarray], variables) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def _write_samples(self, iteration: int, chosen: list[dict], rows: dict[str, np.ndarray]) -> None:
+        """The first response to each of the first `samples` prompts of the iteration."""
+        for i, prompt in enumerate(chosen[: self.settings.samples]):
+            r = i * self.responses_per_prompt
+            self.samples.write({"iteration": iteration, "prompt": prompt["prompt"],
+                                "response": self.sampler.response_text(rows["tokens"][r], rows["mask"][r]),
+                                "reward": float(rows["scores"][r, 0])})
+
+    def step_metrics(self) -> dict:
+        """Host metrics of the batch given last (jaxllm.train.loop.host_metrics): the seconds its iteration's
+        rollouts took to sample and to score, and the sampler's tokens/s, at an iteration's first step; 0 at
+        the others, so that sums over steps split the run's time."""
+        return {"rollout_s": 0.0, "scoring_s": 0.0, **self.timings}
+
+    def extra_state(self) -> dict:
+        return {}
+
+    def restore_extra(self, saved: dict) -> None:
+        pass
+
+    def get_state(self) -> dict:
+        state = {"step": self.index, "iteration": self.iteration, **self.extra_state()}
+        return {**state, "rollout": _encode(self.buffer)} if self.buffer is not None else state
+
+    def close(self) -> None:
+        self.samples.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSetup:
+    """What an RL objective is built from: the config with the base's architecture, the base, the plain LM and
+    the policy objectives, the sampler, the prompts ({"train", "eval"}) and the held-out report."""
+
+    cfg: Config
+    base: object
+    plain: Objective
+    policy: Objective
+    sampler: Sampler
+    prompts: dict
+    report: object
+
+
+def rl_setup(cfg: Config, num_devices: int, section: str, log, build_policy=lm_objective) -> RLSetup:
+    """Locate the base, resolve the reward, read the prompts and build the sampler of `cfg.<section>`;
+    `build_policy(model, precision, pipeline, lora, rope_scaling=..., sequence_parallel=...)` gives the policy's objective."""
+    cfg, base = locate_base(cfg, num_devices, section)
+    if base is None:
+        raise ConfigError("checkpoint.restore_from", f"{section.upper()} starts from a model, its reference: name "
+                                                     "a jaxllm run or a Hugging Face model directory")
+    settings: RolloutConfig = getattr(cfg, section)
+    mesh = make_mesh(cfg.mesh)
+    if settings.reward.startswith("rm:"):
+        reward_fn = load_reward_model(settings.reward, mesh, cfg.precision.compute, cfg.model.vocab_size,
+                                      f"{section}.reward")
+    else:
+        try:
+            reward_fn = rewards.resolve(settings.reward)
+        except ValueError as exc:
+            raise ConfigError(f"{section}.reward", str(exc)) from None
+    tokenizer = load_tokenizer(tokenizer_path(cfg, base, section))
+    with data_errors(section):
+        prompts = read_prompts(settings.train_file, settings.eval_file, settings.eval_fraction, cfg.train.seed,
+                               tokenizer, settings.template, settings.max_prompt_tokens, log)
+    if not prompts["train"]:
+        raise ConfigError(f"{section}.train_file", f"no usable prompts in {settings.train_file}")
+    # train.seq_len is the longest rows' length (the largest bucket): what the loop plans memory and FLOPs for.
+    longest = prompt_bucket(settings.max_prompt_tokens, settings.max_prompt_tokens) + settings.max_new_tokens
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=longest))
+    rope = base.rope_scaling
+    sp = cfg.mesh.sequence_parallel
+    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
+    policy = build_policy(cfg.model, cfg.precision, cfg.pipeline, cfg.lora, rope_scaling=rope, sequence_parallel=sp)
+    sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, settings)
+    held_out = prompts["eval"][: settings.eval_prompts]
+
+    def report(graphdef, variables, mesh):
+        """Held-out mean reward, per-response KL to the reference (nats), EOS rate and length."""
+        if not held_out:
+            return {"scores": {}, "samples": []}
+        rows = sampler.respond(variables, held_out, jax.random.key(cfg.train.seed + 1))
+        samples = [{"task": section, "reference": p["prompt"][-60:], "response": sampler.response_text(r, mask)}
+                   for p, r, mask in zip(held_out[:3], rows["tokens"], rows["mask"])]
+        return {"scores": {"all": {"examples": len(held_out), "reward": float(rows["scores"].mean()),
+                                   "kl": float(response_kl(rows).mean()),
+                                   "eos_rate": float(rows["stopped"].mean()),
+                                   "length": float(rows["mask"].sum(axis=1).mean())}}, "samples": samples}
+
+    return RLSetup(cfg, base, plain, policy, sampler, prompts, report)
+
+
+def rl_objective(setup: RLSetup, name: str, loss_fn, open_batches, progress_metrics: tuple[str, ...]) -> Objective:
+    """The RL objective: the policy's model with `loss_fn`, batches from `open_batches(request)`, no held-out
+    loss (the task report measures it)."""
+    return dataclasses.replace(setup.policy, name=name, loss_fn=loss_fn, open_batches=open_batches,
+                               eval_batches=None, tokenizer=setup.sampler.tokenizer, sample_prompt=None,
+                               base=setup.base, report=setup.report, progress_metrics=progress_metrics)

@@ -1,0 +1,243 @@
+"""Logical axis names -> mesh axes: the one table that decides every layout.
+
+Model code names dimensions logically (`embed`, `heads`, ...). `RULES` maps each name to mesh axes twice:
+once for parameters at rest (and their optimizer state), once for activations in compute. FSDP lives in that
+difference: weights split `embed` over `fsdp`, activations split `batch` over (`data`, `fsdp`), so XLA gathers
+a layer's weights just before it is used and reduce-scatters its gradients (ZeRO-3).
+
+Sequence parallelism (Megatron-SP, `mesh.sequence_parallel`) lives in the table too: the model names the
+sequence dimension of its residual stream (embedding output, layer outputs, norms) `residual_seq` instead of
+`seq`, and `residual_seq` splits over `tensor`. Attention and the MLP keep the whole sequence with heads / hidden
+units over `tensor`, so XLA all-gathers the sequence before the column-parallel projections (q/k/v, gate/up) and
+reduce-scatters after the row-parallel ones (o_proj, down_proj) instead of all-reducing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+# logical name: (parameters, activations)
+RULES: dict[str, tuple[MeshAxes, MeshAxes]] = {
+    "batch": (None, ("data", "fsdp")),
+    "seq": (None, None),
+    "residual_seq": (None, "tensor"),  # the residual stream's sequence under sequence parallelism
+    "embed": ("fsdp", None),
+    "heads": ("tensor", "tensor"),
+    "kv_heads": ("tensor", "tensor"),
+    "head_dim": (None, None),
+    "mlp": ("tensor", "tensor"),
+    "vocab": ("tensor", "tensor"),
+    "layers": ("stage", None),  # stacked layer weights: each pipeline stage holds its own layers
+    "stage": ("stage", "stage"),
+    "norm": (None, None),
+    "lora_rank": (None, None),  # LoRA adapters' rank axis: small, replicated
+}
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_spec(
+    names: Sequence[str | None],
+    shape: Sequence[int] | None = None,
+    mesh_sizes: dict[str, int] | None = None,
+    *,
+    kind: str = "params",
+    rules: dict[str, tuple[MeshAxes, MeshAxes]] = RULES,
+) -> PartitionSpec:
+    """PartitionSpec for a value whose dimensions carry logical `names`.
+
+    A mesh axis is used at most once per spec (first dimension wins). With `shape` and `mesh_sizes`, a
+    dimension whose size the mesh axes do not divide stays replicated rather than failing to compile.
+    """
+    column = {"params": 0, "activations": 1}[kind]
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(names):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
+        axes = tuple(a for a in _as_tuple(rules[name][column]) if a not in used)
+        if mesh_sizes is not None:
+            axes = tuple(a for a in axes if mesh_sizes.get(a, 1) > 1)  # size-1 axes split nothing
+        if shape is not None and mesh_sizes is not None and axes:
+            if shape[dim] % math.prod(mesh_sizes[a] for a in axes):
+                axes = ()
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def _mesh_sizes(mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def active_mesh():
+    """The mesh set with `jax.set_mesh`, or None when there is none (e.g. plain single-device use)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrain an activation to the layout its logical `names` map to under the active mesh.
+
+    Outside any mesh there is nothing to constrain to, so `x` is returned as is. Inside a `jax.shard_map` the
+    manual axes are already split by hand (PowerSGD's per-`data`-shard gradients, jaxllm/optim/powersgd.py), so they
+    count as size 1 here and the constraint names the automatic axes only.
+    """
+    mesh = active_mesh()
+    if mesh is None:
+        return x
+    sizes = {a: 1 if a in mesh.manual_axes else n for a, n in _mesh_sizes(mesh).items()}
+    spec = logical_to_spec(names, x.shape, sizes, kind="activations")
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _logical_names(var: nnx.Variable) -> tuple | None:
+    return var.get_metadata().get("out_sharding")
+
+
+def spec_tree(tree: Any, mesh) -> Any:
+    """Replace every array in `tree` (an nnx.State, optimizer state, ...) by its parameter PartitionSpec.
+
+    Leaves inside an `nnx.Variable` with logical `out_sharding` names follow RULES; a leaf whose rank differs
+    from its names (e.g. Adafactor's factored moments) and plain leaves (step counters) are replicated.
+    """
+    sizes = _mesh_sizes(mesh)
+
+    def one(x):
+        if _is_variable(x):
+            names = _logical_names(x)
+            value = x.get_value() if hasattr(x, "get_value") else x[...]
+            shape = getattr(value, "shape", ())
+            if names is None or len(names) != len(shape):
+                return x.replace(PartitionSpec())
+            return x.replace(logical_to_spec(names, shape, sizes))
+        return PartitionSpec()
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def sharding_tree(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Like `spec_tree`, with `NamedSharding`s on `mesh` (usable as jit in/out shardings)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), spec_tree(tree, mesh),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def shard_shape(shape: Sequence[int], spec: PartitionSpec, mesh_sizes: dict[str, int]) -> tuple[int, ...]:
+    """Per-device shape of a global `shape` split by `spec` (ceil division, as XLA pads)."""
+    out = []
+    for dim, size in enumerate(shape):
+        entry = spec[dim] if dim < len(spec) else None
+        split = math.prod(mesh_sizes[a] for a in _as_tuple(entry))
+        out.append(-(-size // split))
+    return tuple(out)
+
+
+def _path_name(path) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(p for p in parts if p != "value")
+
+
+def report_rows(state: Any, mesh) -> list[dict]:
+    """One row per parameter: path, global shape, dtype, logical names, PartitionSpec, bytes per device (plain
+    arrays outside a Variable, e.g. optimizer step counters, have no logical names and are replicated)."""
+    sizes = _mesh_sizes(mesh)
+    specs = spec_tree(state, mesh)
+    flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    rows = []
+    for (path, var), spec in zip(flat_vars, flat_specs):
+        value = (var.get_value() if hasattr(var, "get_value") else var[...]) if _is_variable(var) else var
+        itemsize = np.dtype(value.dtype).itemsize
+        local = shard_shape(value.shape, spec, sizes)
+        rows.append(
+            dict(
+                path=_path_name(path),
+                shape=tuple(value.shape),
+                dtype=str(np.dtype(value.dtype)),
+                logical=_logical_names(var) if _is_variable(var) else None,
+                spec=spec,
+                bytes_per_device=math.prod(local) * itemsize,
+                bytes_total=math.prod(value.shape) * itemsize,
+            )
+        )
+    return rows
+
+
+def _axes_of(spec: PartitionSpec) -> set[str]:
+    return {axis for entry in spec for axis in _as_tuple(entry)}
+
+
+def replicated_rows(state: Any, mesh) -> list[dict]:
+    """The `report_rows` of parameters that stay whole over a mesh axis their logical names' rules split them
+    over (`logical_to_spec` replicates a dimension the axis size does not divide), each with `replicated_over`,
+    the axes it lost. Such a parameter costs that axis's size times its bytes across the mesh."""
+    sizes = _mesh_sizes(mesh)
+    rows = []
+    for row in report_rows(state, mesh):
+        names = row["logical"]
+        if names is None or len(names) != len(row["shape"]):
+            continue
+        lost = _axes_of(logical_to_spec(names, mesh_sizes=sizes)) - _axes_of(row["spec"])
+        if lost:
+            rows.append(dict(row, replicated_over=tuple(sorted(lost))))
+    return rows
+
+
+def format_replicated(rows: Sequence[dict]) -> str:
+    """A start-up warning listing `replicated_rows` with their bytes per device ("" when there are none)."""
+    if not rows:
+        return ""
+    lines = [f"warning: {len(rows)} parameters are replicated over mesh axes their rules split them over (the "
+             f"axis size does not divide the dimension), {sum(r['bytes_per_device'] for r in rows):,} bytes per "
+             "device in all:"]
+    lines += [f"  {r['path']} {r['shape']} {r['logical']}: whole over {', '.join(r['replicated_over'])}, "
+              f"{r['bytes_per_device']:,} bytes per device" for r in rows]
+    return "\n".join(lines)
+
+
+def format_report(rows: Iterable[dict]) -> str:
+    """A fixed-width table of `report_rows`, with totals."""
+    rows = list(rows)
+    lines = [f"{'parameter':<44} {'shape':<22} {'PartitionSpec':<36} {'bytes/device':>14}"]
+    for r in rows:
+        spec = "P(" + ", ".join(repr(e) for e in r["spec"]) + ")"
+        lines.append(f"{r['path']:<44} {str(r['shape']):<22} {spec:<36} {r['bytes_per_device']:>14,}")
+    per_device = sum(r["bytes_per_device"] for r in rows)
+    total = sum(r["bytes_total"] for r in rows)
+    lines.append(f"{'total':<44} {'':<22} {'':<36} {per_device:>14,}  (of {total:,} unsharded)")
+    return "\n".join(lines)
+
+
+def bytes_per_device(tree: Any, mesh) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `spec_tree` placement."""
+    sizes = _mesh_sizes(mesh)
+    specs = jax.tree.leaves(spec_tree(tree, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    leaves = jax.tree.leaves(tree)
+    return sum(
+        math.prod(shard_shape(leaf.shape, spec, sizes)) * np.dtype(leaf.dtype).itemsize
+        for leaf, spec in zip(leaves, specs)
+    )
