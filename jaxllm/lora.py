@@ -3,5 +3,4 @@
 `jaxllm.lora` stays importable because users' tools import it; new code imports `jaxllm.model.lora`.
 """
 
-from jaxllm.model.lora import *  # noqa: F401,F403
-from jaxllm.model.lora import (MODULE_OF, LoRA, adapter, project, trainable, adapters_of, merge)  # noqa: F401
+from jaxllm.model.lora import *  # noqa: F401,F403  (every public name)

@@ -140,8 +140,8 @@ def in_compute_dtype(stacked, dtype):
 
     Every matmul casts its weight to the compute dtype anyway (`jaxllm.model.lora.project`), so the values are the same;
     cast inside the loop instead, the backward pass casts each kernel a second time and converts each layer's
-    gradient on its own (about 5% of the bf16 step of a 6-layer, d256 model on 8 CPU devices, against a plain JAX
-    step: scripts/bench_step.py). Under fsdp the layer loop then gathers the weights in the compute dtype."""
+    gradient on its own (a 6-layer, d256 model in bf16 on 8 CPU devices: 53 MB less read and written per device
+    and step, 1.5-3% of the step; docs/benchmarks.md). Under fsdp the loop then gathers the weights in bf16."""
     def cast(a):
         floating = jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype
         return a.astype(dtype) if floating and a.ndim >= 3 else a

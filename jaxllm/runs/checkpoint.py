@@ -49,7 +49,7 @@ class CheckpointMismatch(ConfigError):
 def _field_names(tree) -> set[str]:
     """The top-level names (dataclass fields, dict keys) under which `tree` has leaves."""
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0] if path]
-    return {str(getattr(path[0], "name", getattr(path[0], "key", path[0]))) for path in paths}
+    return {str(_key_name(path[0])) for path in paths}
 
 
 def _array_shapes(tree) -> dict[str, tuple]:
@@ -282,8 +282,7 @@ class Checkpointer:
         """
         self.verify(step)
         if "state" in items:
-            self._check_fields(step, abstract_state)
-            self._check_layout(step, abstract_state, older)
+            self._check_saved_state(step, abstract_state, older)
         if shardings is None:
             shardings = sharding_tree(abstract_state, mesh)
         try:
@@ -315,34 +314,31 @@ class Checkpointer:
             ) from None
         return {k: restored[k] for k in items}
 
-    def _check_fields(self, step: int, abstract_state) -> None:
-        """A ConfigError when `step`'s train state lacks fields that `abstract_state` has: an older jaxllm wrote it
-        (before `loss_scale` existed, say). It is intact, so it must not fail like an unreadable checkpoint (a
-        resume would move it aside and fall back past it); its parameters still seed a new run."""
+    def _check_saved_state(self, step: int, abstract_state, older: tuple | None) -> None:
+        """Compare `step`'s train state, as its metadata records it (no array is read), with `abstract_state`.
+
+        An intact checkpoint must not fail like an unreadable one (a resume would move it aside and fall back past
+        it), so: a ConfigError when it lacks top-level fields (an older jaxllm wrote it, before `loss_scale`
+        existed, say; its parameters still seed a new run), and a CheckpointMismatch when its arrays are neither
+        those of `abstract_state` nor of the `older` layout (the config asks for another model). Unreadable
+        metadata is left to the restore, which reports it as a CheckpointError."""
         try:
             saved = self.manager.item_metadata(step)["state"].tree
-        except Exception:  # metadata unreadable: the restore itself reports it as a CheckpointError
+        except Exception:
             return
         if not isinstance(saved, dict):
             return
+        path = self.directory / str(step)
         missing = sorted(_field_names(abstract_state) - set(saved))
         if missing:
-            path = self.directory / str(step)
             raise ConfigError("checkpoint", f"{path} was written by an older jaxllm: its train state has no "
                                             f"{', '.join(missing)}; start a new run from its parameters with "
                                             f"checkpoint.restore_from={path} and a new workdir")
-
-    def _check_layout(self, step: int, abstract_state, older: tuple | None) -> None:
-        """A CheckpointMismatch when `step`'s arrays (as its metadata records them) are not those of
-        `abstract_state`, nor of the `older` layout: its files verified, so the config asks for another model."""
-        try:
-            saved = _array_shapes(self.manager.item_metadata(step)["state"].tree)
-        except Exception:  # metadata unreadable: the restore itself reports it as a CheckpointError
-            return
+        shapes = _array_shapes(saved)
         layouts = [abstract_state] + ([older[0]] if older is not None else [])
-        differences = [layout_differences(saved, _array_shapes(layout)) for layout in layouts]
+        differences = [layout_differences(shapes, _array_shapes(layout)) for layout in layouts]
         if all(differences):
-            raise CheckpointMismatch(self.directory / str(step), differences[0])
+            raise CheckpointMismatch(path, differences[0])
 
     def read_meta(self, step: int) -> dict:
         """The run metadata (seed, config, base, ...) saved with `step`; no array is read."""
