@@ -69,6 +69,7 @@ pipeline: install
 TEST_WORKERS ?= 2
 
 test: install
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
 
 # The short subset that CI also runs under Python 3.12 with current JAX, to catch API drift early.

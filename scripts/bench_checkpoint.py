@@ -26,7 +26,7 @@ from jaxllm.runs.checkpoint import Checkpointer, directory_bytes  # noqa: E402
 from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh  # noqa: E402
 from jaxllm.optim.chain import make_optimizer  # noqa: E402
-from jaxllm.train.state import abstract_train_state, create_train_state  # noqa: E402
+from jaxllm.objectives.pretrain import abstract_train_state, create_train_state
 
 # ~100M parameters: x3 (parameters, Adam mu and nu) x 4 bytes ~ 1.2 GB of state.
 MODEL = ModelConfig(vocab_size=16384, dim=1024, num_layers=4, num_heads=16, num_kv_heads=16, head_dim=64,

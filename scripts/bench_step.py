@@ -45,7 +45,8 @@ def prepared_step(cfg, lora=None):
     from jaxllm.optim.loss_scale import loss_scaling
     from jaxllm.parallel.mesh import make_mesh
     from jaxllm.optim.chain import make_optimizer
-    from jaxllm.train.loop import StepRunner, to_global
+    from jaxllm.train.fit import to_global
+    from jaxllm.train.step_runner import StepRunner
     from jaxllm.objectives.pretrain import lm_objective
     from jaxllm.train.state import init_objective_state
     from jaxllm.train.step import batch_sharding
@@ -127,7 +128,7 @@ def pipeline_report(cfg) -> dict:
     from jaxllm.parallel.mesh import abstract_mesh
     from jaxllm.parallel.pipeline import bubble_fraction
     from jaxllm.parallel.sharding import bytes_per_device
-    from jaxllm.train.state import abstract_model
+    from jaxllm.model.build import abstract_model
 
     from flax import nnx
 
@@ -180,7 +181,7 @@ def main(argv):
         import jax
 
         if cfg.train.objective == "sft" and cfg.lora.rank:
-            from jaxllm.train import base_model
+            from jaxllm.runs import base_model
 
             if cfg.checkpoint.restore_from:
                 cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from),

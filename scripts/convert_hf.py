@@ -29,7 +29,7 @@ def do_import(args) -> int:
     from jaxllm.runs.checkpoint import Checkpointer, CheckpointError
     from jaxllm.config.schema import OptimConfig, PrecisionConfig
     from jaxllm.data.tokenizer import find_tokenizer_file
-    from jaxllm.eval.evaluate import single_device_mesh
+    from jaxllm.parallel.mesh import single_device_mesh
     from jaxllm.model.reward import RewardModel
     from jaxllm.optim.chain import make_optimizer
     from jaxllm.objectives.pretrain import lm_objective
@@ -77,7 +77,7 @@ def do_export(args) -> int:
     from jaxllm.interop import hf
     from jaxllm.runs.checkpoint import CheckpointError
     from jaxllm.data.tokenizer import load_tokenizer, tokenizer_files
-    from jaxllm.eval.evaluate import load_checkpoint
+    from jaxllm.runs.loader import load_checkpoint
 
     try:
         loaded = load_checkpoint(args.checkpoint, args.step)

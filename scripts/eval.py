@@ -53,14 +53,16 @@ def main(argv):
 
     from jaxllm.eval import evaluate
     from jaxllm.interop import hf
+    from jaxllm.parallel.mesh import single_device_mesh
     from jaxllm.runs.checkpoint import CheckpointError
+    from jaxllm.runs.loader import load_checkpoint
     from jaxllm.data.tokenizer import find_tokenizer_file, load_tokenizer
 
-    mesh = evaluate.single_device_mesh()
+    mesh = single_device_mesh()
     recorded_data, tokenizer_file, recorded = None, None, {}
     try:
         if args.checkpoint is not None:
-            loaded = evaluate.load_checkpoint(args.checkpoint, args.step, mesh)
+            loaded = load_checkpoint(args.checkpoint, args.step, mesh)
             graphdef, params, recorded = loaded.graphdef, loaded.params, loaded.config
             if (recorded.get("train") or {}).get("objective", "pretrain") == "pretrain":
                 recorded_data = (recorded.get("data") or {}).get("path")

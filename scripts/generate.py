@@ -53,7 +53,8 @@ def main(argv):
     from jaxllm.model import sample
     from jaxllm.runs.checkpoint import CheckpointError
     from jaxllm.data.tokenizer import find_tokenizer_file, load_tokenizer
-    from jaxllm.eval.evaluate import load_checkpoint, single_device_mesh
+    from jaxllm.runs.loader import load_checkpoint
+    from jaxllm.parallel.mesh import single_device_mesh
 
     loaded, mesh = None, None
     if args.checkpoint is not None:

@@ -32,7 +32,7 @@ from jaxllm.runtime.xla_flags import use_xla_flags
 def planned_config(cfg, num_devices: int):
     """The configuration a plan describes: a fine-tuning run takes its base's architecture, and a vocabulary of
     "auto" is sized from the token store's manifest."""
-    from jaxllm.train import base_model
+    from jaxllm.runs import base_model
     from jaxllm.objectives.pretrain import with_store_vocab
 
     if cfg.train.objective == "sft" and cfg.checkpoint.restore_from:
@@ -112,7 +112,7 @@ def main(argv):
         print(format_plan(memory_plan(cfg)))
         return 0
     if args.print_memory:
-        from jaxllm.observe.memory import memory_report
+        from jaxllm.plan.reports import memory_report
 
         try:
             print(memory_report(cfg))
@@ -124,13 +124,14 @@ def main(argv):
 
         from jaxllm.parallel.mesh import make_mesh
         from jaxllm.parallel.sharding import format_report, report_rows
-        from jaxllm.train.state import abstract_model
+        from jaxllm.model.build import abstract_model
 
         state = nnx.state(abstract_model(cfg.model, cfg.precision))
         print(format_report(report_rows(state, make_mesh(cfg.mesh))))
         return 0
     if args.print_comms:
-        from jaxllm.observe.comms import comms_report, format_comms
+        from jaxllm.observe.comms import format_comms
+        from jaxllm.plan.reports import comms_report
 
         print(format_comms(comms_report(cfg), dict(zip(("data", "fsdp", "tensor", "stage"), cfg.mesh.shape))))
         return 0

@@ -22,9 +22,9 @@ from jaxllm.model.layers import apply_rope, rope_tables, xla_attention
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.visibility import attention_mask
 from jaxllm.parallel.sharding import sharding_tree
-from jaxllm.train.loop import to_global
-from jaxllm.train.state import build_model
-from jaxllm.objectives.pretrain import next_token_loss
+from jaxllm.train.fit import to_global
+from jaxllm.model.build import build_model
+from jaxllm.model.head import next_token_loss
 from jaxllm.train.step import NO_FROZEN, batch_sharding
 
 from packed_layout import mask_from_packed_layout

@@ -7,7 +7,8 @@ import io
 
 import pytest
 
-from jaxllm.plan.auto_fit import GB, accum_candidates, choose, step_device_bytes, with_setting
+from jaxllm.plan.auto_fit import accum_candidates, choose, step_device_bytes, with_setting
+from jaxllm.observe.sizes import GB
 from jaxllm.config.cli import build_config, split_overrides
 from jaxllm.config.schema import ConfigError, validate
 from jaxllm.train.loop import train

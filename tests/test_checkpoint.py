@@ -18,7 +18,7 @@ from jaxllm.runs.checkpoint import Checkpointer
 from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
-from jaxllm.train.state import abstract_train_state, create_train_state
+from jaxllm.objectives.pretrain import abstract_train_state, create_train_state
 
 MODEL = ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")

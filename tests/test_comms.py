@@ -12,7 +12,7 @@ from jaxllm.config.schema import MESH_AXES, validate
 from jaxllm.observe.comms import collectives, mesh_axes_of, summarize
 from jaxllm.observe.replica_groups import groups_of, parse_replica_groups
 from jaxllm.plan.footprint import compiled_step
-from jaxllm.train.state import abstract_model
+from jaxllm.model.build import abstract_model
 
 from train_runs import ROOT, TINY
 

@@ -18,6 +18,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxllm.eval import evaluate  # noqa: E402
+from jaxllm.parallel.mesh import single_device_mesh  # noqa: E402
+from jaxllm.runs.loader import load_checkpoint  # noqa: E402
 from jaxllm.data.pipeline import make_eval_batches  # noqa: E402
 from jaxllm.data.tokenizer import Tokenizer  # noqa: E402
 
@@ -69,7 +71,7 @@ def test_export_round_trip_matches_transformers(hf_model, imported, ids, tmp_pat
     model, _ = hf_model
     assert _script("convert_hf").main(["export", "--checkpoint", str(imported), "--out", str(tmp_path)]) == 0
     reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    loaded = evaluate.load_checkpoint(str(imported / "0"))  # a step directory works too
+    loaded = load_checkpoint(str(imported / "0"))  # a step directory works too
     ours = np.asarray(loaded.model(jnp.asarray(ids, jnp.int32)))
     theirs = _torch_logits(reloaded, ids)
     assert np.abs(ours - theirs).max() < 1e-4
@@ -89,14 +91,14 @@ def test_import_then_train_from_it(imported, shakespeare_store, tmp_path):
     assert f"starting from the parameters of {imported / '0'}" in proc.stdout
     summary = json.loads((workdir / "summary.json").read_text())
     # The run's initial held-out loss is the imported model's, not a fresh initialisation's.
-    loaded = evaluate.load_checkpoint(str(imported))
-    mesh = evaluate.single_device_mesh()
+    loaded = load_checkpoint(str(imported))
+    mesh = single_device_mesh()
     batch_size = json.loads((workdir / "config.json").read_text())["train"]["batch_size"]
     expected = evaluate.perplexity(loaded.graphdef, loaded.params, mesh, shakespeare_store, seq_len=32,
                                    batch_size=batch_size, max_batches=1)["loss"]
     assert abs(summary["initial_eval_loss"] - expected) < 1e-3, (summary["initial_eval_loss"], expected)
     # The run's own checkpoint exports too (model config from its recorded run config).
-    trained = evaluate.load_checkpoint(str(workdir))
+    trained = load_checkpoint(str(workdir))
     assert trained.path.name == "2" and trained.tokenizer_path() == shakespeare_store / "tokenizer.model"
 
 
@@ -116,8 +118,8 @@ def _log_softmax(x):
 
 
 def test_perplexity_matches_independent_loop(imported, shakespeare_store, capsys):
-    loaded = evaluate.load_checkpoint(str(imported))
-    mesh = evaluate.single_device_mesh()
+    loaded = load_checkpoint(str(imported))
+    mesh = single_device_mesh()
     got = evaluate.perplexity(loaded.graphdef, loaded.params, mesh, shakespeare_store, seq_len=32, batch_size=4,
                               max_batches=3)
     model, forward = loaded.model, nnx.jit(lambda m, *a: m(*a))
@@ -162,7 +164,7 @@ def _choice_scores(model, tokenizer, question, choices):
 
 
 def test_multiple_choice_accuracy(imported, shakespeare_store, tmp_path, capsys):
-    loaded = evaluate.load_checkpoint(str(imported))
+    loaded = load_checkpoint(str(imported))
     tokenizer = Tokenizer.load(shakespeare_store / "tokenizer.model")
     scores = [_choice_scores(loaded.model, tokenizer, q, c) for q, c in QUESTIONS]
 
@@ -175,7 +177,7 @@ def test_multiple_choice_accuracy(imported, shakespeare_store, tmp_path, capsys)
     best = write("best.jsonl", lambda s, c: np.argmax(s))
     worst = write("worst.jsonl", lambda s, c: np.argmin(s))
     best_char = write("best_char.jsonl", lambda s, c: np.argmax(s / np.asarray([len(x) for x in c])))
-    mesh = evaluate.single_device_mesh()
+    mesh = single_device_mesh()
     assert _script("eval").main(["--checkpoint", str(imported), "--choices", best,
                                  "--tokenizer", str(shakespeare_store / "tokenizer.model")]) == 0
     results = {"best": json.loads(capsys.readouterr().out.strip().splitlines()[-1])}

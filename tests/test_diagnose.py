@@ -376,7 +376,8 @@ def test_zero_layer_gets_no_gradient():
 
     from jaxllm.config.schema import ModelConfig, PrecisionConfig
     from jaxllm.train.faults import with_zeroed_layer
-    from jaxllm.objectives.pretrain import lm_objective, next_token_loss
+    from jaxllm.objectives.pretrain import lm_objective
+    from jaxllm.model.head import next_token_loss
 
     cfg = ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=2, num_kv_heads=2, head_dim=16, mlp_dim=64)
     objective = with_zeroed_layer(lm_objective(cfg, PrecisionConfig("float32", "float32", "float32")), 1)

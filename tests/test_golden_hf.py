@@ -18,7 +18,7 @@ from golden_reference import LLAMA, LLAMA_TIED, arrays, rows
 from jaxllm.eval import evaluate
 from jaxllm.interop import hf
 from jaxllm.config.schema import MeshConfig
-from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.mesh import make_mesh, single_device_mesh
 from jaxllm.model.sample import generate
 
 pytestmark = pytest.mark.smoke
@@ -85,6 +85,6 @@ def test_continuation_logprobs_match_transformers(llama):
     pairs = [(seq[:n], seq[n:]) for seq, n in zip(rows(ref["pair_tokens"], ref["pair_lengths"]),
                                                    ref["pair_context_lengths"], strict=True)]
     graphdef, params = nnx.split(llama)
-    got = evaluate.continuation_logprobs(graphdef, params, evaluate.single_device_mesh(), pairs)
+    got = evaluate.continuation_logprobs(graphdef, params, single_device_mesh(), pairs)
     np.testing.assert_allclose(got, ref["pair_logprobs"], rtol=TOL, atol=TOL)
 

@@ -16,7 +16,7 @@ from jaxllm.objectives.rollout import response_logps, sequence_layout
 from jaxllm.objectives.dpo import reference_model
 from jaxllm.objectives.grpo import grpo_loss_fn
 from jaxllm.objectives.pretrain import lm_objective
-from jaxllm.train.state import build_model
+from jaxllm.model.build import build_model
 
 from layout_steps import first_updates
 

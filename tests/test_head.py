@@ -14,9 +14,9 @@ from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.objectives.rollout import response_stats
 from jaxllm.parallel.sharding import sharding_tree
-from jaxllm.train.loop import to_global
-from jaxllm.objectives.pretrain import next_token_loss
-from jaxllm.train.state import build_model
+from jaxllm.train.fit import to_global
+from jaxllm.model.head import next_token_loss
+from jaxllm.model.build import build_model
 from jaxllm.train.step import batch_sharding
 
 MODEL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)

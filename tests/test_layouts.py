@@ -9,7 +9,8 @@ from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.objectives.pretrain import lm_objective
-from jaxllm.train.state import create_train_state
+from jaxllm.objectives.pretrain import create_train_state
+from jaxllm.model.head import next_token_loss
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 
 LAYOUTS = [(8, 1, 1, 1), (1, 8, 1, 1), (2, 2, 2, 1), (1, 2, 4, 1)]
@@ -28,7 +29,7 @@ def _run(layout):
     tx = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), total_steps=10)
     with jax.set_mesh(mesh):
         graphdef, state, shardings = create_train_state(MODEL, PRECISION, tx, mesh, seed=0)
-        grad_fn = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 1)[0])
+        grad_fn = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 1, loss_fn=next_token_loss)[0])
         grads = jax.device_get(grad_fn(state.params, _global(synthetic_batch(99, 8, 32, 256), mesh)))
         step = jit_train_step(make_train_step(lm_objective(MODEL, PRECISION), tx, grad_accum=2), shardings, mesh)
         losses = []

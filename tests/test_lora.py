@@ -18,9 +18,10 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.model.sample import generate
 from jaxllm.parallel.sharding import spec_tree
-from jaxllm.train.loop import to_global
+from jaxllm.train.fit import to_global
 from jaxllm.objectives.pretrain import lm_objective
-from jaxllm.train.state import build_model, init_objective_state
+from jaxllm.train.state import init_objective_state
+from jaxllm.model.build import build_model
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 
 MODEL = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)

@@ -28,7 +28,8 @@ from jaxllm.train.loop import train
 from jaxllm.train.objective import Objective
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.recovery import restore_latest
-from jaxllm.train.state import abstract_objective_state, abstract_train_state, create_train_state, new_train_state
+from jaxllm.train.state import abstract_objective_state, new_train_state
+from jaxllm.objectives.pretrain import abstract_train_state, create_train_state
 from jaxllm.train.step import grads_and_loss, make_train_step
 
 # Finite (False) and overflowing (True) steps: with a growth interval of 3 the scale grows at steps 3, 10 and 15

@@ -15,8 +15,8 @@ from jaxllm.observe import metrics
 from jaxllm.config.schema import ModelConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.model.transformer import train_flops_per_token
-from jaxllm.objectives.pretrain import next_token_loss
-from jaxllm.train.state import build_model
+from jaxllm.model.head import next_token_loss
+from jaxllm.model.build import build_model
 
 
 def gpu(kind: str):

@@ -9,7 +9,7 @@ from flax import nnx
 from jaxllm.config.schema import ConfigError, ModelConfig, PrecisionConfig
 from jaxllm.model.transformer import total_params
 from jaxllm.model.visibility import attention_mask, packed_segments
-from jaxllm.train.state import build_model
+from jaxllm.model.build import build_model
 
 from packed_layout import mask_from_packed_layout
 

@@ -24,7 +24,7 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import learning_rate_schedule, make_optimizer
 from jaxllm.runtime.preemption import CHECK_EVERY
 from jaxllm.train.control import write_control
-from jaxllm.train.state import abstract_train_state
+from jaxllm.objectives.pretrain import abstract_train_state
 
 STEPS = 8  # the drill's peer fault lands on steps 1..6 and the job still has steps to run
 RUN = ("--config.train.eval_every=1000", "--config.optim.warmup_steps=2", "--config.checkpoint.every=2",

@@ -18,8 +18,11 @@ from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, Precision
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
-from jaxllm.train.loop import StepRunner, to_global, train
-from jaxllm.objectives.pretrain import cross_entropy_sum, lm_objective, pretrain_objective
+from jaxllm.train.fit import to_global
+from jaxllm.train.loop import train
+from jaxllm.train.step_runner import StepRunner
+from jaxllm.objectives.pretrain import lm_objective, pretrain_objective
+from jaxllm.model.head import cross_entropy_sum
 from jaxllm.train.state import abstract_objective_state, init_frozen, init_objective_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 

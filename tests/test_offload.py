@@ -19,10 +19,11 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.offload import HOST, require_host_memory
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.plan.footprint import format_plan, memory_plan
-from jaxllm.train.loop import to_global
+from jaxllm.train.fit import to_global
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.recovery import restore_latest
 from jaxllm.train.state import abstract_objective_state, init_objective_state, state_shardings
+from jaxllm.model.head import next_token_loss
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +114,7 @@ def test_remat_offload_equals_kept_residuals_bitwise(runs):
                 jaxpr = str(jax.make_jaxpr(make_train_step(objective, tx))(state, batch))
                 assert ("MemorySpace.Host" in jaxpr) == (offload == "host"), (remat, offload)
                 if remat == "save_qkv_proj":
-                    grads = jax.jit(lambda p, b: grads_and_loss(objective.graphdef, p, b)[:2])(state.params, batch)
+                    grads = jax.jit(lambda p, b: grads_and_loss(objective.graphdef, p, b, loss_fn=next_token_loss)[:2])(state.params, batch)
                     out[offload] = _leaves(grads)
     for a, b in zip(out["host"], out["none"]):
         np.testing.assert_array_equal(a, b)

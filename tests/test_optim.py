@@ -12,7 +12,9 @@ from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, Precision
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import decay_mask, learning_rate_schedule, make_optimizer
-from jaxllm.train.state import abstract_model, build_model, create_train_state
+from jaxllm.objectives.pretrain import create_train_state
+from jaxllm.model.build import abstract_model, build_model
+from jaxllm.model.head import next_token_loss
 from jaxllm.train.step import batch_sharding, grads_and_loss
 
 MODEL = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -59,7 +61,7 @@ def test_each_optimizer_lowers_the_loss_in_20_steps(name):
 
         @jax.jit
         def step(state):
-            grads, loss, _, _ = grads_and_loss(graphdef, state.params, batch)
+            grads, loss, _, _ = grads_and_loss(graphdef, state.params, batch, loss_fn=next_token_loss)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state), loss
 
@@ -108,8 +110,8 @@ def test_gradient_accumulation_equals_one_big_batch():
         graphdef, state, _ = create_train_state(MODEL, F32, tx, mesh, seed=0)
         sharding = batch_sharding(mesh)
         batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
-        one = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 1))(state.params, batch)
-        two = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 2))(state.params, batch)
+        one = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 1, loss_fn=next_token_loss))(state.params, batch)
+        two = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 2, loss_fn=next_token_loss))(state.params, batch)
     np.testing.assert_allclose(float(two[1]), float(one[1]), rtol=1e-6)
     assert float(two[2]) == float(one[2]) == float(local["loss_mask"].sum())
     for a, b in zip(jax.tree.leaves(two[0]), jax.tree.leaves(one[0])):

@@ -8,7 +8,7 @@ from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.objectives.pretrain import lm_objective
-from jaxllm.train.state import create_train_state
+from jaxllm.objectives.pretrain import create_train_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 
 

@@ -26,7 +26,9 @@ from jaxllm.model.visibility import attention_mask
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.parallel.pipeline import bubble_fraction, pipeline
 from jaxllm.objectives.pretrain import lm_objective
-from jaxllm.train.state import build_model, create_train_state
+from jaxllm.objectives.pretrain import create_train_state
+from jaxllm.model.build import build_model
+from jaxllm.model.head import next_token_loss
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 
 from packed_layout import mask_from_packed_layout
@@ -78,7 +80,7 @@ def _grads(params, layout, m=1, r=1, remat="none", nan_bubbles=False, attention=
     with jax.set_mesh(mesh):
         placed = jax.device_put(params, sharding.sharding_tree(params, mesh))
         batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in BATCH.items()}
-        compiled = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 1)[:2]).lower(placed, batch).compile()
+        compiled = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 1, loss_fn=next_token_loss)[:2]).lower(placed, batch).compile()
         grads, loss = compiled(placed, batch)
     return jax.device_get(grads), float(loss), compiled.as_text()
 

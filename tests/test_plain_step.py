@@ -6,14 +6,13 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from train_runs import ROOT
 
 from jaxllm.config.schema import ModelConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
-from jaxllm.objectives.pretrain import next_token_loss
-from jaxllm.train.state import build_model
+from jaxllm.model.head import next_token_loss
+from jaxllm.model.build import build_model
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import plain_step  # noqa: E402

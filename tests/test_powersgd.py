@@ -21,9 +21,10 @@ from jaxllm.optim.loss_scale import NO_LOSS_SCALING, LossScaling
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.train.faults import with_scaled_loss
-from jaxllm.train.loop import to_global
+from jaxllm.train.fit import to_global
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import abstract_objective_state, init_objective_state, state_shardings
+from jaxllm.model.head import next_token_loss
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 
 
@@ -179,7 +180,7 @@ def sums_of_gradients():
                                                                         mesh), mesh))
         compute = functools.partial(grads_and_loss, objective.graphdef, grad_accum=1, loss_fn=objective.loss_fn)
         batch = to_global(_batch(100, positions=8), batch_sharding(mesh), ROWS)
-        exact = jax.device_get(jax.jit(lambda p, b: grads_and_loss(objective.graphdef, p, b)[0])(state.params, batch))
+        exact = jax.device_get(jax.jit(lambda p, b: grads_and_loss(objective.graphdef, p, b, loss_fn=next_token_loss)[0])(state.params, batch))
         compressed = jax.jit(lambda p, b, s: compressed_grads(compute, p, b, frozen, s, compression))
         sums = {"feedback": None, "no feedback": None}
         distances = {"feedback": [], "no feedback": []}

@@ -20,10 +20,11 @@ from jaxllm.optim.chain import make_optimizer
 from jaxllm.objectives.losses import ppo_policy_loss, ppo_value_loss
 from jaxllm.objectives.rollout import response_logps, sequence_layout
 from jaxllm.objectives.dpo import reference_model
-from jaxllm.train.loop import to_global
+from jaxllm.train.fit import to_global
 from jaxllm.objectives.ppo import actor_critic_objective, adapt_kl_coef, ppo_loss_fn, ppo_values, token_rewards
 from jaxllm.objectives.pretrain import lm_objective
-from jaxllm.train.state import build_model, init_objective_state
+from jaxllm.train.state import init_objective_state
+from jaxllm.model.build import build_model
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 
 from layout_steps import first_updates

@@ -24,10 +24,11 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.model.reward import RewardModel
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.objectives.dpo import dpo_loss_fn, reference_model, sequence_logps
-from jaxllm.train.loop import to_global
+from jaxllm.train.fit import to_global
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.objectives.reward import pair_rewards, reward_loss, reward_model_objective
-from jaxllm.train.state import build_model, init_objective_state
+from jaxllm.train.state import init_objective_state
+from jaxllm.model.build import build_model
 from jaxllm.train.step import batch_sharding, grads_and_loss, jit_train_step, make_train_step
 
 MODEL = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)

@@ -14,7 +14,7 @@ import pytest
 from train_runs import NAN_AT_3, ROOT, assert_rolled_back_at_3, losses, metrics, preempt_at, train_env
 
 from jaxllm.runs.checkpoint import Checkpointer
-from jaxllm.eval.evaluate import load_checkpoint
+from jaxllm.runs.loader import load_checkpoint
 
 SMALL = ("--config.train.seq_len=256", "--config.train.batch_size=8", "--config.train.eval_batches=1",
          "--config.train.eval_every=1000", "--config.checkpoint.every=2", "--config.optim.warmup_steps=2",

@@ -12,7 +12,7 @@ PUBLIC = [
      ("dpo_loss", "bradley_terry_loss", "gae", "whiten", "kl_penalty", "ppo_policy_loss", "ppo_value_loss",
       "group_advantages", "grpo_loss")),
     ("jaxllm.post.rewards", "jaxllm.objectives.reward_fns", ("register", "resolve", "single_line")),
-    ("jaxllm.train.loop", "jaxllm.train.loop", ("train",)),
+    ("jaxllm.train.loop", "jaxllm.launch.train", ("train",)),
 ]
 
 

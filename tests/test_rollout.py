@@ -16,7 +16,7 @@ from jaxllm.objectives.losses import ppo_policy_loss
 from jaxllm.objectives.rollout import response_logps, rollout, sequence_layout
 from jaxllm.model.sample import left_pad
 from jaxllm.parallel.sharding import sharding_tree
-from jaxllm.train.state import build_model
+from jaxllm.model.build import build_model
 
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
 CFG = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,

@@ -2,7 +2,6 @@
 a residual stream that is really split along the sequence over `tensor`, every objective's model honouring the
 flag, decoding unchanged, and the config check."""
 
-import dataclasses
 import re
 
 import jax
@@ -22,7 +21,8 @@ from jaxllm.model.sample import generate
 from jaxllm.objectives.ppo import actor_critic_objective
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.objectives.reward import reward_model_objective
-from jaxllm.train.state import build_model
+from jaxllm.model.build import build_model
+from jaxllm.model.head import next_token_loss
 from jaxllm.train.step import batch_sharding, grads_and_loss
 
 # tensor=4 divides heads, kv heads and MLP; remat full and a chunked head are the paths SP changes most.
@@ -51,7 +51,7 @@ def _grads(params, sequence_parallel, layout=LAYOUT, pipeline=PipelineConfig()):
     graphdef = lm_objective(MODEL, F32, pipeline, sequence_parallel=sequence_parallel).graphdef
     with jax.set_mesh(mesh):
         placed, batch = _placed(params, mesh)
-        compiled = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 1)[:2]).lower(placed, batch).compile()
+        compiled = jax.jit(lambda p, b: grads_and_loss(graphdef, p, b, 1, loss_fn=next_token_loss)[:2]).lower(placed, batch).compile()
         grads, loss = compiled(placed, batch)
     return jax.device_get(grads), float(loss), compiled
 

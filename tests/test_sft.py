@@ -16,9 +16,9 @@ from jaxllm.data.sft_template import TemplateError, encode, prompt_pieces, rende
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.sharding import sharding_tree
-from jaxllm.train.base_model import fingerprint
-from jaxllm.objectives.pretrain import next_token_loss
-from jaxllm.train.state import build_model
+from jaxllm.runs.base_model import fingerprint
+from jaxllm.model.head import next_token_loss
+from jaxllm.model.build import build_model
 
 MODEL = ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")

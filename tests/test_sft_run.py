@@ -14,7 +14,7 @@ import numpy as np
 from train_runs import ROOT, losses, preempt_at, run_sft, sft_command, train_env
 
 from jaxllm.runs.checkpoint import Checkpointer, directory_bytes
-from jaxllm.eval.evaluate import load_checkpoint
+from jaxllm.runs.loader import load_checkpoint
 
 def _leaves(workdir):
     return [np.asarray(x) for x in jax.tree.leaves(load_checkpoint(str(workdir)).params)]

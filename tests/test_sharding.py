@@ -15,7 +15,7 @@ from jaxllm.config.schema import MeshConfig, validate
 from jaxllm.parallel.mesh import abstract_mesh, make_mesh
 from jaxllm.parallel.sharding import (bytes_per_device, format_replicated, format_report, logical_to_spec, replicated_rows,
                              report_rows, sharding_tree)
-from jaxllm.train.state import abstract_model, build_model
+from jaxllm.model.build import abstract_model, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "sharding_pretrain_2x2x2x1.txt"

@@ -173,6 +173,6 @@ def checkpoint_leaves(workdir) -> list:
     import jax
     import numpy as np
 
-    from jaxllm.eval.evaluate import load_checkpoint
+    from jaxllm.runs.loader import load_checkpoint
 
     return [np.asarray(x) for x in jax.tree.leaves(load_checkpoint(str(workdir)).params)]

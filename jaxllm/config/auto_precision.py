@@ -40,6 +40,6 @@ def auto_compute(platform: str, flags: set[str]) -> tuple[str, str]:
 
 def resolve_compute() -> tuple[str, str]:
     """`auto_compute` for this process's default JAX backend and CPU."""
-    import jax
+    import jax  # start-up speed: configs load and are checked before JAX does
 
     return auto_compute(jax.default_backend(), cpu_flags())

@@ -15,8 +15,9 @@ from typing import Any
 
 import ml_collections
 
-from jaxllm.model.presets import GPU_PRESETS, PRESETS
+from jaxllm.config.presets import GPU_PRESETS, PRESETS
 from jaxllm.config.typed_config import ConfigError, build
+from jaxllm.config.auto_precision import resolve_compute
 
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -26,6 +27,8 @@ OFFLOADS = ("none", "host")  # optim.offload, model.remat_offload (jaxllm/parall
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
+QUANT_MODES = ("none", "int8", "fp8")  # precision.quant (jaxllm/model/quant.py)
+LOSS_SCALE_MODES = ("none", "static", "dynamic")  # precision.loss_scale, besides "auto" (jaxllm/optim/loss_scale.py)
 OBJECTIVES = ("pretrain", "sft", "reward", "dpo", "grpo", "ppo")
 DPO_LOSSES = ("sigmoid", "ipo", "robust")
 DPO_REFERENCES = ("shared", "precomputed")
@@ -623,8 +626,6 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
         mesh = resolve_dcn(mesh, num_processes)
     precision = cfg.precision
     if precision.compute == "auto":  # resolved here, so everything downstream sees a real dtype
-        from jaxllm.config.auto_precision import resolve_compute
-
         precision = dataclasses.replace(precision, compute=resolve_compute()[0])
     model, optim, train, data, pipeline = cfg.model, cfg.optim, cfg.train, cfg.data, cfg.pipeline
     checkpoint, anomaly, debug, lora = cfg.checkpoint, cfg.anomaly, cfg.debug, cfg.lora
@@ -688,10 +689,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
 
     for key in ("params", "compute", "output"):
         _choice(f"precision.{key}", getattr(precision, key), DTYPES)
-    from jaxllm.optim.loss_scale import loss_scaling, resolve_loss_scale  # imports jax: only when validating
-
-    loss_scaling(precision)  # checks both keys
-    precision = dataclasses.replace(precision, loss_scale=resolve_loss_scale(precision.loss_scale, precision.compute))
+    precision = dataclasses.replace(precision, loss_scale=check_loss_scale(precision))
     _check_quant(precision, debug.emulate_fp8)
 
     _choice("optim.name", optim.name, OPTIMIZERS)
@@ -788,13 +786,37 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     return dataclasses.replace(cfg, mesh=mesh, precision=precision, xla_flags=_xla_flags(cfg.xla_flags))
 
 
+def resolve_loss_scale(spec: str, compute: str) -> str:
+    """`precision.loss_scale` with "auto" resolved for `compute`, checked; a malformed one is a ConfigError."""
+    none, static, dynamic = LOSS_SCALE_MODES
+    if spec == "auto":
+        return dynamic if compute == "float16" else none
+    if spec in (none, dynamic):
+        return spec
+    kind, _, value = spec.partition(":")
+    try:
+        scale = float(value) if kind == static else math.nan
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        raise ConfigError("precision.loss_scale", f"expected auto, dynamic, none or static:<positive scale>, "
+                                                  f"got {spec!r}")
+    return spec
+
+
+def check_loss_scale(precision: PrecisionConfig) -> str:
+    """`precision.loss_scale` resolved (`resolve_loss_scale`) once both loss-scaling keys are checked."""
+    if precision.loss_scale_growth_interval <= 0:
+        raise ConfigError("precision.loss_scale_growth_interval",
+                          f"must be positive, got {precision.loss_scale_growth_interval}")
+    return resolve_loss_scale(precision.loss_scale, precision.compute)
+
+
 XLA_FLAG_NAME = re.compile(r"xla_[a-z0-9_]+")
 
 
 def _check_quant(precision: PrecisionConfig, emulate_fp8: bool = False) -> None:
     """`precision.quant`: a known mode, and one that can work with the rest of the precision policy."""
-    from jaxllm.model.quant import QUANT_MODES
-
     _choice("precision.quant", precision.quant, QUANT_MODES)
     if precision.quant != "none" and precision.compute == "float16":
         # Measured (qwix 0.1.8, CPU, the default job's first step, loss scaling off): with float16 operands the
@@ -803,7 +825,7 @@ def _check_quant(precision: PrecisionConfig, emulate_fp8: bool = False) -> None:
         raise ConfigError("precision.quant", f"{precision.quant} needs precision.compute float32 or bfloat16 (with "
                                              f"float16 its backward dots give wrong gradients)")
     if precision.quant == "fp8" and not emulate_fp8:
-        import jax
+        import jax  # start-up speed: configs load and are checked before JAX does
 
         backend = jax.default_backend()
         if backend != "gpu":

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from jaxllm.diagnose.run_data import RunData
-from jaxllm.diagnose.signals import LossShape, loss_shape, running_median, steady, trailing_ratio
+from jaxllm.diagnose.signals import LossShape, loss_shape, running_median, trailing_ratio
 
 CRITICAL, WARNING, INFO = "critical", "warning", "info"
 

@@ -129,7 +129,7 @@ def save_in_flight(checkpoints: Path) -> bool:
 
 
 def recorded_rollbacks(checkpoints: Path, step: int) -> int:
-    """The rollbacks a checkpoint's run metadata records (jaxllm/train/loop.py's `meta`; orbax keeps a JSON
+    """The rollbacks a checkpoint's run metadata records (jaxllm/train/fit.py's `meta`; orbax keeps a JSON
     item as `<item>/metadata`)."""
     return int(json.loads((checkpoints / str(step) / "meta" / "metadata").read_text()).get("rollbacks", 0))
 

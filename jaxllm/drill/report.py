@@ -14,10 +14,11 @@ from jaxllm.drill.supervisor import DrillRun
 def compare_params(run_dir: Path, reference_dir: Path, step: int) -> tuple[bool, str]:
     """Whether `step`'s parameters in two runs' checkpoints are equal bit for bit (dtype, shape and every value),
     and a note naming the first differing parameters."""
+    # start-up speed: JAX and the checkpoint loader only once a drill compares parameters
     import jax
     import numpy as np
 
-    from jaxllm.eval.evaluate import load_checkpoint
+    from jaxllm.runs.loader import load_checkpoint
 
     ours = jax.tree_util.tree_leaves_with_path(load_checkpoint(str(run_dir), step=step).params)
     theirs = jax.tree_util.tree_leaves_with_path(load_checkpoint(str(reference_dir), step=step).params)

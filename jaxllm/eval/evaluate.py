@@ -7,129 +7,20 @@ scripts (export, generate, eval) work on any run's checkpoint regardless of its 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.runs.checkpoint import CheckpointError, Checkpointer
-from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, PrecisionConfig
-from jaxllm.parallel.mesh import make_mesh
-
-
-def single_device_mesh() -> jax.sharding.Mesh:
-    return make_mesh(MeshConfig(), devices=jax.devices()[:1])
-
-
-def _fields(cls, values: dict) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in (values or {}).items() if k in names}
-
-
-@dataclasses.dataclass
-class LoadedCheckpoint:
-    graphdef: Any
-    params: Any
-    model_cfg: ModelConfig
-    precision: PrecisionConfig
-    config: dict  # the checkpoint's recorded run config (meta["config"])
-    meta: dict
-    path: Path  # the step directory
-
-    @property
-    def model(self):
-        return nnx.merge(self.graphdef, self.params)
-
-    def tokenizer_path(self) -> Path | None:
-        """The tokenizer recorded with the checkpoint: meta `tokenizer`, else the tokenizer.json or tokenizer.model
-        of the training data store (`data.path`)."""
-        from jaxllm.data.tokenizer import find_tokenizer_file
-
-        candidates = []
-        if self.meta.get("tokenizer"):
-            candidates.append(Path(self.meta["tokenizer"]))
-        data_path = (self.config.get("data") or {}).get("path")
-        if data_path:
-            candidates.append(find_tokenizer_file(data_path))
-        return next((c for c in candidates if c is not None and c.is_file()), None)
-
-
-def _model_objective(config: dict, model_cfg, precision, rope_scaling=None):
-    """The model half (build, trainable filter) of the objective a run with this recorded config trained: the
-    LM or the reward model, with the run's adapters when its checkpoints hold them."""
-    from jaxllm.train.base_model import holds_adapters
-    from jaxllm.objectives.pretrain import lm_objective
-    from jaxllm.objectives.reward import reward_model_objective
-
-    lora = LoRAConfig(**_fields(LoRAConfig, config.get("lora"))) if holds_adapters(config) else None
-    make = reward_model_objective if (config.get("train") or {}).get("objective") == "reward" else lm_objective
-    return make(model_cfg, precision, lora=lora, rope_scaling=rope_scaling)
-
-
-def _load_adapted(source: Checkpointer, step: int, meta: dict, model_cfg, precision, mesh):
-    """(graphdef, params) of a LoRA run's checkpoint: its adapters (and other trainable variables) on the base
-    model its metadata records (loaded again, and checked against the recorded fingerprint)."""
-    from jaxllm.train import base_model
-
-    record = meta.get("base") or {}
-    if not record.get("path"):
-        raise CheckpointError(f"{source.directory / str(step)}: adapters of a run with no base model recorded")
-    base = base_model.locate(record["path"])
-    objective = _model_objective(meta["config"], model_cfg, precision, base.rope_scaling)
-    _, abstract_adapters, abstract_base = jax.eval_shape(lambda: objective.split(objective.build_model(jax.random.key(0))))
-    adapters = source.restore_params(step, abstract_adapters, mesh)
-    frozen = base.load(abstract_base, mesh)
-    base_model.check_same_base(record, base.record(base_model.fingerprint(frozen)))
-    return objective.graphdef, nnx.merge_state(adapters, frozen)
-
-
-def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str | None = None) -> LoadedCheckpoint:
-    """A checkpoint (run workdir, checkpoints directory or one step directory) as graphdef + params.
-
-    A LoRA fine-tuning run's checkpoint holds adapters only: they are loaded onto the base model it records (the
-    model then carries the adapters; `jaxllm.model.lora.merge` or `hf.save_pretrained` give the merged one). A reward
-    model run gives a jaxllm.model.reward.RewardModel.
-    Computation runs in the parameter dtype unless `compute` is given; logits are float32.
-    """
-    from jaxllm.train.base_model import holds_adapters
-    from jaxllm.train.recovery import _locate
-
-    mesh = single_device_mesh() if mesh is None else mesh
-    directory, located = _locate(path)
-    if not Path(directory).is_dir():
-        raise FileNotFoundError(f"{directory}: no such checkpoint directory")
-    step = located if step is None else step
-    source = Checkpointer(directory, keep=1000, log=lambda *_: None)
-    try:
-        step = source.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"no committed checkpoint in {directory}")
-        if step not in source.steps():
-            raise CheckpointError(f"no committed checkpoint step {step} in {directory} (have {source.steps()})")
-        meta = source.read_meta(step)
-        config = meta.get("config") or {}
-        if "model" not in config:
-            raise CheckpointError(f"{directory / str(step)}: its metadata records no model config")
-        model_cfg = ModelConfig(**_fields(ModelConfig, config["model"]))
-        stored = PrecisionConfig(**_fields(PrecisionConfig, config.get("precision", {})))
-        precision = PrecisionConfig(params=stored.params, compute=compute or stored.params, output="float32")
-        with jax.set_mesh(mesh):
-            if holds_adapters(config):
-                graphdef, params = _load_adapted(source, step, meta, model_cfg, precision, mesh)
-            else:
-                objective = _model_objective(config, model_cfg, precision)
-                graphdef, abstract_params = jax.eval_shape(lambda: nnx.split(objective.build_model(jax.random.key(0))))
-                params = source.restore_params(step, abstract_params, mesh)
-    finally:
-        source.close()
-    return LoadedCheckpoint(graphdef, params, model_cfg, precision, config, meta, Path(directory) / str(step))
+from jaxllm.model.head import next_token_loss
+from jaxllm.data.pipeline import make_eval_batches
+from jaxllm.train.step import batch_sharding, jit_eval_step, make_eval_step
 
 
 # ------------------------------------------------------------------------------------------- perplexity
@@ -138,14 +29,11 @@ def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str 
 def perplexity(graphdef, params, mesh, store_path, *, split: str = "eval", seq_len: int = 128,
                batch_size: int = 8, max_batches: int | None = None) -> dict:
     """Token-weighted held-out loss over `loss_mask` (packing-aware) and its exponential."""
-    from jaxllm.data.pipeline import make_eval_batches
-    from jaxllm.train.step import batch_sharding, jit_eval_step, make_eval_step
-
     batches = make_eval_batches(store_path, split=split, batch_size=batch_size, seq_len=seq_len,
                                 max_batches=max_batches)
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     with jax.set_mesh(mesh):
-        step = jit_eval_step(make_eval_step(graphdef), param_shardings, mesh)
+        step = jit_eval_step(make_eval_step(graphdef, next_token_loss), param_shardings, mesh)
         sharding = batch_sharding(mesh)
         total, count = 0.0, 0.0
         for batch in batches:

@@ -60,20 +60,3 @@ def evaluate_task(graphdef, variables, mesh, tokenizer, examples: Sequence[dict]
     return {"scores": score(hyps, examples), "samples": samples}
 
 
-def format_table(base: dict, tuned: dict) -> str:
-    """Base vs fine-tuned scores, one line per group ({group: {"examples": n, metric: value}}; a group or metric
-    the base lacks shows as nan). Metrics in percent (exact match, accuracies) end in "%"."""
-    metrics = [m for m in next(iter(tuned.values()), {}) if m != "examples"]
-    percent = lambda m: m == "exact_match" or m.endswith("accuracy")
-    header = f"{'group':<16}{'examples':>9}" + "".join(f"{m + ' base':>{max(len(m) + 6, 12)}}{'tuned':>8}"
-                                                          for m in metrics)
-    lines = [header]
-    for group, t in tuned.items():
-        b = base.get(group, {})
-        row = f"{group:<16}{t['examples']:>9}"
-        for m in metrics:
-            unit = "%" if percent(m) else ""
-            width = max(len(m) + 6, 12) - len(unit)
-            row += f"{b.get(m, float('nan')):>{width}.{1 if unit else 2}f}{unit}{t[m]:>{8 - len(unit)}.{1 if unit else 2}f}{unit}"
-        lines.append(row)
-    return "\n".join(lines)

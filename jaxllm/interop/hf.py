@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Callable
 
 import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy mode then reads bf16)
@@ -27,64 +26,14 @@ from jaxllm.config.schema import ModelConfig, PrecisionConfig
 from jaxllm.model.layers import RopeScaling
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.transformer import Transformer
+from jaxllm.interop import hf_peft
+from jaxllm.interop.table import IDENTITY, SPLIT_IN_HEADS, SPLIT_OUT_HEADS, TRANSPOSE, Row
 from jaxllm.parallel.sharding import sharding_tree
+from jaxllm.model.lora import merge
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-# Layout transforms between one Hugging Face tensor and one layer's jaxllm parameter. HF Linear weights are
-# [out, in]; jaxllm keeps [in, out] with heads split out. Each transform knows the HF shape for a jaxllm shape,
-# which HF slice covers a jaxllm slice (so sharded loads read only what a shard needs), and both directions.
-@dataclasses.dataclass(frozen=True)
-class Transform:
-    name: str
-    hf_shape: Callable[[tuple], tuple]
-    hf_slices: Callable[[tuple, tuple], tuple]  # (jaxllm slices, jaxllm shape) -> HF slices to read
-    to_jax: Callable[[np.ndarray, tuple, tuple], np.ndarray]  # (HF part, jaxllm slices, jaxllm shape)
-    to_hf: Callable[[np.ndarray], np.ndarray]
-
-
-def _heads(s: slice, n: int, h: int) -> slice:
-    """Rows of a fused [N*H] axis that cover heads `s` of [N, H]."""
-    start, stop, _ = s.indices(n)
-    return slice(start * h, stop * h)
-
-
-IDENTITY = Transform("identity", lambda shape: shape, lambda sl, shape: sl, lambda w, sl, shape: w, lambda w: w)
-TRANSPOSE = Transform(
-    "transpose", lambda shape: shape[::-1], lambda sl, shape: sl[::-1], lambda w, sl, shape: w.T, lambda w: w.T
-)
-# q/k/v_proj: HF [N*H, D] <-> jaxllm [D, N, H].
-SPLIT_OUT_HEADS = Transform(
-    "[N*H, D] -> [D, N, H]",
-    lambda shape: (shape[1] * shape[2], shape[0]),
-    lambda sl, shape: (_heads(sl[1], shape[1], shape[2]), sl[0]),
-    lambda w, sl, shape: w.T.reshape(w.shape[1], -1, shape[2])[:, :, sl[2]],
-    lambda w: w.reshape(w.shape[0], -1).T,
-)
-# o_proj: HF [D, N*H] <-> jaxllm [N, H, D].
-SPLIT_IN_HEADS = Transform(
-    "[D, N*H] -> [N, H, D]",
-    lambda shape: (shape[2], shape[0] * shape[1]),
-    lambda sl, shape: (sl[2], _heads(sl[0], shape[0], shape[1])),
-    lambda w, sl, shape: w.T.reshape(-1, shape[1], w.shape[0])[:, sl[1], :],
-    lambda w: w.reshape(-1, w.shape[-1]).T,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One tensor kind: HF name (`{i}` = layer), jaxllm parameter path, transform; `stacked` if per layer."""
-
-    hf: str
-    path: tuple[str, ...]
-    transform: Transform
-
-    @property
-    def stacked(self) -> bool:
-        return "{i}" in self.hf
 
 
 TABLE: tuple[Row, ...] = (
@@ -292,8 +241,6 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "f
     per `jaxllm.parallel.sharding.RULES` and loaded shard by shard; without, they are plain single-device arrays.
     `adapter`: a PEFT LoRA adapter directory applied to this base (the model then carries the adapters).
     """
-    from jaxllm.interop import hf_peft
-
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path / CONFIG_FILE}: not found (expected a Hugging Face model directory)")
@@ -360,9 +307,6 @@ def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = N
     is written merged (W + scale * A @ B); with `adapter_only` only its adapters are written, in PEFT's format
     (loadable by `peft.PeftModel.from_pretrained` on the base; `base_model` goes into its config).
     """
-    from jaxllm.interop import hf_peft
-    from jaxllm.model.lora import merge
-
     path = Path(path)
     if adapter_only:
         if model.lora is None:

@@ -2,7 +2,7 @@
 
 PEFT stores lora_A [r, in_features] and lora_B [out_features, r] per layer and projection. jaxllm's A [L, in.., r]
 and B [L, r, out..] are laid out like kernels whose output (A) or input (B) is the rank, so the same layout
-transforms as the base weights apply (`jaxllm.interop.hf.Transform`), one declarative row per tensor kind.
+transforms as the base weights apply (`jaxllm.interop.table.Transform`), one declarative row per tensor kind.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from jaxllm.config.schema import LORA_TARGETS, LoRAConfig
+from jaxllm.interop.table import SPLIT_IN_HEADS, SPLIT_OUT_HEADS, TRANSPOSE, Row
 from jaxllm.model.lora import MODULE_OF
 
 CONFIG_FILE = "adapter_config.json"
@@ -19,9 +20,7 @@ PREFIX = "base_model.model."  # PEFT's name of the wrapped LlamaForCausalLM
 
 
 def adapter_rows(targets):
-    """`jaxllm.interop.hf.Row`s of the A and B tensors of `targets`."""
-    from jaxllm.interop.hf import SPLIT_IN_HEADS, SPLIT_OUT_HEADS, TRANSPOSE, Row
-
+    """`jaxllm.interop.table.Row`s of the A and B tensors of `targets`."""
     rows = []
     for t in targets:
         module = MODULE_OF[t]

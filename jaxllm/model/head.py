@@ -1,5 +1,5 @@
 """Per-token statistics of the output head, log p(target) and the entropy, over the whole sequence at once or
-chunk by chunk.
+chunk by chunk, and the next-token loss built on them (pretraining's, held-out perplexity's, SFT's).
 
 With `model.loss_chunk` = C > 0, the head matmul, log-sum-exp and target logit run over C sequence positions
 at a time inside a `lax.scan`, each chunk under `jax.checkpoint`. A chunk's [B, C, V] logits are the only ones
@@ -52,11 +52,11 @@ def head_stats(model, x_BTD, targets_BT, *, temperature: float = 1.0, entropy: b
     if not chunk or chunk >= T:
         out = stats(x_BTD, targets_BT)
     else:
-        out = _chunked(stats, x_BTD, targets_BT, chunk)
+        out = chunked(stats, x_BTD, targets_BT, chunk)
     return out[0], out[1] if entropy else None
 
 
-def _chunked(stats, x_BTD, targets_BT, chunk: int):
+def chunked(stats, x_BTD, targets_BT, chunk: int):
     """`stats` over the sequence in chunks of `chunk` positions (the last one padded), scanned with remat."""
     B, T, D = x_BTD.shape
     n = -(-T // chunk)
@@ -66,3 +66,18 @@ def _chunked(stats, x_BTD, targets_BT, chunk: int):
     body = jax.checkpoint(lambda _, xs: (None, stats(*xs)), prevent_cse=False)
     _, out = jax.lax.scan(body, None, (x_nBCD, targets_nBC))
     return tuple(o_nBC.swapaxes(0, 1).reshape(B, n * chunk)[:, :T] for o_nBC in out)
+
+
+def cross_entropy_sum(model, batch, mask_BT, rng=None):
+    """(sum of the token losses of `batch["targets"]` where `mask_BT` is 1, number of counted tokens), float32;
+    the head runs chunk by chunk when `model.loss_chunk` is set (jaxllm/model/head.py)."""
+    x_BTD = model.hidden_states(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
+    logps_BT, _ = head_stats(model, x_BTD, batch["targets"])
+    mask_BT = mask_BT.astype(jnp.float32)
+    return -jnp.sum(logps_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def next_token_loss(model, batch, rng=None):
+    """`loss_fn` of language modelling: summed cross-entropy over the masked targets of packed rows."""
+    loss_sum, count = cross_entropy_sum(model, batch, batch["loss_mask"], rng)
+    return loss_sum, count, {}

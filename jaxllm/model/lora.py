@@ -58,7 +58,7 @@ class LoRA(nnx.Module):
 
         The rank is summed one term at a time, in order, rather than by a matmul: a matmul's summation order
         follows how the kernel is split over the mesh, and a merged model is a base whose fingerprint must be
-        the same on every mesh (jaxllm/train/base_model.py).
+        the same on every mesh (jaxllm/runs/base_model.py).
         """
         lead = string.ascii_uppercase[:self.a.ndim - self.n_in - 1]
         ins, outs = string.ascii_lowercase[:self.n_in], string.ascii_lowercase[self.n_in:self.n_in + self.n_out]

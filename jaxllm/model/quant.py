@@ -38,8 +38,6 @@ import functools
 
 import jax.numpy as jnp
 
-QUANT_MODES = ("none", "int8", "fp8")
-
 
 # The operand and gradient types of each mode. fp8 follows the usual recipe (Transformer Engine's "hybrid"
 # format): e4m3 (more mantissa) for activations and weights, e5m2 (more range) for the gradients.

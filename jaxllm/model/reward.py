@@ -12,6 +12,8 @@ from jaxllm.config.schema import LoRAConfig, ModelConfig, PrecisionConfig
 from jaxllm.model.layers import RopeScaling, param
 from jaxllm.model.transformer import Transformer
 
+HEAD = nnx.PathContains("score")  # the score head's variables (a base has none: it is always new)
+
 
 class RewardModel(Transformer):
     """Call it like the language model to get per-position rewards [B, T] in float32."""
@@ -28,3 +30,4 @@ class RewardModel(Transformer):
     def __call__(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):
         x_BTD = self.hidden_states(tokens_BT, segment_ids_BT, positions_BT, rng)
         return jnp.einsum("BTD,DO->BTO", x_BTD, self.score[...].astype(x_BTD.dtype))[..., 0].astype(jnp.float32)
+

@@ -4,7 +4,7 @@ frozen arrays themselves, merged into the plain model's graph, so it costs no se
 (`reference_model`); with "precomputed", the base's log-probabilities of every pair, computed once before
 training and stored with the data (jaxllm/objectives/reference.py), read from the batch.
 
-A LoRA SFT run as the base is merged first (jaxllm/train/base_model.py, kind "jaxllm-lora"): the merged SFT model
+A LoRA SFT run as the base is merged first (jaxllm/runs/base_model.py, kind "jaxllm-lora"): the merged SFT model
 is the frozen base, hence the reference, and DPO trains new adapters on it.
 
 Log-probabilities are summed over each response's tokens (jaxllm/objectives/pairs.py); the loss is

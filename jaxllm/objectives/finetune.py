@@ -12,7 +12,7 @@ from jaxllm.config.schema import Config, ConfigError, resolve_vocab_size
 from jaxllm.data.pipeline import EvalBatches, TrainIterator
 from jaxllm.data.row_prep import PreparedDataError, PreparedRows
 from jaxllm.data.sft_template import TemplateError
-from jaxllm.train import base_model
+from jaxllm.runs import base_model
 from jaxllm.train.objective import BatchRequest
 
 

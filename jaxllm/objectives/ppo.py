@@ -30,9 +30,9 @@ from jaxllm.objectives.losses import gae, kl_penalty, ppo_policy_loss, ppo_value
 from jaxllm.objectives.pairs import masked_mean
 from jaxllm.objectives.rollout import response_stats
 from jaxllm.train.objective import BatchRequest, Objective
-from jaxllm.objectives.pretrain import next_token_loss
+from jaxllm.model.head import next_token_loss
 from jaxllm.objectives.rl import RolloutBatches, response_kl, rl_objective, rl_setup, rows_prompt_len
-from jaxllm.train.state import build_model
+from jaxllm.model.build import build_model
 from jaxllm.train.step import SKIP_UPDATE
 
 

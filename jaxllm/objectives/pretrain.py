@@ -11,33 +11,18 @@ import dataclasses
 import functools
 from pathlib import Path
 
-import jax.numpy as jnp
 
 from jaxllm.config.schema import (AUTO_VOCAB, Config, ConfigError, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig,
                            resolve_vocab_size)
 from jaxllm.data.pipeline import make_eval_batches, make_train_iterator
 from jaxllm.data.token_store import TokenStore
 from jaxllm.data.tokenizer import Tokenizer, load_tokenizer
+from jaxllm.model.head import next_token_loss
 from jaxllm.model.lora import trainable as lora_trainable
-from jaxllm.model.head import head_stats
 from jaxllm.train.faults import ThrottledBatches, with_zeroed_layer
 from jaxllm.train.objective import BatchRequest, Objective
-from jaxllm.train.state import build_model
-
-
-def cross_entropy_sum(model, batch, mask_BT, rng=None):
-    """(sum of the token losses of `batch["targets"]` where `mask_BT` is 1, number of counted tokens), float32;
-    the head runs chunk by chunk when `model.loss_chunk` is set (jaxllm/model/head.py)."""
-    x_BTD = model.hidden_states(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
-    logps_BT, _ = head_stats(model, x_BTD, batch["targets"])
-    mask_BT = mask_BT.astype(jnp.float32)
-    return -jnp.sum(logps_BT * mask_BT), jnp.sum(mask_BT)
-
-
-def next_token_loss(model, batch, rng=None):
-    """`loss_fn` of language modelling: summed cross-entropy over the masked targets of packed rows."""
-    loss_sum, count = cross_entropy_sum(model, batch, batch["loss_mask"], rng)
-    return loss_sum, count, {}
+from jaxllm.train.state import TrainState, abstract_objective_state, init_objective_state
+from jaxllm.model.build import build_model
 
 
 def lm_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: PipelineConfig = PipelineConfig(),
@@ -114,3 +99,20 @@ def pretrain_objective(cfg: Config) -> Objective:
                                                  sequence_parallel=cfg.mesh.sequence_parallel),
                                     open_batches=open_batches, eval_batches=eval_batches, tokenizer=tokenizer)
     return with_zeroed_layer(objective, cfg.debug.zero_layer) if cfg.debug.zero_layer >= 0 else objective
+
+
+def abstract_train_state(cfg: ModelConfig, precision: PrecisionConfig, tx, window: int = 50) -> TrainState:
+    """Shapes and dtypes of the language model's whole train state, without allocating it."""
+    return abstract_objective_state(lm_objective(cfg, precision), tx, window)[0]
+
+
+def create_train_state(cfg: ModelConfig, precision: PrecisionConfig, tx, mesh, seed: int, window: int = 50,
+                       pipeline: PipelineConfig = PipelineConfig()):
+    """The language model's train state initialised directly into its shards on `mesh`.
+
+    Returns (graphdef, state, state_shardings); `nnx.merge(graphdef, state.params)` rebuilds the model (the
+    pipeline schedule lives in the graphdef; parameters are laid out the same for every schedule).
+    """
+    objective = lm_objective(cfg, precision, pipeline)
+    state, _, shardings, _ = init_objective_state(objective, tx, mesh, seed, window)
+    return objective.graphdef, state, shardings

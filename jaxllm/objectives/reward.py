@@ -20,16 +20,13 @@ from jaxllm.config.schema import Config, LoRAConfig, ModelConfig, PipelineConfig
 from jaxllm.data.preference import eval_pairs, prepare_preference
 from jaxllm.data.row_prep import PreparedRows
 from jaxllm.data.tokenizer import load_tokenizer
-from jaxllm.model.reward import RewardModel
+from jaxllm.model.reward import HEAD, RewardModel
 from jaxllm.objectives import pair_eval
 from jaxllm.objectives.losses import bradley_terry_loss
 from jaxllm.objectives.pairs import at_last_tokens, masked_mean, pair_mask
 from jaxllm.objectives.finetune import check_vocab, data_errors, locate_base, row_batches, tokenizer_path
 from jaxllm.train.objective import Objective
-from jaxllm.train.state import build_model
-
-HEAD = nnx.PathContains("score")
-
+from jaxllm.model.build import build_model
 
 def pair_rewards(model, batch, pairs_per_row: int, rng=None):
     """(chosen [B, K], rejected [B, K], pair mask [B, K]): each sequence's reward is its last token's score."""

@@ -13,7 +13,7 @@ the middle of an iteration trains on the very rollouts it had, and resumes bitwi
 uses no dropout, so that at an iteration's first update the ratio is 1 (TRL's PPO and GRPO disable dropout
 too). Prompts are bucketed by length: an iteration's prompts are left-padded to its longest one rounded up to a
 multiple of PROMPT_BUCKET tokens (at most max_prompt_tokens rounded up), its responses to max_new_tokens, so
-short prompts cost short rows and the step compiles once per bucket (jaxllm.train.loop.StepRunner). One
+short prompts cost short rows and the step compiles once per bucket (jaxllm.train.step_runner.StepRunner). One
 process per run for now: the rollout is read back whole on the host.
 """
 
@@ -43,6 +43,8 @@ from jaxllm.objectives.dpo import reference_model
 from jaxllm.objectives.finetune import data_errors, locate_base, tokenizer_path
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.objectives.pretrain import lm_objective
+from jaxllm.runs.checkpoint import CheckpointError
+from jaxllm.runs.loader import load_checkpoint
 
 
 # Prompt buckets are multiples of this many tokens: finer than the sampler's powers of two (prompts of 65 tokens
@@ -91,9 +93,6 @@ class RewardModelScorer:
 def load_reward_model(spec: str, mesh, compute: str, vocab_size: int, key: str) -> RewardModelScorer:
     """The scorer of `rm:<checkpoint>` (a train.objective=reward run, a LoRA one included); ConfigError (`key`)
     when it is not a reward model of the policy's vocabulary."""
-    from jaxllm.runs.checkpoint import CheckpointError
-    from jaxllm.eval.evaluate import load_checkpoint
-
     path = spec[len("rm:"):]
     try:
         loaded = load_checkpoint(path, mesh=mesh, compute=compute)
@@ -253,7 +252,7 @@ class RolloutBatches:
                                 "reward": float(rows["scores"][r, 0])})
 
     def step_metrics(self) -> dict:
-        """Host metrics of the batch given last (jaxllm.train.loop.host_metrics): the seconds its iteration's
+        """Host metrics of the batch given last (jaxllm.train.fit.host_metrics): the seconds its iteration's
         rollouts took to sample and to score, and the sampler's tokens/s, at an iteration's first step; 0 at
         the others, so that sums over steps split the run's time."""
         return {"rollout_s": 0.0, "scoring_s": 0.0, **self.timings}

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.model.head import _chunked as chunked_head  # the head's own chunking: the same memory bound
+from jaxllm.model.head import chunked as chunked_head  # the head's own chunking: the same memory bound
 from jaxllm.model.reward import RewardModel
 from jaxllm.parallel.pipeline import split_microbatches
 

@@ -23,6 +23,8 @@ import numpy as np
 from jaxllm.observe.hlo_text import HloModule, Instruction, DTYPE_BYTES, array_shapes
 from jaxllm.observe.replica_groups import groups_of
 from jaxllm.observe.sizes import format_bytes
+from flax import nnx
+from jaxllm.config.schema import MESH_AXES
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 TOP = 10
@@ -177,21 +179,8 @@ def format_comms(summary: dict, mesh: dict[str, int]) -> str:
 def step_comms(compiled, mesh_shape: tuple[int, ...], params) -> dict:
     """`summarize` of a compiled train step's collectives on a mesh of `mesh_shape` (`MESH_AXES` order), naming
     the parameter of `params` (an nnx.State, abstract or real) that each collective's source line uses."""
-    from flax import nnx
-
-    from jaxllm.config.schema import MESH_AXES
-
     names = {str(path[-1]) for path, _ in nnx.to_flat_state(params)}
     found, unknown = collectives(compiled.as_text(), mesh_shape, MESH_AXES, names)
     return summarize(found, unknown)
 
 
-def comms_report(cfg) -> dict:
-    """`step_comms` of the train step of `cfg` compiled ahead of time on this machine's first
-    `cfg.mesh.num_devices` devices (nothing allocated)."""
-    from flax import nnx
-
-    from jaxllm.plan.footprint import compiled_step
-    from jaxllm.train.state import abstract_model
-
-    return step_comms(compiled_step(cfg), cfg.mesh.shape, nnx.state(abstract_model(cfg.model, cfg.precision)))

@@ -84,15 +84,3 @@ def format_buffers(rows: list[dict], count: int = 20) -> str:
     return "\n".join(lines)
 
 
-def memory_report(cfg, count: int = 20) -> str:
-    """`format_buffers` of the run `cfg` describes, from its abstract train state: nothing is allocated."""
-    from jaxllm.parallel.mesh import make_mesh
-    from jaxllm.optim.chain import make_optimizer
-    from jaxllm.train.loop import objective_for
-    from jaxllm.train.state import abstract_objective_state, state_shardings
-
-    cfg, objective = objective_for(cfg, log=lambda _: None)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    state, frozen = abstract_objective_state(objective, tx, cfg.anomaly.window)
-    mesh = make_mesh(cfg.mesh)
-    return format_buffers(buffer_rows(state, frozen, mesh, state_shardings(state, mesh, cfg.optim.offload)), count)

@@ -90,6 +90,12 @@ def mfu(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_pe
     return tokens_per_sec * flops_per_token / (num_devices * peak_per_device)
 
 
+def scalar_fields(record: dict) -> dict[str, float]:
+    """The numeric fields of `record` other than `step` (bools and strings are not scalars to plot)."""
+    return {key: float(value) for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
 class JsonlWriter:
     """Appends one JSON object per line and flushes, so a crash loses at most the line being written. The file
     is opened at the first record: a run that stops before writing one leaves no file behind."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.observe.norms import Leaf, arrays, leaves
+from jaxllm.observe.norms import arrays, leaves
 
 # The order a decoder layer (and the model around it) computes its parameters' contributions; an adapter
 # (`<target>_lora`) sits with its target.

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import re
 
+from flax import nnx
+
+from jaxllm.model.build import abstract_model
 from jaxllm.observe.sizes import BYTE_UNITS, format_bytes
+from jaxllm.parallel.mesh import abstract_mesh
+from jaxllm.parallel.sharding import mesh_sizes, report_rows, shard_shape
 
 UNITS = {"B": 1, **BYTE_UNITS}
 _REQUESTED = re.compile(r"(?:allocating|allocate)\s+(\d+)\s+bytes")
@@ -92,15 +97,9 @@ def suggestions(cfg) -> list[str]:
 
 def _parameters(cfg) -> list[dict]:
     """Every parameter's path, per-device shape and bytes on `cfg`'s mesh (no devices needed)."""
-    from flax import nnx
-
-    from jaxllm.parallel.mesh import abstract_mesh
-    from jaxllm.parallel.sharding import _mesh_sizes, report_rows, shard_shape
-    from jaxllm.train.state import abstract_model
-
     mesh = abstract_mesh(cfg.mesh)
     rows = report_rows(nnx.state(abstract_model(cfg.model, cfg.precision)), mesh)
-    return [dict(r, local_shape=shard_shape(r["shape"], r["spec"], _mesh_sizes(mesh))) for r in rows]
+    return [dict(r, local_shape=shard_shape(r["shape"], r["spec"], mesh_sizes(mesh))) for r in rows]
 
 
 def format_oom(text: str, cfg, device_limit: dict | None = None, top: int = 5) -> str:

@@ -2,6 +2,7 @@
 out-of-memory summary and the diagnosis report)."""
 
 BYTE_UNITS = {"TiB": 2**40, "GiB": 2**30, "MiB": 2**20, "KiB": 2**10}
+GB = 10**9  # the decimal gigabyte of `train.memory_budget_gb`
 
 
 def format_bytes(n: float) -> str:

@@ -11,7 +11,7 @@ import struct
 import sys
 from pathlib import Path
 
-from jaxllm.observe.writers import scalar_fields
+from jaxllm.observe.metrics import scalar_fields
 
 FLUSH_SECS = 10  # how stale a live TensorBoard may be; close() flushes everything
 

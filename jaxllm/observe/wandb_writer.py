@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from jaxllm.observe.writers import scalar_fields
+from jaxllm.observe.metrics import scalar_fields
 
 
 def has_api_key(env: Mapping[str, str]) -> bool:

@@ -11,12 +11,8 @@ from pathlib import Path
 
 from jaxllm.config.schema import MetricsConfig
 from jaxllm.observe.metrics import JsonlWriter
-
-
-def scalar_fields(record: dict) -> dict[str, float]:
-    """The numeric fields of `record` other than `step` (bools and strings are not scalars to plot)."""
-    return {key: float(value) for key, value in record.items()
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+from jaxllm.observe.tensorboard import TensorBoardWriter
+from jaxllm.observe.wandb_writer import WandbWriter
 
 
 class MetricsWriter:
@@ -31,12 +27,8 @@ class MetricsWriter:
         workdir = Path(workdir)
         self.sinks: list = [JsonlWriter(workdir / "metrics.jsonl", enabled=enabled)]
         if enabled and cfg.tensorboard:
-            from jaxllm.observe.tensorboard import TensorBoardWriter
-
             self.sinks.append(TensorBoardWriter(workdir / "tb"))
         if enabled and cfg.wandb:
-            from jaxllm.observe.wandb_writer import WandbWriter
-
             self.sinks.append(WandbWriter(workdir, cfg.wandb_project, run_config or {}))
 
     def write(self, record: dict) -> None:

@@ -16,17 +16,16 @@ one layout.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxllm.config.typed_config import ConfigError
+from jaxllm.config.schema import LOSS_SCALE_MODES, check_loss_scale
 
 # torch.amp.GradScaler's defaults: the issue fixes these; only the growth interval is a config value.
 INIT_SCALE, GROWTH_FACTOR, BACKOFF_FACTOR = 2.0**16, 2.0, 0.5
-NONE, STATIC, DYNAMIC = "none", "static", "dynamic"
+NONE, STATIC, DYNAMIC = LOSS_SCALE_MODES
 
 
 @struct.dataclass
@@ -86,29 +85,9 @@ def non_finite(tree) -> jax.Array:
     return ~jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def resolve_loss_scale(spec: str, compute: str) -> str:
-    """`precision.loss_scale` with "auto" resolved for `compute`, checked; a malformed one is a ConfigError."""
-    if spec == "auto":
-        return DYNAMIC if compute == "float16" else NONE
-    if spec in (NONE, DYNAMIC):
-        return spec
-    kind, _, value = spec.partition(":")
-    try:
-        scale = float(value) if kind == STATIC else math.nan
-    except ValueError:
-        scale = math.nan
-    if not (math.isfinite(scale) and scale > 0):
-        raise ConfigError("precision.loss_scale", f"expected auto, dynamic, none or static:<positive scale>, "
-                                                  f"got {spec!r}")
-    return spec
-
-
 def loss_scaling(precision) -> LossScaling:
     """The policy of a `jaxllm.config.schema.PrecisionConfig` (`loss_scale`, `loss_scale_growth_interval`, `compute`)."""
-    if precision.loss_scale_growth_interval <= 0:
-        raise ConfigError("precision.loss_scale_growth_interval",
-                          f"must be positive, got {precision.loss_scale_growth_interval}")
-    spec = resolve_loss_scale(precision.loss_scale, precision.compute)
+    spec = check_loss_scale(precision)
     if spec == NONE:
         return NO_LOSS_SCALING
     if spec == DYNAMIC:

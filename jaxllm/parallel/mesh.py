@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxllm.config.schema import MESH_AXES, MeshConfig
+from jax.experimental import mesh_utils
 
 
 def _auto_axis_types() -> tuple:
@@ -33,8 +34,6 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
         raise ValueError(f"mesh {cfg.shape} needs {cfg.num_devices} devices, got {len(devices)}")
     processes = len({d.process_index for d in devices})
     if processes > 1:
-        from jax.experimental import mesh_utils
-
         if math.prod(cfg.dcn_shape) != processes:
             raise ValueError(f"mesh dcn sizes {cfg.dcn_shape} do not multiply to the {processes} processes "
                              "(resolve them with jaxllm.config.schema.resolve_dcn)")
@@ -50,3 +49,8 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
 def abstract_mesh(cfg: MeshConfig) -> jax.sharding.AbstractMesh:
     """A device-less mesh of the configured shape, for planning layouts larger than this machine."""
     return jax.sharding.AbstractMesh(cfg.shape, MESH_AXES, axis_types=_auto_axis_types())
+
+
+def single_device_mesh() -> jax.sharding.Mesh:
+    """A mesh of the first device alone (every axis 1): scripts that load one model to use it."""
+    return make_mesh(MeshConfig(), devices=jax.devices()[:1])

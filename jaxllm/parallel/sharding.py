@@ -81,7 +81,8 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
-def _mesh_sizes(mesh) -> dict[str, int]:
+def mesh_sizes(mesh) -> dict[str, int]:
+    """Each mesh axis name with its size."""
     return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
@@ -101,7 +102,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh = active_mesh()
     if mesh is None:
         return x
-    sizes = {a: 1 if a in mesh.manual_axes else n for a, n in _mesh_sizes(mesh).items()}
+    sizes = {a: 1 if a in mesh.manual_axes else n for a, n in mesh_sizes(mesh).items()}
     spec = logical_to_spec(names, x.shape, sizes, kind="activations")
     return jax.lax.with_sharding_constraint(x, spec)
 
@@ -120,7 +121,7 @@ def spec_tree(tree: Any, mesh) -> Any:
     Leaves inside an `nnx.Variable` with logical `out_sharding` names follow RULES; a leaf whose rank differs
     from its names (e.g. Adafactor's factored moments) and plain leaves (step counters) are replicated.
     """
-    sizes = _mesh_sizes(mesh)
+    sizes = mesh_sizes(mesh)
 
     def one(x):
         if _is_variable(x):
@@ -164,7 +165,7 @@ def _path_name(path) -> str:
 def report_rows(state: Any, mesh) -> list[dict]:
     """One row per parameter: path, global shape, dtype, logical names, PartitionSpec, bytes per device (plain
     arrays outside a Variable, e.g. optimizer step counters, have no logical names and are replicated)."""
-    sizes = _mesh_sizes(mesh)
+    sizes = mesh_sizes(mesh)
     specs = spec_tree(state, mesh)
     flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -195,7 +196,7 @@ def replicated_rows(state: Any, mesh) -> list[dict]:
     """The `report_rows` of parameters that stay whole over a mesh axis their logical names' rules split them
     over (`logical_to_spec` replicates a dimension the axis size does not divide), each with `replicated_over`,
     the axes it lost. Such a parameter costs that axis's size times its bytes across the mesh."""
-    sizes = _mesh_sizes(mesh)
+    sizes = mesh_sizes(mesh)
     rows = []
     for row in report_rows(state, mesh):
         names = row["logical"]
@@ -234,7 +235,7 @@ def format_report(rows: Iterable[dict]) -> str:
 
 def bytes_per_device(tree: Any, mesh) -> int:
     """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `spec_tree` placement."""
-    sizes = _mesh_sizes(mesh)
+    sizes = mesh_sizes(mesh)
     specs = jax.tree.leaves(spec_tree(tree, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
     leaves = jax.tree.leaves(tree)
     return sum(

@@ -24,11 +24,11 @@ import json
 import jax
 
 from jaxllm.config.schema import AUTO_GRAD_ACCUM, AUTO_REMAT, Config, ConfigError
+from jaxllm.observe.sizes import GB
+from jaxllm.plan.footprint import compiled_step
+from jaxllm.objectives.pretrain import with_store_vocab
 
 REMAT_ORDER = ("none", "save_dots", "minimal_with_context", "save_qkv_proj", "full")  # least recomputation first
-GB = 10**9
-
-
 def memory_budget(cfg: Config) -> int:
     """Bytes per device a candidate may use: memory_fraction x (memory_budget_gb, else the device's limit)."""
     train = cfg.train
@@ -65,8 +65,6 @@ def step_device_bytes(cfg: Config) -> int:
         settings["train"].pop(budget_key)
     key = json.dumps(settings, sort_keys=True)
     if key not in _MEASURED:
-        from jaxllm.plan.footprint import compiled_step  # the plan imports the loop, which calls `choose`
-
         m = compiled_step(cfg).memory_analysis()
         _MEASURED[key] = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                              - m.alias_size_in_bytes)
@@ -134,7 +132,5 @@ def resolve_auto(cfg: Config, log=print) -> Config:
     if cfg.model.remat != AUTO_REMAT and cfg.optim.grad_accum != AUTO_GRAD_ACCUM:
         return cfg
     if cfg.train.objective == "pretrain":
-        from jaxllm.objectives.pretrain import with_store_vocab
-
         cfg = with_store_vocab(cfg)
     return choose(cfg, log)

@@ -19,7 +19,7 @@ from jaxllm.parallel.mesh import abstract_mesh, make_mesh
 from jaxllm.model.visibility import gpu_attention
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.parallel.sharding import bytes_per_device, sharding_tree
-from jaxllm.train.loop import StepRunner
+from jaxllm.train.step_runner import StepRunner
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import abstract_objective_state, state_shardings
 

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from jaxllm.runs.checksums import MANIFEST, verify_manifest, write_manifest
 from jaxllm.config.typed_config import ConfigError
 from jaxllm.parallel.sharding import sharding_tree
+from jax.experimental import multihost_utils
 
 
 class CheckpointError(RuntimeError):
@@ -262,8 +263,6 @@ class Checkpointer:
                 self.log(f"warning: checkpoint {path} has no {MANIFEST} (an older jaxllm's, or killed before it "
                          f"was written): loading it unverified")
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             if bool(multihost_utils.broadcast_one_to_all(np.array(problem is not None))) and problem is None:
                 problem = "it failed checksum verification on process 0"
         if problem is not None:
@@ -381,11 +380,20 @@ class Checkpointer:
             target = self.directory / f"corrupt-{step}-{int(time.time())}"
             (self.directory / str(step)).rename(target)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"jaxllm quarantine {step}")
         self.manager.reload()
         return target
 
     def close(self) -> None:
         self.manager.close()
+
+
+def locate_checkpoints(path: str) -> tuple[Path, int | None]:
+    """(checkpoints directory, step or None for the latest) of a checkpoint path given by a user: a step
+    directory, a checkpoints directory, or a run's workdir."""
+    p = Path(path)
+    if (p / "_CHECKPOINT_METADATA").exists() and p.name.isdigit():
+        return p.parent, int(p.name)
+    if (p / "checkpoints").is_dir():
+        return p / "checkpoints", None
+    return p, None

@@ -23,6 +23,9 @@ import socket
 import time
 from typing import Mapping
 
+from jaxllm.runtime.peer_watch import watch
+from jaxllm.runtime.wire import recv_line, send_line
+
 ENV_KEYS = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
             "process_id": "JAX_PROCESS_ID"}
 
@@ -119,31 +122,6 @@ def resolve_layout(coordinator_address: str | None = None, num_processes: int | 
     return layout if layout is not None and layout.num_processes > 1 else None
 
 
-def send_line(sock: socket.socket, message: str) -> None:
-    """`message` and a newline to `sock`; a peer already gone is not an error (its watcher reports it)."""
-    try:
-        sock.sendall(message.encode() + b"\n")
-    except OSError:
-        pass
-
-
-def _recv_line(sock: socket.socket, deadline: float) -> str | None:
-    data = b""
-    while b"\n" not in data:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        sock.settimeout(remaining)
-        try:
-            chunk = sock.recv(256)
-        except (socket.timeout, OSError):
-            return None
-        if not chunk:
-            return None
-        data += chunk
-    return data.split(b"\n", 1)[0].decode(errors="replace")
-
-
 def _host_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout: float) -> dict[int, socket.socket]:
     """Process 0: wait for every other process to check in; name the missing ones on timeout. Returns the open
     link to each of them (jaxllm/runtime/peer_watch.py)."""
@@ -171,7 +149,7 @@ def _host_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout:
                 conn, _ = server.accept()
             except socket.timeout:
                 continue
-            line = _recv_line(conn, min(deadline, time.monotonic() + 10))
+            line = recv_line(conn, min(deadline, time.monotonic() + 10))
             if not line or not line.startswith("hello "):
                 conn.close()
                 continue
@@ -211,7 +189,7 @@ def _join_rendezvous(layout: ProcessLayout, port: int, deadline: float, timeout:
             time.sleep(0.25)
     try:
         send_line(conn, f"hello {layout.process_id}")
-        reply = _recv_line(conn, deadline + 5)  # process 0 answers at its own deadline at the latest
+        reply = recv_line(conn, deadline + 5)  # process 0 answers at its own deadline at the latest
     except BaseException:
         conn.close()
         raise
@@ -242,9 +220,7 @@ def initialize(layout: ProcessLayout, *, init_timeout: float = 300, heartbeat_ti
     CPU collectives go through gloo (the default CPU client cannot talk across processes); the setting only
     affects the CPU backend, so it is harmless on GPU hosts.
     """
-    import jax
-
-    from jaxllm.runtime.peer_watch import watch
+    import jax  # start-up speed: the process layout is resolved (and bad flags refused) before JAX loads
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     start = time.monotonic()

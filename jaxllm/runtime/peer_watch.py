@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from jaxllm.runtime.distributed import send_line
+from jaxllm.runtime.wire import send_line
 
 BYE = "bye"  # this process exits cleanly
 GONE = "gone"  # process 0 to the others: "gone k", process k died

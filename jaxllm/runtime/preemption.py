@@ -7,6 +7,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 # With several processes a SIGTERM stops the job at the next multiple of this many steps (see `should_stop`).
 CHECK_EVERY = 10
@@ -46,8 +47,6 @@ class PreemptionGuard:
             return local
         if step % self.check_every:
             return False
-        from jax.experimental import multihost_utils
-
         return bool(np.any(multihost_utils.process_allgather(np.array([local]))))
 
     def wait_for_signal(self, timeout: float) -> bool:

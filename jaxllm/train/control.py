@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from jaxllm.optim.chain import current_clip_norm, with_clip_norm
+from jax.experimental import multihost_utils
 
 CONTROL_FILE = "control.json"
 HOT_UPDATES = "hot_updates"  # the checkpoint metadata key of the applied changes
@@ -132,8 +133,6 @@ def write_control(workdir: str | os.PathLike, changes: list[dict]) -> Path:
 
 def share(changes: list[Change]) -> list[Change]:
     """Process 0's `changes`, on every process: one collective that every process must call at the same step."""
-    from jax.experimental import multihost_utils
-
     data = json.dumps([c.to_dict() for c in changes]).encode() if jax.process_index() == 0 else b""
     buffer = np.full(_SHARE_BYTES, ord(" "), np.uint8)  # JSON ignores the trailing spaces
     buffer[:len(data)] = np.frombuffer(data, np.uint8)

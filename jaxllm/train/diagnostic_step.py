@@ -69,7 +69,7 @@ def make_diagnostic_step(objective, tx, activations: Activations | None = None, 
 
 
 class DiagnosticSteps:
-    """The loop's side of the variant (owned by `jaxllm.train.loop.StepRunner`).
+    """The loop's side of the variant (owned by `jaxllm.train.step_runner.StepRunner`).
 
     `due(step)`: whether `step` is measured. `measure(state, batch, frozen)` runs the variant on the state and
     batch the production step is about to take, without donating or returning a state, and gives its `diag/`

@@ -1,6 +1,6 @@
 """Per-step records of the training loop: metrics.jsonl, the progress bar, step timing and throughput/MFU.
 
-A step counts as completed when its metrics are fetched (one step late, see jaxllm/train/loop.py); `on_step`
+A step counts as completed when its metrics are fetched (one step late, see jaxllm/train/fit.py); `on_step`
 hears of each one (the hang watchdog's heartbeat).
 """
 

@@ -65,7 +65,7 @@ class Objective:
     filter of the variables that learn, the rest are frozen; `loss_fn` is above; `open_batches(BatchRequest)`
     gives the train batches and `eval_batches(rows)` a list of held-out ones (None: no evaluation). `tokenizer`
     and `sample_prompt` drive the end-of-run sample of language models ("" prompts with BOS alone, None: no
-    sample). `base` (jaxllm.train.base_model.Base) is the pretrained model a fresh run loads instead of
+    sample). `base` (jaxllm.runs.base_model.Base) is the pretrained model a fresh run loads instead of
     initialising: into the frozen variables when there are any (adapters), else into the trainable ones (full
     fine-tuning); `fresh` filters the trainable variables a base does not have (a reward model's score head),
     which are initialised from the seed instead. `report(graphdef, variables, mesh)` gives task metrics of a

@@ -15,14 +15,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxllm.runs.checkpoint import CheckpointError, CheckpointMismatch, Checkpointer
+from jaxllm.runs.checkpoint import CheckpointError, CheckpointMismatch, Checkpointer, locate_checkpoints
 from jaxllm.config.schema import Config, ConfigError
 from jaxllm.optim.loss_scale import loss_scaling
 from jaxllm.train.anomaly import incident_kind
-from jaxllm.train.base_model import check_same_base, fingerprint
+from jaxllm.runs.base_model import check_same_base, fingerprint
+from jaxllm.runs.loader import load_base
 from jaxllm.train.control import HOT_UPDATES
 from jaxllm.train.state import (init_frozen, init_objective_state, init_part, init_trainable_state, older_layout,
                                state_from_params, state_shardings)
+from jax.experimental import multihost_utils
 
 
 class AnomalyAbort(RuntimeError):
@@ -53,8 +55,6 @@ def _everywhere(ok: bool) -> bool:
     """True when `ok` holds on every process."""
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
-
     return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
 
 
@@ -100,16 +100,6 @@ def _check_objective(cfg: Config, directory: Path, meta: dict) -> None:
         raise ConfigError("train.objective", f"this run's checkpoints in {directory} were trained with "
                                              f"train.objective={saved}, not {cfg.train.objective}; use another "
                                              f"workdir (nothing was moved or written)")
-
-
-def _locate(path: str) -> tuple[Path, int | None]:
-    """A checkpoint path given by a user: a step directory, a checkpoints directory, or a run's workdir."""
-    p = Path(path)
-    if (p / "_CHECKPOINT_METADATA").exists() and p.name.isdigit():
-        return p.parent, int(p.name)
-    if (p / "checkpoints").is_dir():
-        return p / "checkpoints", None
-    return p, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +158,7 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window, offload, init_scale)
         on_loaded()
         return Start(state, frozen, 0, 0)
-    directory, step = _locate(cfg.checkpoint.restore_from)
+    directory, step = locate_checkpoints(cfg.checkpoint.restore_from)
     source = Checkpointer(directory, keep=1000, log=log)
     try:
         step = source.latest_step() if step is None else step
@@ -197,7 +187,7 @@ def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log,
     abstract_state, abstract_frozen = abstract
     base = objective.base
     if jax.tree.leaves(abstract_frozen):
-        frozen = base.load(abstract_frozen, mesh)
+        frozen = load_base(base, abstract_frozen, mesh)
         record = base.record(fingerprint(frozen))
         state = init_trainable_state(objective, tx, mesh, seed, window, offload, init_scale)
     else:
@@ -214,11 +204,11 @@ def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log,
 def _base_and_fresh(objective, abstract_params, mesh, seed: int):
     """(the trainable variables the base provides, loaded; the `fresh` ones, initialised from the seed)."""
     if objective.fresh is None:
-        return objective.base.load(abstract_params, mesh), nnx.State({})
+        return load_base(objective.base, abstract_params, mesh), nnx.State({})
     _, from_base = abstract_params.split(objective.fresh, ...)
     fresh = init_part(lambda key: objective.split(objective.build_model(key))[1].split(objective.fresh, ...)[0],
                        mesh, seed)
-    return objective.base.load(from_base, mesh), fresh
+    return load_base(objective.base, from_base, mesh), fresh
 
 
 def _frozen(objective, mesh, cfg: Config, abstract, recorded: dict | None):
@@ -232,7 +222,7 @@ def _frozen(objective, mesh, cfg: Config, abstract, recorded: dict | None):
             raise ConfigError("checkpoint.restore_from", f"this run's checkpoints were trained on the base "
                                                          f"{recorded['path']}: name it again to resume")
         return init_frozen(objective, mesh, cfg.train.seed), recorded  # never a second copy of what trains
-    frozen = objective.base.load(abstract_frozen, mesh)
+    frozen = load_base(objective.base, abstract_frozen, mesh)
     record = objective.base.record(fingerprint(frozen))
     check_same_base(recorded, record)
     return frozen, record

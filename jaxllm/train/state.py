@@ -13,12 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx, struct
+from flax import struct
 
 from jaxllm.optim import powersgd
-from jaxllm.config.schema import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.optim.loss_scale import LossScale, new_loss_scale
-from jaxllm.model.transformer import Transformer
 from jaxllm.parallel.offload import host_shardings
 from jaxllm.optim.chain import current_clip_norm, with_clip_norm, without_clip_norm
 from jaxllm.parallel.sharding import sharding_tree
@@ -60,29 +58,6 @@ def new_train_state(params, tx: optax.GradientTransformation, seed, window: int,
                       lr_scale=jnp.ones((), jnp.float32), rng=jax.random.key_data(jax.random.key(seed)),
                       loss_window=empty_window(window), grad_window=empty_window(window),
                       loss_scale=new_loss_scale(init_scale))
-
-
-def build_model(cfg: ModelConfig, precision: PrecisionConfig, key: jax.Array,
-                pipeline: PipelineConfig = PipelineConfig(), lora: LoRAConfig | None = None,
-                rope_scaling=None, model_class=Transformer, sequence_parallel: bool = False) -> Transformer:
-    """Construct the model (`model_class`: the LM, or jaxllm.model.reward.RewardModel) without flax's eager
-    sharding: placement is decided by `jaxllm.parallel.sharding` instead. `sequence_parallel` is
-    `config.MeshConfig.sequence_parallel`: a static layout choice that leaves the parameters unchanged."""
-    with nnx.use_eager_sharding(False):
-        return model_class(cfg, precision, rngs=nnx.Rngs(params=key), pipeline_microbatches=pipeline.microbatches,
-                           pipeline_repeats=pipeline.repeats, lora=lora, rope_scaling=rope_scaling,
-                           sequence_parallel=sequence_parallel)
-
-
-def abstract_model(cfg: ModelConfig, precision: PrecisionConfig,
-                   pipeline: PipelineConfig = PipelineConfig()) -> Transformer:
-    """The model with ShapeDtypeStructs in place of arrays: no memory allocated.
-
-    Plain `jax.eval_shape` rather than `nnx.eval_shape`: the latter resolves `out_sharding` names against the
-    active mesh itself, and in jaxllm logical names are resolved by `jaxllm.parallel.sharding` only.
-    """
-    graphdef, state = jax.eval_shape(lambda: nnx.split(build_model(cfg, precision, jax.random.key(0), pipeline)))
-    return nnx.merge(graphdef, state)
 
 
 def older_layout(abstract_state: TrainState, shardings: TrainState, clip_norm: float) -> tuple:
@@ -164,22 +139,3 @@ def state_from_params(params, tx, shardings: TrainState, seed: int, window: int 
     return jax.jit(lambda p: new_train_state(p, tx, seed, window, init_scale), out_shardings=shardings)(params)
 
 
-def abstract_train_state(cfg: ModelConfig, precision: PrecisionConfig, tx, window: int = 50) -> TrainState:
-    """Shapes and dtypes of the language model's whole train state, without allocating it."""
-    from jaxllm.objectives.pretrain import lm_objective
-
-    return abstract_objective_state(lm_objective(cfg, precision), tx, window)[0]
-
-
-def create_train_state(cfg: ModelConfig, precision: PrecisionConfig, tx, mesh, seed: int, window: int = 50,
-                       pipeline: PipelineConfig = PipelineConfig()):
-    """The language model's train state initialised directly into its shards on `mesh`.
-
-    Returns (graphdef, state, state_shardings); `nnx.merge(graphdef, state.params)` rebuilds the model (the
-    pipeline schedule lives in the graphdef; parameters are laid out the same for every schedule).
-    """
-    from jaxllm.objectives.pretrain import lm_objective
-
-    objective = lm_objective(cfg, precision, pipeline)
-    state, _, shardings, _ = init_objective_state(objective, tx, mesh, seed, window)
-    return objective.graphdef, state, shardings

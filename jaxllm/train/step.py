@@ -25,7 +25,6 @@ from jaxllm.optim.chain import current_clip_norm, current_lr
 from jaxllm.optim.powersgd import PowerSGD, compressed_grads_and_loss
 from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, spec_tree
 from jaxllm.train.anomaly import detect, push
-from jaxllm.objectives.pretrain import next_token_loss
 from jaxllm.train.state import TrainState
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -86,7 +85,7 @@ def _like_params(tree, params):
                               for x, spec in zip(leaves, specs, strict=True)])
 
 
-def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn=next_token_loss, frozen=NO_FROZEN,
+def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn, frozen=NO_FROZEN,
                    rng=None, scale=None):
     """(gradients, mean loss, target-token count, metrics) of one batch, for the trainable `params` only.
 
@@ -231,7 +230,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
     return step
 
 
-def make_eval_step(graphdef, loss_fn=next_token_loss) -> Callable:
+def make_eval_step(graphdef, loss_fn) -> Callable:
     """`eval_step(params, batch, frozen=NO_FROZEN) -> (loss_sum, token_count)` for token-weighted held-out loss
     (`loss_fn` with no randomness: dropout off)."""
 

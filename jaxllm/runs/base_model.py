@@ -23,11 +23,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import ml_collections
-from flax import nnx
 
-from jaxllm.runs.checkpoint import CheckpointError, Checkpointer
+from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, locate_checkpoints
 from jaxllm.config.schema import Config, ConfigError, validate
-from jaxllm.parallel.sharding import sharding_tree
+from jaxllm.interop import hf
 
 # ModelConfig fields that describe the network itself (adopted from the base); the others (remat, attention,
 # init_std, preset) are choices of this run.
@@ -53,35 +52,6 @@ class Base:
         """What a run's checkpoints say of their base."""
         return {"kind": self.kind, "path": str(self.path), "step": self.step, "fingerprint": fingerprint}
 
-    def load(self, abstract, mesh):
-        """The base parameters as the tree `abstract` (ShapeDtypeStructs of nnx.Param variables: the plain
-        model's, or part of them), placed per the sharding rules on `mesh`."""
-        if self.kind == "jaxllm":
-            source = Checkpointer(self.path.parent, keep=1000, log=lambda *_: None)
-            try:
-                return source.restore_params(self.step, abstract, mesh)
-            finally:
-                source.close()
-        if self.kind == "jaxllm-lora":
-            from jaxllm.eval.evaluate import load_checkpoint
-            from jaxllm.model.lora import merge
-
-            dtype = jnp.dtype(jax.tree.leaves(abstract)[0].dtype).name
-            loaded = load_checkpoint(str(self.path), mesh=mesh, compute=dtype)
-            return _placed_like(nnx.state(merge(loaded.model), nnx.Param), abstract, mesh)
-        from jaxllm.interop import hf
-
-        dtype = jax.tree.leaves(abstract)[0].dtype
-        model = hf.from_pretrained(self.path, mesh=mesh, dtype=jnp.dtype(dtype).name)
-        return _placed_like(nnx.state(model, nnx.Param), abstract, mesh)
-
-
-def _placed_like(state, abstract, mesh):
-    """The variables of `state` that `abstract` has (e.g. no lm_head for a reward model), placed per the rules."""
-    wanted = {path for path, _ in nnx.to_flat_state(abstract)}
-    kept = nnx.from_flat_state([(path, v) for path, v in nnx.to_flat_state(state) if path in wanted])
-    return jax.device_put(kept, sharding_tree(abstract, mesh))
-
 
 def is_hf_directory(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
@@ -89,12 +59,8 @@ def is_hf_directory(path: Path) -> bool:
 
 def locate(restore_from: str) -> Base:
     """The base named by `checkpoint.restore_from`; ConfigError when it is neither kind."""
-    from jaxllm.train.recovery import _locate
-
     path = Path(restore_from).absolute()
     if is_hf_directory(path):
-        from jaxllm.interop import hf
-
         hf_cfg = json.loads((path / "config.json").read_text())
         try:
             architecture = dataclasses.asdict(hf.config_from_hf(hf_cfg))
@@ -103,7 +69,7 @@ def locate(restore_from: str) -> Base:
             raise ConfigError(_KEY, f"{path}: {exc}") from None
         tokenizer = next((path / n for n in ("tokenizer.json", "tokenizer.model") if (path / n).is_file()), None)
         return Base("hf", path, None, {k: architecture[k] for k in ARCHITECTURE}, tokenizer, scaling)
-    directory, step = _locate(str(path))
+    directory, step = locate_checkpoints(str(path))
     source = Checkpointer(directory, keep=1000, log=lambda *_: None)
     try:
         step = source.latest_step() if step is None else step

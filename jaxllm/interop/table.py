@@ -1,0 +1,63 @@
+"""The conversion-table primitives shared by the Hugging Face and PEFT interchange: a `Row` names one tensor kind
+on both sides (the Hugging Face name with `{i}` for the layer, the jaxllm parameter path) and the `Transform` of
+its layout between them. A model family's table is a tuple of rows (jaxllm/interop/hf.py, hf_peft.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+
+# Layout transforms between one Hugging Face tensor and one layer's jaxllm parameter. HF Linear weights are
+# [out, in]; jaxllm keeps [in, out] with heads split out. Each transform knows the HF shape for a jaxllm shape,
+# which HF slice covers a jaxllm slice (so sharded loads read only what a shard needs), and both directions.
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    name: str
+    hf_shape: Callable[[tuple], tuple]
+    hf_slices: Callable[[tuple, tuple], tuple]  # (jaxllm slices, jaxllm shape) -> HF slices to read
+    to_jax: Callable[[np.ndarray, tuple, tuple], np.ndarray]  # (HF part, jaxllm slices, jaxllm shape)
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _heads(s: slice, n: int, h: int) -> slice:
+    """Rows of a fused [N*H] axis that cover heads `s` of [N, H]."""
+    start, stop, _ = s.indices(n)
+    return slice(start * h, stop * h)
+
+
+IDENTITY = Transform("identity", lambda shape: shape, lambda sl, shape: sl, lambda w, sl, shape: w, lambda w: w)
+TRANSPOSE = Transform(
+    "transpose", lambda shape: shape[::-1], lambda sl, shape: sl[::-1], lambda w, sl, shape: w.T, lambda w: w.T
+)
+# q/k/v_proj: HF [N*H, D] <-> jaxllm [D, N, H].
+SPLIT_OUT_HEADS = Transform(
+    "[N*H, D] -> [D, N, H]",
+    lambda shape: (shape[1] * shape[2], shape[0]),
+    lambda sl, shape: (_heads(sl[1], shape[1], shape[2]), sl[0]),
+    lambda w, sl, shape: w.T.reshape(w.shape[1], -1, shape[2])[:, :, sl[2]],
+    lambda w: w.reshape(w.shape[0], -1).T,
+)
+# o_proj: HF [D, N*H] <-> jaxllm [N, H, D].
+SPLIT_IN_HEADS = Transform(
+    "[D, N*H] -> [N, H, D]",
+    lambda shape: (shape[2], shape[0] * shape[1]),
+    lambda sl, shape: (sl[2], _heads(sl[0], shape[0], shape[1])),
+    lambda w, sl, shape: w.T.reshape(-1, shape[1], w.shape[0])[:, sl[1], :],
+    lambda w: w.reshape(-1, w.shape[-1]).T,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One tensor kind: HF name (`{i}` = layer), jaxllm parameter path, transform; `stacked` if per layer."""
+
+    hf: str
+    path: tuple[str, ...]
+    transform: Transform
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.hf

@@ -1,0 +1,155 @@
+"""A trained run on disk as a model: `load_checkpoint` (a jaxllm checkpoint as a standalone model, for export,
+generation, evaluation and RL's reward models) and `load_base` (the parameters of a fine-tuning run's base, placed
+on its mesh).
+
+The model config is read from the checkpoint's metadata and only the parameters are restored (never the
+optimizer state), so they work on any run's checkpoint whatever its optimizer or mesh. The model is built through
+`jaxllm.model.build`: the language model, or the reward model (`jaxllm.model.reward.RewardModel`) for a reward
+run, with the run's adapters when its checkpoints hold them; never through an objective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config.schema import LoRAConfig, ModelConfig, PrecisionConfig
+from jaxllm.data.tokenizer import find_tokenizer_file
+from jaxllm.interop import hf
+from jaxllm.model.build import build_model
+from jaxllm.model.lora import merge
+from jaxllm.model.lora import trainable as lora_trainable
+from jaxllm.model.reward import HEAD, RewardModel
+from jaxllm.model.transformer import Transformer
+from jaxllm.parallel.mesh import single_device_mesh
+from jaxllm.parallel.sharding import sharding_tree
+from jaxllm.runs import base_model
+from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, locate_checkpoints
+
+
+def _fields(cls, values: dict) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in (values or {}).items() if k in names}
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    graphdef: Any
+    params: Any
+    model_cfg: ModelConfig
+    precision: PrecisionConfig
+    config: dict  # the checkpoint's recorded run config (meta["config"])
+    meta: dict
+    path: Path  # the step directory
+
+    @property
+    def model(self):
+        return nnx.merge(self.graphdef, self.params)
+
+    def tokenizer_path(self) -> Path | None:
+        """The tokenizer recorded with the checkpoint: meta `tokenizer`, else the tokenizer.json or tokenizer.model
+        of the training data store (`data.path`)."""
+        candidates = []
+        if self.meta.get("tokenizer"):
+            candidates.append(Path(self.meta["tokenizer"]))
+        data_path = (self.config.get("data") or {}).get("path")
+        if data_path:
+            candidates.append(find_tokenizer_file(data_path))
+        return next((c for c in candidates if c is not None and c.is_file()), None)
+
+
+def _saved_model(config: dict, model_cfg, precision, rope_scaling=None):
+    """(build(key), trainable filter) of the model a run with this recorded config trained: the LM or the reward
+    model, with the run's adapters when its checkpoints hold them (they and a reward model's head train)."""
+    reward = (config.get("train") or {}).get("objective") == "reward"
+    lora = LoRAConfig(**_fields(LoRAConfig, config.get("lora"))) if base_model.holds_adapters(config) else None
+    build = functools.partial(build_model, model_cfg, precision, lora=lora, rope_scaling=rope_scaling,
+                              model_class=RewardModel if reward else Transformer)
+    trainable = lora_trainable(lora)
+    return build, nnx.Any(trainable, HEAD) if reward and lora is not None else trainable
+
+
+def _load_adapted(source: Checkpointer, step: int, meta: dict, model_cfg, precision, mesh):
+    """(graphdef, params) of a LoRA run's checkpoint: its adapters (and other trainable variables) on the base
+    model its metadata records (loaded again, and checked against the recorded fingerprint)."""
+    record = meta.get("base") or {}
+    if not record.get("path"):
+        raise CheckpointError(f"{source.directory / str(step)}: adapters of a run with no base model recorded")
+    base = base_model.locate(record["path"])
+    build, trainable = _saved_model(meta["config"], model_cfg, precision, base.rope_scaling)
+    graphdef, abstract_adapters, abstract_base = jax.eval_shape(
+        lambda: nnx.split(build(jax.random.key(0)), trainable, ...))
+    adapters = source.restore_params(step, abstract_adapters, mesh)
+    frozen = load_base(base, abstract_base, mesh)
+    base_model.check_same_base(record, base.record(base_model.fingerprint(frozen)))
+    return graphdef, nnx.merge_state(adapters, frozen)
+
+
+def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str | None = None) -> LoadedCheckpoint:
+    """A checkpoint (run workdir, checkpoints directory or one step directory) as graphdef + params.
+
+    A LoRA fine-tuning run's checkpoint holds adapters only: they are loaded onto the base model it records (the
+    model then carries the adapters; `jaxllm.model.lora.merge` or `hf.save_pretrained` give the merged one). A reward
+    model run gives a jaxllm.model.reward.RewardModel.
+    Computation runs in the parameter dtype unless `compute` is given; logits are float32.
+    """
+    mesh = single_device_mesh() if mesh is None else mesh
+    directory, located = locate_checkpoints(path)
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"{directory}: no such checkpoint directory")
+    step = located if step is None else step
+    source = Checkpointer(directory, keep=1000, log=lambda *_: None)
+    try:
+        step = source.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no committed checkpoint in {directory}")
+        if step not in source.steps():
+            raise CheckpointError(f"no committed checkpoint step {step} in {directory} (have {source.steps()})")
+        meta = source.read_meta(step)
+        config = meta.get("config") or {}
+        if "model" not in config:
+            raise CheckpointError(f"{directory / str(step)}: its metadata records no model config")
+        model_cfg = ModelConfig(**_fields(ModelConfig, config["model"]))
+        stored = PrecisionConfig(**_fields(PrecisionConfig, config.get("precision", {})))
+        precision = PrecisionConfig(params=stored.params, compute=compute or stored.params, output="float32")
+        with jax.set_mesh(mesh):
+            if base_model.holds_adapters(config):
+                graphdef, params = _load_adapted(source, step, meta, model_cfg, precision, mesh)
+            else:
+                build, _ = _saved_model(config, model_cfg, precision)
+                graphdef, abstract_params = jax.eval_shape(lambda: nnx.split(build(jax.random.key(0))))
+                params = source.restore_params(step, abstract_params, mesh)
+    finally:
+        source.close()
+    return LoadedCheckpoint(graphdef, params, model_cfg, precision, config, meta, Path(directory) / str(step))
+
+
+def load_base(base: base_model.Base, abstract, mesh):
+    """The parameters of `base` as the tree `abstract` (ShapeDtypeStructs of nnx.Param variables: the plain
+    model's, or part of them), placed per the sharding rules on `mesh`."""
+    if base.kind == "jaxllm":
+        source = Checkpointer(base.path.parent, keep=1000, log=lambda *_: None)
+        try:
+            return source.restore_params(base.step, abstract, mesh)
+        finally:
+            source.close()
+    if base.kind == "jaxllm-lora":
+        dtype = jnp.dtype(jax.tree.leaves(abstract)[0].dtype).name
+        loaded = load_checkpoint(str(base.path), mesh=mesh, compute=dtype)
+        return _placed_like(nnx.state(merge(loaded.model), nnx.Param), abstract, mesh)
+    dtype = jax.tree.leaves(abstract)[0].dtype
+    model = hf.from_pretrained(base.path, mesh=mesh, dtype=jnp.dtype(dtype).name)
+    return _placed_like(nnx.state(model, nnx.Param), abstract, mesh)
+
+
+def _placed_like(state, abstract, mesh):
+    """The variables of `state` that `abstract` has (e.g. no lm_head for a reward model), placed per the rules."""
+    wanted = {path for path, _ in nnx.to_flat_state(abstract)}
+    kept = nnx.from_flat_state([(path, v) for path, v in nnx.to_flat_state(state) if path in wanted])
+    return jax.device_put(kept, sharding_tree(abstract, mesh))
