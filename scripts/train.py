@@ -29,17 +29,6 @@ from jaxllm.config.schema import ConfigError, validate
 from jaxllm.runtime.xla_flags import use_xla_flags
 
 
-def planned_config(cfg, num_devices: int):
-    """The configuration a plan describes: a fine-tuning run takes its base's architecture, and a vocabulary of
-    "auto" is sized from the token store's manifest."""
-    from jaxllm.runs import base_model
-    from jaxllm.objectives.pretrain import with_store_vocab
-
-    if cfg.train.objective == "sft" and cfg.checkpoint.restore_from:
-        cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from), num_devices)
-    return with_store_vocab(cfg)
-
-
 def main(argv):
     args_list, overrides = split_overrides(argv)
     p = parser(__doc__.splitlines()[0])
@@ -95,6 +84,8 @@ def main(argv):
         print(f"precision.compute=auto: {cfg.precision.compute}, {resolve_compute()[1]}", flush=True)
 
     if planning:
+        from jaxllm.objectives.registry import planned_config
+
         try:
             cfg = planned_config(cfg, num_devices)
         except ConfigError as exc:

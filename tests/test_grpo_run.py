@@ -9,8 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from train_runs import (NAN_AT_3, RL_ITERATION_STARTS, ROOT, assert_rolled_back_at_3, checkpoint_leaves, losses,
-                        metrics, preempt_at, rl_command, run_command, train_command, train_env)
+from train_runs import (NAN_AT_3, RL_ITERATION_STARTS, ROOT, assert_rolled_back_at_3, assert_dry_run_plans_the_run, assert_serves_the_tools,
+                        checkpoint_leaves, losses, metrics, preempt_at, rl_command, run_command, train_command,
+                        train_env)
 
 from jaxllm.objectives.reward_fns import single_line
 
@@ -148,3 +149,13 @@ def test_the_reward_rises(trained_base, prompts, tmp_path):
     rows = [r for r in metrics(tmp_path) if "loss" in r]
     by_iteration = [np.mean([r["reward"] for r in rows if 4 * i < r["step"] <= 4 * i + 4]) for i in range(10)]
     assert np.mean(by_iteration[-3:]) > np.mean(by_iteration[:2]) + 0.05, by_iteration
+
+
+def test_the_checkpoint_serves_generate_eval_export_and_restore_from(grpo_run, tmp_path):
+    """The run's checkpoint holds its policy's adapters only: it loads as the policy on its base,
+    exports, and seeds another run."""
+    assert_serves_the_tools(grpo_run, tmp_path)
+
+
+def test_the_dry_run_plans_what_the_run_built(grpo_run, lora_run, prompts):
+    assert_dry_run_plans_the_run(_command(lora_run, prompts, grpo_run, "--config.train.steps=6", *NAN_AT_3), grpo_run)

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from train_runs import (NAN_AT_3, RL_ITERATION_STARTS, assert_rolled_back_at_3, checkpoint_leaves, losses, metrics,
-                        preempt_at, rl_command, run_command)
+from train_runs import (NAN_AT_3, RL_ITERATION_STARTS, assert_rolled_back_at_3, assert_dry_run_plans_the_run, assert_serves_the_tools,
+                        checkpoint_leaves, losses, metrics, preempt_at, rl_command, run_command)
 
 
 # 16 prompts, one response each, 2 epochs of 2 minibatches of 8: 4 steps an iteration. target_kl adapts kl_coef.
@@ -93,3 +93,13 @@ def test_an_injected_nan_rolls_back(ppo_run):
 def test_bad_settings_are_one_line_errors(lora_run, rl_prompts, tmp_path, setting, message):
     proc = _run(lora_run, rl_prompts, tmp_path, "--config.train.steps=2", setting)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_checkpoint_serves_generate_eval_export_and_restore_from(ppo_run, tmp_path):
+    """The run's checkpoint holds its policy's adapters and the critic only: it loads as the policy on its base,
+    exports, and seeds another run."""
+    assert_serves_the_tools(ppo_run, tmp_path)
+
+
+def test_the_dry_run_plans_what_the_run_built(ppo_run, lora_run, rl_prompts):
+    assert_dry_run_plans_the_run(_command(lora_run, rl_prompts, ppo_run, "--config.train.steps=6", *NAN_AT_3), ppo_run)

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from train_runs import NAN_AT_3, ROOT, assert_rolled_back_at_3, losses, metrics, preempt_at, train_env
+from train_runs import (NAN_AT_3, ROOT, assert_dry_run_plans_the_run, assert_rolled_back_at_3, losses, metrics,
+                        preempt_at, train_env)
 
 from jaxllm.runs.checkpoint import Checkpointer
 from jaxllm.runs.loader import load_checkpoint
@@ -174,3 +175,10 @@ def test_dpo_with_precomputed_reference_fine_tunes_everything(bases, pairs, tmp_
     assert abs(summary["final_eval_loss"] - np.log(2)) > 1e-4
     tuned, base = load_checkpoint(str(tmp_path / "run")), load_checkpoint(str(bases[0]))
     assert jax.tree.structure(tuned.params) == jax.tree.structure(base.params)  # a whole model, no adapters
+
+
+@pytest.mark.parametrize("objective", ["reward", "dpo"])
+def test_the_dry_run_plans_what_the_run_built(objective, request, bases, lora_run, pairs):
+    base, extra = (bases[0], NAN_AT_3) if objective == "reward" else (lora_run, (*DPO, *NAN_AT_3))
+    run = request.getfixturevalue(f"{objective}_run")
+    assert_dry_run_plans_the_run(_command(objective, base, pairs, run, "--config.train.steps=6", *extra), run)

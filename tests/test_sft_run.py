@@ -11,7 +11,7 @@ import sys
 import jax
 import numpy as np
 
-from train_runs import ROOT, losses, preempt_at, run_sft, sft_command, train_env
+from train_runs import ROOT, assert_dry_run_plans_the_run, losses, preempt_at, run_sft, sft_command, train_env
 
 from jaxllm.runs.checkpoint import Checkpointer, directory_bytes
 from jaxllm.runs.loader import load_checkpoint
@@ -131,3 +131,7 @@ def test_sft_from_a_hugging_face_base(bases, sft_task, lora_run, tmp_path):
     # The same weights, imported: the same fingerprint, the same held-out loss before training.
     assert from_hf["base"]["kind"] == "hf" and from_hf["base"]["fingerprint"] == from_run["base"]["fingerprint"]
     assert from_hf["initial_eval_loss"] == from_run["initial_eval_loss"]
+
+
+def test_the_dry_run_plans_what_the_run_built(bases, sft_task, lora_run):
+    assert_dry_run_plans_the_run(sft_command(bases[0], sft_task, lora_run, "--config.train.steps=6"), lora_run)

@@ -176,3 +176,76 @@ def checkpoint_leaves(workdir) -> list:
     from jaxllm.runs.loader import load_checkpoint
 
     return [np.asarray(x) for x in jax.tree.leaves(load_checkpoint(str(workdir)).params)]
+
+
+def assert_serves_the_tools(workdir, tmp_path) -> None:
+    """A LoRA run's checkpoint (any objective's) is usable: the loader behind generate.py, eval.py and
+    convert_hf.py export gives its model with the trained adapters on its base, that model's merged export gives
+    the same logits in transformers (1e-4), and `checkpoint.restore_from` locates it as a base whose parameters
+    are the merged ones."""
+    import jax
+    import numpy as np
+    import torch
+    import transformers
+    from flax import nnx
+
+    from jaxllm.interop import hf
+    from jaxllm.model.lora import merge
+    from jaxllm.parallel.mesh import single_device_mesh
+    from jaxllm.runs import base_model
+    from jaxllm.runs.loader import load_base, load_checkpoint
+
+    loaded = load_checkpoint(str(workdir))
+    model = loaded.model
+    assert model.lora is not None and type(model).__name__ == "Transformer", type(model)
+    adapters = nnx.state(model, nnx.LoRAParam)
+    assert any(np.any(np.asarray(b) != 0) for b in jax.tree.leaves(adapters)), "the adapters are untrained"
+    tokens = np.arange(1, 17, dtype=np.int32)[None]
+    ours = np.asarray(model(tokens))
+    hf.save_pretrained(model, tmp_path / "merged")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        theirs = exported(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+    base = base_model.locate(str(workdir))
+    assert base.kind == "jaxllm-lora", base
+    merged = nnx.state(merge(model), nnx.Param)
+    seeded = load_base(base, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), merged),
+                       single_device_mesh())
+    for a, b in zip(jax.tree.leaves(seeded), jax.tree.leaves(merged)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def assert_dry_run_plans_the_run(command: list[str], workdir) -> None:
+    """What `scripts/train.py --dry_run` plans for a run's command line (its config built, validated and planned
+    in-process as the script does) counts the trainable parameters, the frozen ones and the optimizer-state values
+    of the state the run built: its checkpoint's parameters and optimizer state, and what its model took from its
+    base."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    from jaxllm.config.cli import build_config, split_overrides
+    from jaxllm.config.schema import validate
+    from jaxllm.objectives.registry import planned_config
+    from jaxllm.plan.footprint import memory_plan
+    from jaxllm.runs.checkpoint import Checkpointer, array_names
+    from jaxllm.runs.loader import array_name, load_checkpoint
+
+    args, overrides = split_overrides(command[2:])  # after python and scripts/train.py
+    cd = build_config(args[args.index("--config") + 1], overrides, args[args.index("--workdir") + 1])
+    cfg = planned_config(validate(cd, jax.device_count(), check_batch=False), jax.device_count())
+    plan = memory_plan(cfg, compiled=False)
+    source = Checkpointer(Path(workdir) / "checkpoints", keep=1000, log=lambda *_: None)
+    try:
+        saved = source.manager.item_metadata(source.latest_step())["state"].tree
+    finally:
+        source.close()
+    values = lambda shapes: sum(math.prod(shape) for shape in shapes.values())
+    trainable, opt_state = values(array_names(saved["params"])), values(array_names(saved["opt_state"]))
+    held = set(array_names({"params": saved["params"]}))
+    model = nnx.state(load_checkpoint(str(workdir)).model, nnx.Param)
+    frozen = sum(v[...].size for path, v in nnx.to_flat_state(model) if array_name(path, v) not in held)
+    assert (plan["trainable_params"], plan["num_params"] - plan["trainable_params"], plan["opt_state_values"]) == (
+        trainable, frozen, opt_state), (plan, trainable, frozen, opt_state)

@@ -25,6 +25,9 @@ from flax import nnx
 from jaxllm.config.schema import LoRAConfig
 from jaxllm.model.quant import weight_einsum
 
+# Each target's adapter is the attribute `<target>_lora` of its module (jaxllm/model/layers.py), so this suffix
+# marks adapter arrays in a checkpoint's names too.
+ADAPTER_SUFFIX = "_lora"
 MODULE_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -99,7 +102,7 @@ def trainable(cfg: LoRAConfig | None):
 def adapters_of(model) -> dict[str, LoRA]:
     """{target: its stacked adapter} of a Transformer."""
     targets = model.lora.target_list if model.lora is not None else ()
-    return {t: getattr(getattr(model.layers, MODULE_OF[t]), f"{t}_lora") for t in targets}
+    return {t: getattr(getattr(model.layers, MODULE_OF[t]), f"{t}{ADAPTER_SUFFIX}") for t in targets}
 
 
 def merge(model):

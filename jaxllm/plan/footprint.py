@@ -21,6 +21,7 @@ from jaxllm.optim.chain import make_optimizer
 from jaxllm.parallel.sharding import bytes_per_device, sharding_tree
 from jaxllm.train.step_runner import StepRunner
 from jaxllm.objectives.pretrain import lm_objective
+from jaxllm.objectives.registry import planned_model
 from jaxllm.train.state import abstract_objective_state, state_shardings
 
 
@@ -35,6 +36,9 @@ JAX_MEM_FRACTION = 0.75
 
 
 def _objective(cfg: Config):
+    """The step the compiled plans compile: the language model's, with the run's adapters when SFT trains
+    some (a post-training step is planned as that step with its parameters; the counts come from
+    `planned_model`)."""
     lora = cfg.lora if cfg.train.objective == "sft" and cfg.lora.rank else None
     return lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora=lora,
                         sequence_parallel=cfg.mesh.sequence_parallel)
@@ -48,7 +52,7 @@ def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
     is what offload keeps in pinned host memory (the optimizer state, offloaded activations); the device total
     and the verdicts leave it out."""
     mesh = abstract_mesh(cfg.mesh)
-    state, frozen = abstract_objective_state(_objective(cfg), make_optimizer(cfg.optim, cfg.train.steps))
+    state, frozen = abstract_objective_state(planned_model(cfg), make_optimizer(cfg.optim, cfg.train.steps))
     trainable = _count(state.params)
     every = jax.tree.leaves((state.params, frozen))
     plan = dict(
@@ -58,6 +62,7 @@ def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
         trainable_params=trainable,
         frozen_bytes_per_device=bytes_per_device(frozen, mesh) if jax.tree.leaves(frozen) else 0,
         param_bytes_per_device=bytes_per_device(state.params, mesh),
+        opt_state_values=_count(state.opt_state),
         opt_bytes_per_device=bytes_per_device(state.opt_state, mesh),
         opt_on_host=cfg.optim.offload == "host",
         param_bytes_total=sum(math.prod(x.shape) * x.dtype.itemsize for x in every),

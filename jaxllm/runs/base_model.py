@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from jaxllm.model.lora import ADAPTER_SUFFIX
 from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, locate_checkpoints
 from jaxllm.config.schema import Config, ConfigError, validate
 from jaxllm.interop import hf
@@ -77,6 +78,7 @@ def locate(restore_from: str) -> Base:
             raise ConfigError(_KEY, f"{path} is neither a Hugging Face model directory nor a jaxllm run with a "
                                     "committed checkpoint")
         meta = source.read_meta(step)
+        adapters = holds_adapters(source.saved_param_names(step))
     except CheckpointError as exc:
         raise ConfigError(_KEY, str(exc)) from None
     finally:
@@ -85,7 +87,7 @@ def locate(restore_from: str) -> Base:
     if "model" not in config:
         raise ConfigError(_KEY, f"{directory / str(step)}: its metadata records no model config")
     kind, rope_scaling = "jaxllm", None
-    if holds_adapters(config):
+    if adapters:
         record = meta.get("base") or {}
         if not record.get("path"):
             raise ConfigError(_KEY, f"{directory / str(step)} holds LoRA adapters and records no base model")
@@ -94,13 +96,11 @@ def locate(restore_from: str) -> Base:
                 _store_tokenizer((config.get("data") or {}).get("path")), rope_scaling)
 
 
-FINE_TUNING = ("sft", "reward", "dpo")
-
-
-def holds_adapters(config: dict) -> bool:
-    """Whether the checkpoints of a run with this recorded config hold LoRA adapters (on a base it records)
-    rather than a whole model."""
-    return bool((config.get("lora") or {}).get("rank")) and (config.get("train") or {}).get("objective") in FINE_TUNING
+def holds_adapters(saved_names: set[str]) -> bool:
+    """Whether a checkpoint whose parameter arrays have these names (`Checkpointer.saved_param_names`) holds LoRA
+    adapters (on a base it records) rather than a whole model: what it holds says so, whichever objective (SFT,
+    reward, DPO, GRPO, PPO) wrote it."""
+    return any(f"{ADAPTER_SUFFIX}/" in name for name in saved_names)
 
 
 def _store_tokenizer(store: str | None) -> Path | None:

@@ -53,7 +53,7 @@ def _field_names(tree) -> set[str]:
     return {str(_key_name(path[0])) for path in paths}
 
 
-def _array_shapes(tree) -> dict[str, tuple]:
+def array_names(tree) -> dict[str, tuple]:
     """{path: shape} of every array in `tree` (a train state, abstract or as orbax's metadata), with paths as orbax
     writes them (dataclass fields and dict keys become nested names)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -333,11 +333,20 @@ class Checkpointer:
             raise ConfigError("checkpoint", f"{path} was written by an older jaxllm: its train state has no "
                                             f"{', '.join(missing)}; start a new run from its parameters with "
                                             f"checkpoint.restore_from={path} and a new workdir")
-        shapes = _array_shapes(saved)
+        shapes = array_names(saved)
         layouts = [abstract_state] + ([older[0]] if older is not None else [])
-        differences = [layout_differences(shapes, _array_shapes(layout)) for layout in layouts]
+        differences = [layout_differences(shapes, array_names(layout)) for layout in layouts]
         if all(differences):
             raise CheckpointMismatch(path, differences[0])
+
+    def saved_param_names(self, step: int) -> set[str]:
+        """The names (`array_names`) of the parameter arrays `step` holds, from its metadata (no array is read);
+        empty when the metadata cannot be read (the restore then reports it)."""
+        try:
+            saved = self.manager.item_metadata(step)["state"].tree
+        except Exception:
+            return set()
+        return set(array_names({"params": saved["params"]})) if isinstance(saved, dict) and "params" in saved else set()
 
     def read_meta(self, step: int) -> dict:
         """The run metadata (seed, config, base, ...) saved with `step`; no array is read."""
@@ -355,6 +364,13 @@ class Checkpointer:
         checkpoint is verified first (`verify`): parameters and optimizer state share data files.
         """
         self.verify(step)
+        # orbax's partial restore hands back the abstract leaf of an array the checkpoint lacks: refuse instead.
+        saved = self.saved_param_names(step)
+        missing = sorted(set(array_names({"params": abstract_params})) - saved) if saved else []
+        if missing:
+            raise CheckpointError(f"checkpoint {self.directory / str(step)} holds no {', '.join(missing[:3])}"
+                                  f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}: it is not "
+                                  f"this model's")
         shardings = sharding_tree(abstract_params, mesh)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_params, shardings)

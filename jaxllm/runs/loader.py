@@ -5,13 +5,14 @@ on its mesh).
 The model config is read from the checkpoint's metadata and only the parameters are restored (never the
 optimizer state), so they work on any run's checkpoint whatever its optimizer or mesh. The model is built through
 `jaxllm.model.build`: the language model, or the reward model (`jaxllm.model.reward.RewardModel`) for a reward
-run, with the run's adapters when its checkpoints hold them; never through an objective.
+run, with the run's adapters when its checkpoints hold them; never through an objective. Which model, and which of
+its parameters come from the run's base, the checkpoint's own arrays say: so every objective's checkpoint loads
+(an actor-critic's as its policy), whatever objective wrote it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,12 @@ from jaxllm.data.tokenizer import find_tokenizer_file
 from jaxllm.interop import hf
 from jaxllm.model.build import build_model
 from jaxllm.model.lora import merge
-from jaxllm.model.lora import trainable as lora_trainable
-from jaxllm.model.reward import HEAD, RewardModel
+from jaxllm.model.reward import RewardModel
 from jaxllm.model.transformer import Transformer
 from jaxllm.parallel.mesh import single_device_mesh
 from jaxllm.parallel.sharding import sharding_tree
 from jaxllm.runs import base_model
-from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, locate_checkpoints
+from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, array_names, locate_checkpoints
 
 
 def _fields(cls, values: dict) -> dict:
@@ -64,29 +64,41 @@ class LoadedCheckpoint:
         return next((c for c in candidates if c is not None and c.is_file()), None)
 
 
-def _saved_model(config: dict, model_cfg, precision, rope_scaling=None):
-    """(build(key), trainable filter) of the model a run with this recorded config trained: the LM or the reward
-    model, with the run's adapters when its checkpoints hold them (they and a reward model's head train)."""
-    reward = (config.get("train") or {}).get("objective") == "reward"
-    lora = LoRAConfig(**_fields(LoRAConfig, config.get("lora"))) if base_model.holds_adapters(config) else None
-    build = functools.partial(build_model, model_cfg, precision, lora=lora, rope_scaling=rope_scaling,
-                              model_class=RewardModel if reward else Transformer)
-    trainable = lora_trainable(lora)
-    return build, nnx.Any(trainable, HEAD) if reward and lora is not None else trainable
+def _saved_model(config: dict, model_cfg, precision, saved: set[str], rope_scaling=None):
+    """(graphdef, abstract parameters) of the model whose parameters a checkpoint holds, as its arrays tell
+    (`saved`: their names): the reward model when they hold its score head, else the language model (an
+    actor-critic's policy: its critic is left out), with the run's adapters when they hold LoRA ones."""
+    reward = any(name.startswith("params/score/") for name in saved)
+    lora = LoRAConfig(**_fields(LoRAConfig, config.get("lora"))) if base_model.holds_adapters(saved) else None
+    return jax.eval_shape(lambda: nnx.split(build_model(model_cfg, precision, jax.random.key(0), lora=lora,
+                                                        rope_scaling=rope_scaling,
+                                                        model_class=RewardModel if reward else Transformer)))
 
 
-def _load_adapted(source: Checkpointer, step: int, meta: dict, model_cfg, precision, mesh):
-    """(graphdef, params) of a LoRA run's checkpoint: its adapters (and other trainable variables) on the base
-    model its metadata records (loaded again, and checked against the recorded fingerprint)."""
+def _split_by_name(abstract, saved: set[str]):
+    """(the variables of `abstract` whose arrays are among `saved`, the others)."""
+    flat = nnx.to_flat_state(abstract)
+    held = [array_name(path, variable) in saved for path, variable in flat]
+    return (nnx.from_flat_state([item for item, h in zip(flat, held) if h]),
+            nnx.from_flat_state([item for item, h in zip(flat, held) if not h]))
+
+
+def array_name(path: tuple, variable) -> str:
+    """The name a checkpoint gives the parameter at nnx `path` (`jaxllm.runs.checkpoint.array_names`)."""
+    return next(iter(array_names({"params": nnx.from_flat_state([(path, variable)])})))
+
+
+def _load_on_base(source: Checkpointer, step: int, meta: dict, model_cfg, precision, saved: set[str], mesh):
+    """(graphdef, params) of a checkpoint that holds part of its model (adapters, a new head): that part on the
+    base model its metadata records (loaded again, and checked against the recorded fingerprint)."""
     record = meta.get("base") or {}
     if not record.get("path"):
         raise CheckpointError(f"{source.directory / str(step)}: adapters of a run with no base model recorded")
     base = base_model.locate(record["path"])
-    build, trainable = _saved_model(meta["config"], model_cfg, precision, base.rope_scaling)
-    graphdef, abstract_adapters, abstract_base = jax.eval_shape(
-        lambda: nnx.split(build(jax.random.key(0)), trainable, ...))
-    adapters = source.restore_params(step, abstract_adapters, mesh)
-    frozen = load_base(base, abstract_base, mesh)
+    graphdef, abstract = _saved_model(meta["config"], model_cfg, precision, saved, base.rope_scaling)
+    held, lacking = _split_by_name(abstract, saved)
+    adapters = source.restore_params(step, held, mesh)
+    frozen = load_base(base, lacking, mesh)
     base_model.check_same_base(record, base.record(base_model.fingerprint(frozen)))
     return graphdef, nnx.merge_state(adapters, frozen)
 
@@ -118,13 +130,13 @@ def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str 
         model_cfg = ModelConfig(**_fields(ModelConfig, config["model"]))
         stored = PrecisionConfig(**_fields(PrecisionConfig, config.get("precision", {})))
         precision = PrecisionConfig(params=stored.params, compute=compute or stored.params, output="float32")
+        saved = source.saved_param_names(step)
         with jax.set_mesh(mesh):
-            if base_model.holds_adapters(config):
-                graphdef, params = _load_adapted(source, step, meta, model_cfg, precision, mesh)
+            graphdef, abstract = _saved_model(config, model_cfg, precision, saved)
+            if saved and jax.tree.leaves(_split_by_name(abstract, saved)[1]):  # adapters: the rest is the base's
+                graphdef, params = _load_on_base(source, step, meta, model_cfg, precision, saved, mesh)
             else:
-                build, _ = _saved_model(config, model_cfg, precision)
-                graphdef, abstract_params = jax.eval_shape(lambda: nnx.split(build(jax.random.key(0))))
-                params = source.restore_params(step, abstract_params, mesh)
+                params = source.restore_params(step, abstract, mesh)
     finally:
         source.close()
     return LoadedCheckpoint(graphdef, params, model_cfg, precision, config, meta, Path(directory) / str(step))
