@@ -18,6 +18,14 @@ for _name, _sub in CACHE_VARIABLES.items():
 # optimisation passes: at backend optimisation level 0 a test's compile takes about half as long (the LoRA dropout
 # test: 34 s -> 15 s; the whole suite 21.7 -> 16.4 min here) and runs no slower at these sizes. Every test still
 # compiles and runs the same programs; training subprocesses inherit the flags.
+# The XLA compilation cache of the training subprocesses (tests/train_runs.py), one for the whole test run: made by
+# the first process to load this file (pytest's controller, or a plain run), removed by it at exit, and inherited
+# by the xdist workers it starts, so a program one worker's runs compiled is read back by the other's.
+XLA_CACHE_VARIABLE = "JAXLLM_TEST_XLA_CACHE"
+if not os.environ.get(XLA_CACHE_VARIABLE):
+    os.environ[XLA_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jaxllm-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ[XLA_CACHE_VARIABLE], ignore_errors=True)
+
 # 8 fake devices share 2 cores: under load one device thread can reach a collective long after the others,
 # so XLA's 40 s rendezvous limit is raised to 180 s (still failing fast on a real deadlock).
 CPU_FLAGS = (
@@ -45,26 +53,51 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The directory `name`, filled by `make(directory)` once per test run. pytest-xdist runs each worker's
+    session fixtures on their own, so the reference runs every worker needs would be made once per worker: the
+    first worker to ask makes them under the run's shared temporary directory while the others wait on a file
+    lock, then all read them (read only, as every test already treats a session fixture)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        directory = tmp_path_factory.mktemp(name)
+        make(directory)
+        return directory
+    from filelock import FileLock
+
+    directory = tmp_path_factory.getbasetemp().parent / name  # pytest-N/, above each worker's popen-gwK/
+    made = directory.parent / f"{name}.made"
+    with FileLock(str(directory.parent / f"{name}.lock")):
+        if not made.exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a worker that failed making it left it half made
+            directory.mkdir()
+            make(directory)
+            made.touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def shakespeare_store(tmp_path_factory):
-    """The shipped corpus prepared into a token store (vocab 512), once per test session (~4 s)."""
+    """The shipped corpus prepared into a token store (vocab 512), once per test run (~4 s)."""
     from jaxllm.data.prepare import prepare
 
-    out = tmp_path_factory.mktemp("data") / "shakespeare"
-    prepare([str(ROOT / "data" / "shakespeare.jsonl.gz")], str(out), vocab_size=512, log=lambda *a, **k: None)
-    return out
+    def make(directory):
+        prepare([str(ROOT / "data" / "shakespeare.jsonl.gz")], str(directory / "shakespeare"), vocab_size=512,
+                log=lambda *a, **k: None)
+
+    return made_once(tmp_path_factory, "data", make) / "shakespeare"
 
 
 @pytest.fixture(scope="session")
 def uninterrupted(shakespeare_store, tmp_path_factory):
-    """The uninterrupted pretraining reference (8 tiny steps, checkpoints 4, 6, 8), one per session, shared by
+    """The uninterrupted pretraining reference (8 tiny steps, checkpoints 4, 6, 8), one per test run, shared by
     the resume, rollback and drill tests (tests/test_checkpoint.py, tests/test_drill.py)."""
     from train_runs import resume_command, run_command
 
-    workdir = tmp_path_factory.mktemp("uninterrupted")
-    proc = run_command(resume_command(shakespeare_store, workdir, "--config.train.steps=8"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return workdir
+    def make(workdir):
+        proc = run_command(resume_command(shakespeare_store, workdir, "--config.train.steps=8"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return made_once(tmp_path_factory, "uninterrupted", make)
 
 
 @pytest.fixture(scope="session")
@@ -73,13 +106,14 @@ def sft_task(tmp_path_factory):
     import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp("task")
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sft_task.py"), "--out", str(out)], check=True,
-                   capture_output=True)
-    for name, keep in (("train.jsonl", 400), ("eval.jsonl", 8)):
-        lines = (out / name).read_text().splitlines()[:keep]
-        (out / name).write_text("\n".join(lines) + "\n")
-    return out
+    def make(out):
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sft_task.py"), "--out", str(out)], check=True,
+                       capture_output=True)
+        for name, keep in (("train.jsonl", 400), ("eval.jsonl", 8)):
+            lines = (out / name).read_text().splitlines()[:keep]
+            (out / name).write_text("\n".join(lines) + "\n")
+
+    return made_once(tmp_path_factory, "task", make)
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +121,8 @@ def bases(shakespeare_store, tmp_path_factory):
     """Two tiny pretrained runs (seeds 0 and 1): a base and a different one."""
     from train_runs import pretrain_base
 
-    return [pretrain_base(shakespeare_store, tmp_path_factory.mktemp(f"base{seed}"), seed) for seed in (0, 1)]
+    return [made_once(tmp_path_factory, f"base{seed}", lambda workdir: pretrain_base(shakespeare_store, workdir, seed))
+            for seed in (0, 1)]
 
 
 @pytest.fixture(scope="session")
@@ -95,10 +130,11 @@ def lora_run(bases, sft_task, tmp_path_factory):
     """6 steps of LoRA SFT on bases[0]."""
     from train_runs import run_sft
 
-    workdir = tmp_path_factory.mktemp("lora")
-    proc = run_sft(bases[0], sft_task, workdir, "--config.train.steps=6")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return workdir
+    def make(workdir):
+        proc = run_sft(bases[0], sft_task, workdir, "--config.train.steps=6")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return made_once(tmp_path_factory, "lora", make)
 
 
 @pytest.fixture(scope="session")
@@ -106,9 +142,10 @@ def rl_prompts(tmp_path_factory, sft_task):
     """RL prompts: short prompts of the SFT task slice (one of every line whose prompt has at most 40 characters)."""
     import json
 
-    out = tmp_path_factory.mktemp("prompts")
-    for name in ("train", "eval"):
-        rows = [json.loads(x) for x in (sft_task / f"{name}.jsonl").read_text().splitlines()]
-        short = [{"prompt": r["prompt"][:40]} for r in rows]
-        (out / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in short) + "\n")
-    return out
+    def make(out):
+        for name in ("train", "eval"):
+            rows = [json.loads(x) for x in (sft_task / f"{name}.jsonl").read_text().splitlines()]
+            short = [{"prompt": r["prompt"][:40]} for r in rows]
+            (out / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in short) + "\n")
+
+    return made_once(tmp_path_factory, "prompts", make)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,10 +22,10 @@ TINY = ("--config.model.preset=tiny", "--config.model.vocab_size=512", "--config
 
 
 # Test runs compile the same tiny programs over and over, one process at a time: an XLA compilation cache shared
-# by this session's subprocesses turns a run's ~10 s of compiling into ~1.5 s after the first. (JAX falls back
-# to compiling, with a warning, if it ever reads a damaged entry.)
-COMPILATION_CACHE = tempfile.mkdtemp(prefix="jaxllm-test-xla-cache-")
-atexit.register(shutil.rmtree, COMPILATION_CACHE, ignore_errors=True)
+# by the test run's subprocesses (tests/conftest.py makes it) turns a run's compiling into a read after the first.
+# (JAX falls back to compiling, with a warning, if it ever reads a damaged entry.) Only the subprocesses use it:
+# in the test processes themselves, writing every program to it cost as much as the hits saved.
+COMPILATION_CACHE = os.environ["JAXLLM_TEST_XLA_CACHE"]
 
 
 def train_command(store, workdir, *args: str) -> list[str]:

@@ -5,11 +5,12 @@ Reading a metric blocks the host until that step finishes; fetching one step lat
 on the devices, so the host's Python (data, logging) overlaps device work instead of adding to it.
 
 The parts, each small: `Run` (the mutable position of the run: state, data offset, rollbacks, batch source),
-`StepRunner` (jaxllm/train/step_runner.py: the compiled step and its drill variants), `MetricsLog` (jaxllm/train/metrics_log.py: metrics.jsonl,
-progress bar, timing), `HangWatchdog` (jaxllm/runtime/watchdog.py: exits when steps stop completing), `AnomalyPolicy`
-(jaxllm/train/recovery.py: what a flagged step calls for), `HotUpdates` (jaxllm/train/control.py: an
-operator's changes from `<workdir>/control.json`) and `train`, whose loop reads top to bottom as what
-happens in a step.
+`StepRunner` (jaxllm/train/step_runner.py: the compiled step and its drill variants), `MetricsLog`
+(jaxllm/train/metrics_log.py: metrics.jsonl, progress bar, timing), `HangWatchdog` (jaxllm/runtime/watchdog.py:
+exits when steps stop completing), `AnomalyPolicy` (jaxllm/train/recovery.py: what a flagged step calls for),
+`HotUpdates` (jaxllm/train/control.py: an operator's changes from `<workdir>/control.json`) and `fit`, whose loop
+reads top to bottom as what happens in a step. `fit` takes a built objective and a config without "auto" values;
+`jaxllm.train.loop.train` (jaxllm/launch/train.py) makes both from a config.
 """
 
 from __future__ import annotations
