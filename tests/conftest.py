@@ -17,7 +17,7 @@ for _name, _sub in CACHE_VARIABLES.items():
 # The suite's programs are tiny and each runs a few steps, so its time is XLA's compiler, much of it LLVM's
 # optimisation passes: at backend optimisation level 0 a test's compile takes about half as long (the LoRA dropout
 # test: 34 s -> 15 s; the whole suite 21.7 -> 16.4 min here) and runs no slower at these sizes. Every test still
-# compiles and runs the same programs; training subprocesses inherit the flags.
+# compiles and runs the same programs (training subprocesses compile at the default level: tests/train_runs.py).
 # The XLA compilation cache of the training subprocesses (tests/train_runs.py), one for the whole test run: made by
 # the first process to load this file (pytest's controller, or a plain run), removed by it at exit, and inherited
 # by the xdist workers it starts, so a program one worker's runs compiled is read back by the other's.
