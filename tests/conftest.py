@@ -14,10 +14,6 @@ CACHE_VARIABLES = {"XDG_CACHE_HOME": "", "JAXLLM_CACHE": "jaxllm", "HF_HOME": "h
 for _name, _sub in CACHE_VARIABLES.items():
     os.environ[_name] = os.path.join(TEST_CACHE, _sub)
 
-# The suite's programs are tiny and each runs a few steps, so its time is XLA's compiler, much of it LLVM's
-# optimisation passes: at backend optimisation level 0 a test's compile takes about half as long (the LoRA dropout
-# test: 34 s -> 15 s; the whole suite 21.7 -> 16.4 min here) and runs no slower at these sizes. Every test still
-# compiles and runs the same programs (training subprocesses compile at the default level: tests/train_runs.py).
 # The XLA compilation cache of the training subprocesses (tests/train_runs.py), one for the whole test run: made by
 # the first process to load this file (pytest's controller, or a plain run), removed by it at exit, and inherited
 # by the xdist workers it starts, so a program one worker's runs compiled is read back by the other's.
@@ -29,8 +25,7 @@ if not os.environ.get(XLA_CACHE_VARIABLE):
 # 8 fake devices share 2 cores: under load one device thread can reach a collective long after the others,
 # so XLA's 40 s rendezvous limit is raised to 180 s (still failing fast on a real deadlock).
 CPU_FLAGS = (
-    "--xla_backend_optimization_level=0"
-    " --xla_force_host_platform_device_count=8"
+    "--xla_force_host_platform_device_count=8"
     " --xla_cpu_collective_call_warn_stuck_timeout_seconds=60"
     " --xla_cpu_collective_call_terminate_timeout_seconds=180"
 )
