@@ -62,10 +62,6 @@ def run_drill(store, reference, workdir, faults: str, *args: str, seed: int = 0)
 def train_env(devices: int = 8, **extra: str) -> dict[str, str]:
     """This environment on CPU with `devices` fake devices per process (keeping conftest's other XLA flags)."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    # Training processes compile at XLA's default optimisation level, as users' runs do: at level 0 (conftest.py's
-    # setting for the test processes) a DPO resume run wedged in a CPU all-reduce twice in seven runs here (half of
-    # each device pair never reached it; XLA aborts at its 180 s limit), at the default level not once.
-    flags = re.sub(r"--xla_backend_optimization_level=\d+", "", flags)
     # Eigen's intra-op pool runs XLA:CPU's collective thunks too, and under load it wedged now and then: one device
     # never reached an all-reduce and XLA aborted at its 180 s rendezvous limit (3 of 7 runs of the reward resume
     # test at load, all in a 2x2x2-mesh training process). Without the pool each device's program runs on its
@@ -231,7 +227,7 @@ def assert_dry_run_plans_the_run(command: list[str], workdir) -> None:
     from jaxllm.config.schema import validate
     from jaxllm.objectives.registry import planned_config
     from jaxllm.plan.footprint import memory_plan
-    from jaxllm.runs.checkpoint import Checkpointer, array_names
+    from jaxllm.runs.checkpoint import Checkpointer, array_shapes
     from jaxllm.runs.loader import array_name, load_checkpoint
 
     args, overrides = split_overrides(command[2:])  # after python and scripts/train.py
@@ -244,8 +240,8 @@ def assert_dry_run_plans_the_run(command: list[str], workdir) -> None:
     finally:
         source.close()
     values = lambda shapes: sum(math.prod(shape) for shape in shapes.values())
-    trainable, opt_state = values(array_names(saved["params"])), values(array_names(saved["opt_state"]))
-    held = set(array_names({"params": saved["params"]}))
+    trainable, opt_state = values(array_shapes(saved["params"])), values(array_shapes(saved["opt_state"]))
+    held = set(array_shapes({"params": saved["params"]}))
     model = nnx.state(load_checkpoint(str(workdir)).model, nnx.Param)
     frozen = sum(v[...].size for path, v in nnx.to_flat_state(model) if array_name(path, v) not in held)
     assert (plan["trainable_params"], plan["num_params"] - plan["trainable_params"], plan["opt_state_values"]) == (

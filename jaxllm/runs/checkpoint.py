@@ -23,11 +23,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from jaxllm.runs.checksums import MANIFEST, verify_manifest, write_manifest
 from jaxllm.config.typed_config import ConfigError
 from jaxllm.parallel.sharding import sharding_tree
-from jax.experimental import multihost_utils
 
 
 class CheckpointError(RuntimeError):
@@ -53,7 +53,7 @@ def _field_names(tree) -> set[str]:
     return {str(_key_name(path[0])) for path in paths}
 
 
-def array_names(tree) -> dict[str, tuple]:
+def array_shapes(tree) -> dict[str, tuple]:
     """{path: shape} of every array in `tree` (a train state, abstract or as orbax's metadata), with paths as orbax
     writes them (dataclass fields and dict keys become nested names)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -333,20 +333,20 @@ class Checkpointer:
             raise ConfigError("checkpoint", f"{path} was written by an older jaxllm: its train state has no "
                                             f"{', '.join(missing)}; start a new run from its parameters with "
                                             f"checkpoint.restore_from={path} and a new workdir")
-        shapes = array_names(saved)
+        shapes = array_shapes(saved)
         layouts = [abstract_state] + ([older[0]] if older is not None else [])
-        differences = [layout_differences(shapes, array_names(layout)) for layout in layouts]
+        differences = [layout_differences(shapes, array_shapes(layout)) for layout in layouts]
         if all(differences):
             raise CheckpointMismatch(path, differences[0])
 
     def saved_param_names(self, step: int) -> set[str]:
-        """The names (`array_names`) of the parameter arrays `step` holds, from its metadata (no array is read);
+        """The names (`array_shapes`) of the parameter arrays `step` holds, from its metadata (no array is read);
         empty when the metadata cannot be read (the restore then reports it)."""
         try:
             saved = self.manager.item_metadata(step)["state"].tree
         except Exception:
             return set()
-        return set(array_names({"params": saved["params"]})) if isinstance(saved, dict) and "params" in saved else set()
+        return set(array_shapes({"params": saved["params"]})) if isinstance(saved, dict) and "params" in saved else set()
 
     def read_meta(self, step: int) -> dict:
         """The run metadata (seed, config, base, ...) saved with `step`; no array is read."""
@@ -366,7 +366,7 @@ class Checkpointer:
         self.verify(step)
         # orbax's partial restore hands back the abstract leaf of an array the checkpoint lacks: refuse instead.
         saved = self.saved_param_names(step)
-        missing = sorted(set(array_names({"params": abstract_params})) - saved) if saved else []
+        missing = sorted(set(array_shapes({"params": abstract_params})) - saved) if saved else []
         if missing:
             raise CheckpointError(f"checkpoint {self.directory / str(step)} holds no {', '.join(missing[:3])}"
                                   f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}: it is not "

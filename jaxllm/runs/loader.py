@@ -30,7 +30,7 @@ from jaxllm.model.transformer import Transformer
 from jaxllm.parallel.mesh import single_device_mesh
 from jaxllm.parallel.sharding import sharding_tree
 from jaxllm.runs import base_model
-from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, array_names, locate_checkpoints
+from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, array_shapes, locate_checkpoints
 
 
 def _fields(cls, values: dict) -> dict:
@@ -84,8 +84,8 @@ def _split_by_name(abstract, saved: set[str]):
 
 
 def array_name(path: tuple, variable) -> str:
-    """The name a checkpoint gives the parameter at nnx `path` (`jaxllm.runs.checkpoint.array_names`)."""
-    return next(iter(array_names({"params": nnx.from_flat_state([(path, variable)])})))
+    """The name a checkpoint gives the parameter at nnx `path` (`jaxllm.runs.checkpoint.array_shapes`)."""
+    return next(iter(array_shapes({"params": nnx.from_flat_state([(path, variable)])})))
 
 
 def _load_on_base(source: Checkpointer, step: int, meta: dict, model_cfg, precision, saved: set[str], mesh):
@@ -132,10 +132,10 @@ def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str 
         precision = PrecisionConfig(params=stored.params, compute=compute or stored.params, output="float32")
         saved = source.saved_param_names(step)
         with jax.set_mesh(mesh):
-            graphdef, abstract = _saved_model(config, model_cfg, precision, saved)
-            if saved and jax.tree.leaves(_split_by_name(abstract, saved)[1]):  # adapters: the rest is the base's
+            if base_model.holds_adapters(saved):  # adapters (and a new head): the rest is the base's
                 graphdef, params = _load_on_base(source, step, meta, model_cfg, precision, saved, mesh)
             else:
+                graphdef, abstract = _saved_model(config, model_cfg, precision, saved)
                 params = source.restore_params(step, abstract, mesh)
     finally:
         source.close()
