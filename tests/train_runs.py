@@ -179,7 +179,7 @@ def assert_serves_the_tools(workdir, tmp_path) -> None:
     """A LoRA run's checkpoint (any objective's) is usable: the loader behind generate.py, eval.py and
     convert_hf.py export gives its model with the trained adapters on its base, that model's merged export gives
     the same logits in transformers (1e-4), and `checkpoint.restore_from` locates it as a base whose parameters
-    are the merged ones."""
+    are the merged ones and whose fingerprint is that of its stored arrays."""
     import jax
     import numpy as np
     import torch
@@ -207,10 +207,17 @@ def assert_serves_the_tools(workdir, tmp_path) -> None:
     base = base_model.locate(str(workdir))
     assert base.kind == "jaxllm-lora", base
     merged = nnx.state(merge(model), nnx.Param)
-    seeded = load_base(base, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), merged),
-                       single_device_mesh())
+    seeded, identity = load_base(base, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), merged),
+                                 single_device_mesh())
     for a, b in zip(jax.tree.leaves(seeded), jax.tree.leaves(merged)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    # The base is fingerprinted by its stored arrays, not by the merge (whose last bits follow the compiler); a
+    # record of the merged values (runs before 2026-12-04) is the same base, any other fingerprint is not.
+    assert identity == base_model.fingerprint(loaded.params) != base_model.fingerprint(seeded)
+    merged_record = base.record(base_model.fingerprint(seeded))
+    assert base_model.accepted(merged_record, identity, seeded) == base.record(identity)
+    other = base.record("0" * 32)
+    assert base_model.accepted(other, identity, seeded) == other
 
 
 def assert_dry_run_plans_the_run(command: list[str], workdir) -> None:

@@ -17,7 +17,6 @@ import numpy as np
 from jaxllm.data.row_prep import PreparedRows
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.objectives import pair_eval
-from jaxllm.runs.base_model import fingerprint
 from jaxllm.runs.loader import load_base
 from jaxllm.train.recovery import free
 
@@ -31,8 +30,8 @@ def reference_logps(cfg, base, directory: Path, plain, sequence_logps, log) -> P
     mesh = make_mesh(cfg.mesh)
     abstract = jax.eval_shape(lambda: plain.split(plain.build_model(jax.random.key(0)))[1])
     with jax.set_mesh(mesh):
-        params = load_base(base, abstract, mesh)
-        out = Path(directory) / f"reference-{fingerprint(params)}"
+        params, identity = load_base(base, abstract, mesh)
+        out = Path(directory) / f"reference-{identity}"
         if not all((out / f"{split}.npy").is_file() for split in ("train", "eval")):
             log(f"computing reference log-probabilities of every pair with {base.path} (once, into {out})")
             out.mkdir(exist_ok=True)

@@ -10,7 +10,9 @@ fingerprint) in their metadata; a resume loads the base again and refuses one wh
 
 The fingerprint is a checksum of the bits of every base array: per leaf, a wrapping uint32 sum of each element's
 bit pattern times a hash of its position, combined with the leaf paths, shapes and dtypes by sha256. Integer sums
-are exact in any order, so the fingerprint is the same on every mesh and device count.
+are exact in any order, so the fingerprint is the same on every mesh and device count. A LoRA run's base is
+fingerprinted by its arrays as stored (its adapters and its own base's arrays), not by their merge, whose last bits
+follow the compiler.
 """
 
 from __future__ import annotations
@@ -136,6 +138,16 @@ def fingerprint(tree) -> str:
     for (path, leaf), checksum in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(sums)):
         digest.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype}:{int(checksum)};".encode())
     return digest.hexdigest()[:32]
+
+
+def accepted(recorded: dict | None, identity: str, loaded) -> dict | None:
+    """The base record a resume checks against: `recorded`, unless it holds the fingerprint of the `loaded`
+    arrays rather than the base's `identity` (`jaxllm.runs.loader.load_base`), as runs on a LoRA base recorded
+    before 2026-12-04: then it is the same base, and the record is read as the identity's."""
+    old = recorded and recorded.get("fingerprint") not in (None, identity)
+    if old and recorded["fingerprint"] == fingerprint(loaded):
+        return dict(recorded, fingerprint=identity)
+    return recorded
 
 
 def check_same_base(recorded: dict | None, current: dict) -> None:

@@ -98,8 +98,8 @@ def _load_on_base(source: Checkpointer, step: int, meta: dict, model_cfg, precis
     graphdef, abstract = _saved_model(meta["config"], model_cfg, precision, saved, base.rope_scaling)
     held, lacking = _split_by_name(abstract, saved)
     adapters = source.restore_params(step, held, mesh)
-    frozen = load_base(base, lacking, mesh)
-    base_model.check_same_base(record, base.record(base_model.fingerprint(frozen)))
+    frozen, identity = load_base(base, lacking, mesh)
+    base_model.check_same_base(base_model.accepted(record, identity, frozen), base.record(identity))
     return graphdef, nnx.merge_state(adapters, frozen)
 
 
@@ -143,21 +143,27 @@ def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str 
 
 
 def load_base(base: base_model.Base, abstract, mesh):
-    """The parameters of `base` as the tree `abstract` (ShapeDtypeStructs of nnx.Param variables: the plain
-    model's, or part of them), placed per the sharding rules on `mesh`."""
+    """(the parameters of `base` as the tree `abstract` (ShapeDtypeStructs of nnx.Param variables: the plain
+    model's, or part of them), placed per the sharding rules on `mesh`; the base's fingerprint).
+
+    The fingerprint is of the arrays as stored: a LoRA run's base is its adapters and its own base's arrays, not
+    their merge, whose last bits follow the compiler (its optimisation level, CPU or GPU) rather than the base."""
     if base.kind == "jaxllm":
         source = Checkpointer(base.path.parent, keep=1000, log=lambda *_: None)
         try:
-            return source.restore_params(base.step, abstract, mesh)
+            params = source.restore_params(base.step, abstract, mesh)
         finally:
             source.close()
+        return params, base_model.fingerprint(params)
     if base.kind == "jaxllm-lora":
         dtype = jnp.dtype(jax.tree.leaves(abstract)[0].dtype).name
         loaded = load_checkpoint(str(base.path), mesh=mesh, compute=dtype)
-        return _placed_like(nnx.state(merge(loaded.model), nnx.Param), abstract, mesh)
+        merged = _placed_like(nnx.state(merge(loaded.model), nnx.Param), abstract, mesh)
+        return merged, base_model.fingerprint(loaded.params)
     dtype = jax.tree.leaves(abstract)[0].dtype
     model = hf.from_pretrained(base.path, mesh=mesh, dtype=jnp.dtype(dtype).name)
-    return _placed_like(nnx.state(model, nnx.Param), abstract, mesh)
+    params = _placed_like(nnx.state(model, nnx.Param), abstract, mesh)
+    return params, base_model.fingerprint(params)
 
 
 def _placed_like(state, abstract, mesh):

@@ -19,7 +19,7 @@ from jaxllm.runs.checkpoint import CheckpointError, CheckpointMismatch, Checkpoi
 from jaxllm.config.schema import Config, ConfigError
 from jaxllm.optim.loss_scale import loss_scaling
 from jaxllm.train.anomaly import incident_kind
-from jaxllm.runs.base_model import check_same_base, fingerprint
+from jaxllm.runs.base_model import accepted, check_same_base
 from jaxllm.runs.loader import load_base
 from jaxllm.train.control import HOT_UPDATES
 from jaxllm.train.state import (init_frozen, init_objective_state, init_part, init_trainable_state, older_layout,
@@ -187,12 +187,12 @@ def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log,
     abstract_state, abstract_frozen = abstract
     base = objective.base
     if jax.tree.leaves(abstract_frozen):
-        frozen = load_base(base, abstract_frozen, mesh)
-        record = base.record(fingerprint(frozen))
+        frozen, identity = load_base(base, abstract_frozen, mesh)
+        record = base.record(identity)
         state = init_trainable_state(objective, tx, mesh, seed, window, offload, init_scale)
     else:
-        params = _base_and_fresh(objective, abstract_state.params, mesh, seed)
-        record = base.record(fingerprint(params[0]))
+        params, identity = _base_and_fresh(objective, abstract_state.params, mesh, seed)
+        record = base.record(identity)
         state = state_from_params(nnx.merge_state(*params), tx, state_shardings(abstract_state, mesh, offload), seed,
                                   window, init_scale)
         frozen = abstract_frozen
@@ -202,13 +202,16 @@ def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log,
 
 
 def _base_and_fresh(objective, abstract_params, mesh, seed: int):
-    """(the trainable variables the base provides, loaded; the `fresh` ones, initialised from the seed)."""
+    """((the trainable variables the base provides, loaded; the `fresh` ones, initialised from the seed), the
+    base's fingerprint)."""
     if objective.fresh is None:
-        return load_base(objective.base, abstract_params, mesh), nnx.State({})
+        loaded, identity = load_base(objective.base, abstract_params, mesh)
+        return (loaded, nnx.State({})), identity
     _, from_base = abstract_params.split(objective.fresh, ...)
     fresh = init_part(lambda key: objective.split(objective.build_model(key))[1].split(objective.fresh, ...)[0],
                        mesh, seed)
-    return load_base(objective.base, from_base, mesh), fresh
+    loaded, identity = load_base(objective.base, from_base, mesh)
+    return (loaded, fresh), identity
 
 
 def _frozen(objective, mesh, cfg: Config, abstract, recorded: dict | None):
@@ -222,9 +225,9 @@ def _frozen(objective, mesh, cfg: Config, abstract, recorded: dict | None):
             raise ConfigError("checkpoint.restore_from", f"this run's checkpoints were trained on the base "
                                                          f"{recorded['path']}: name it again to resume")
         return init_frozen(objective, mesh, cfg.train.seed), recorded  # never a second copy of what trains
-    frozen = load_base(objective.base, abstract_frozen, mesh)
-    record = objective.base.record(fingerprint(frozen))
-    check_same_base(recorded, record)
+    frozen, identity = load_base(objective.base, abstract_frozen, mesh)
+    record = objective.base.record(identity)
+    check_same_base(accepted(recorded, identity, frozen), record)
     return frozen, record
 
 
