@@ -36,7 +36,9 @@ def ppo_run(lora_run, rl_prompts, tmp_path_factory):
     proc = _run(lora_run, rl_prompts, workdir, "--config.train.steps=6", *NAN_AT_3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "critic: LoRA adapters and a value head on the policy's frozen base (shared, no second copy)" in proc.stdout
-    last = [line for line in proc.stdout.splitlines() if line.startswith("step      6/6")][-1]
+    finals = [line for line in proc.stdout.splitlines() if line.startswith("step      6/6")]
+    assert finals, proc.stdout[-3000:]
+    last = finals[-1]
     assert all(f" {name} " in last for name in ("score", "kl", "approx_kl", "value_loss")), last  # progress line
     return workdir
 

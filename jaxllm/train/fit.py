@@ -149,8 +149,17 @@ def check_run_setup(cfg: Config) -> None:
 
 
 def main_log(stream):
-    """`log(msg)`: a line to `stream` on process 0, nothing on the others."""
-    return (lambda msg: print(msg, file=stream, flush=True)) if jax.process_index() == 0 else (lambda msg: None)
+    """`log(msg)`: a line to `stream` on process 0, nothing on the others. Each line is one write, so a line
+    logged from another thread (an async checkpoint's) never lands inside another (print writes the text and its
+    newline apart)."""
+    if jax.process_index() != 0:
+        return lambda msg: None
+
+    def log(msg):
+        stream.write(f"{msg}\n")
+        stream.flush()
+
+    return log
 
 
 def fit(cfg: Config, objective: Objective, stream=sys.stdout) -> dict:
