@@ -79,7 +79,19 @@ def timed_steps(compiled, state, batch, frozen, steps: int):
     return (time.perf_counter() - start) / steps, state, metrics
 
 
-def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
+def profiled_steps(compiled, state, batch, frozen, directory: str, steps: int = 3):
+    """Trace `steps` more calls with jax.profiler into `directory` (a Perfetto trace beside TensorBoard's)."""
+    import jax
+
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        for _ in range(steps):
+            state, metrics = compiled(state, batch, frozen)
+        jax.block_until_ready(metrics)
+    return state
+
+
+def bare_step_throughput(cfg, steps: int, lora=None, profile_dir: str | None = None) -> dict:
+    """Figures of the bare step (see the module docstring); with `profile_dir`, 3 more steps are traced there."""
     from jaxllm.observe.metrics import mfu, peak_flops_per_device
     from jaxllm.model.transformer import train_flops_per_token
 
@@ -87,6 +99,8 @@ def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
     runner, state, batch, frozen, compile_s = prepared_step(cfg, lora)
     compiled = runner.compiled_for(batch)
     step_s, state, _ = timed_steps(compiled, state, batch, frozen, steps)
+    if profile_dir:
+        state = profiled_steps(compiled, state, batch, frozen, profile_dir)
     tokens_per_sec = tc.batch_size * tc.seq_len / step_s
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -97,6 +111,8 @@ def bare_step_throughput(cfg, steps: int, lora=None) -> dict:
         step_s=step_s,
         tokens_per_sec=tokens_per_sec,
         mfu=mfu(tokens_per_sec, train_flops_per_token(cfg.model, tc.seq_len), runner.mesh.size, peak),
+        causal_mfu=mfu(tokens_per_sec, train_flops_per_token(cfg.model, tc.seq_len, causal=True), runner.mesh.size,
+                       peak),
         argument_mb=memory.argument_size_in_bytes / 2**20,
         output_mb=memory.output_size_in_bytes / 2**20,
         temp_mb=memory.temp_size_in_bytes / 2**20,

@@ -34,7 +34,7 @@ def test_there_are_gpu_presets():
 def test_preset_validates_for_its_mesh_and_states_a_reason_for_every_flag(preset):
     cd = build_config(str(preset), [])
     cfg = validate(cd, cd.mesh.data * cd.mesh.fsdp * cd.mesh.tensor * cd.mesh.stage, num_processes=None)
-    assert cfg.xla_flags and cfg.precision.compute == "bfloat16" and cfg.model.preset.startswith("llama_")
+    assert cfg.precision.compute == "bfloat16" and cfg.model.preset.startswith("llama_")  # flags only if they help
     lines = preset.read_text().splitlines()
     in_file = {m.group(1): i for i, line in enumerate(lines) if (m := FLAG_LINE.match(line))}
     assert set(in_file) == set(cfg.xla_flags)
@@ -95,14 +95,16 @@ def test_train_dry_run_applies_the_flags_and_plans_on_cpu(preset):
     proc = subprocess.run([sys.executable, "scripts/train.py", "--config", str(preset), "--dry_run"], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    applied = next(line for line in proc.stdout.splitlines() if line.startswith("XLA_FLAGS="))
     flags = build_config(str(preset), []).xla_flags
-    assert all(f"--{name}=" in applied for name in flags), applied
+    applied = [line for line in proc.stdout.splitlines() if line.startswith("XLA_FLAGS=")]
+    assert len(applied) == (1 if flags else 0), proc.stdout
+    assert all(f"--{name}=" in applied[0] for name in flags), applied
     assert "H200 141 GB" in proc.stdout and "fits" in proc.stdout
 
 
 def test_train_names_the_flag_xla_rejects_in_one_line():
-    proc = subprocess.run([sys.executable, "scripts/train.py", "--config", str(PRESETS[0]), "--dry_run",
+    preset = next(p for p in PRESETS if "xla_gpu_enable_command_buffer" in build_config(str(p), []).xla_flags)
+    proc = subprocess.run([sys.executable, "scripts/train.py", "--config", str(preset), "--dry_run",
                            "--config.xla_flags.xla_gpu_enable_command_buffer=FUSIONS"], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
