@@ -8,6 +8,9 @@
 # `make pipeline`: the whole life of a model from nothing: prepare, pretrain, SFT, reward model, PPO (~31 min).
 # `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices) in
 #               TEST_WORKERS pytest-xdist processes (default 2), one test file per worker at a time.
+# `make docs`:  install the docs extra and build the documentation site (mkdocs.yml, docs/) strictly into build/site.
+# `make docs-check`: run every command block of the docs not marked as skipped (needs a GPU, a cluster or your own
+#               files); by hand, not in CI: it trains the shipped jobs on CPU (hours). tests/docs_check.py --list lists them.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +19,7 @@ SFT_TASK := build/data/sft_task
 PAIRS := build/data/preference
 CPU_DEVICES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=180" JAX_PLATFORMS=cpu
 
-.PHONY: install data train sft reward dpo grpo ppo pipeline test test-smoke bench clean
+.PHONY: install data train sft reward dpo grpo ppo pipeline test test-smoke bench docs docs-check clean
 
 install: $(VENV)/.installed
 
@@ -78,6 +81,16 @@ test-smoke: install
 
 bench: data
 	$(CPU_DEVICES) $(BIN)/python scripts/bench_step.py --config configs/pretrain.py $(ARGS)
+
+# The documentation site. The docs extra goes into the same venv; mkdocstrings reads jaxllm/ statically (griffe).
+docs: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+
+# Every command block of the docs pages, in nav order (tests/docs_check.py; ARGS=--list shows them, --page/--from
+# pick up after a failure). The token store is prepared first, as the pages assume.
+docs-check: data
+	$(BIN)/python tests/docs_check.py $(ARGS)
 
 clean:
 	rm -rf build runs

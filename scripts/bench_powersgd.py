@@ -19,7 +19,7 @@ together) inside the layer loop; an all-reduce of the fsdp-split float32 gradien
 Convergence (--converge): each run is `scripts/train.py` on configs/pretrain.py over (data=8) for --steps steps
 (300), `none` uncompressed, `R:S` PowerSGD at rank R from step S; the table gives each run's final held-out
 loss, its ratio to the uncompressed run's, and the HLO compression factor across data of the data8 job at rank
-R. Measured here, 300 steps each, one run per row (see the README's PowerSGD paragraph):
+R. Measured here, 300 steps each, one run per row (see docs/benchmarks.md, PowerSGD):
   rank  start  held-out loss  vs none  compression (data8)
      -      -         3.3468    1.000
      4     10         3.8456    1.149        39.5x

@@ -2,7 +2,7 @@
 
 A rule raises NotEvaluated when its evidence is missing (a field an older run does not log, a config value it
 needs, a device whose peak is unknown): the report lists it with the reason rather than guessing. Every number a
-rule compares against is a field of THRESHOLDS (documented in the README's Diagnostics section), calibrated on
+rule compares against is a field of THRESHOLDS (documented in docs/diagnostics.md, Diagnosis report), calibrated on
 real runs of the default job and its seeded pathologies (scripts/seeded_pathologies.py) where the fields exist,
 and on published magnitudes otherwise (noted per field).
 
@@ -25,7 +25,7 @@ CRITICAL, WARNING, INFO = "critical", "warning", "info"
 
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
-    """Every limit the rules compare against (README, Diagnostics, has the table with the reasons)."""
+    """Every limit the rules compare against (docs/diagnostics.md, Diagnosis report, has the table with the reasons)."""
 
     smooth_window: int = 5  # steps in the running median that removes batch noise from the loss
     min_steps: int = 10  # fewer step records: the loss rules are not evaluated
