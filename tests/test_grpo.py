@@ -13,7 +13,7 @@ from flax import nnx
 from jaxllm.config.schema import GRPOConfig, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.objectives.losses import grpo_loss
 from jaxllm.objectives.rollout import response_logps, sequence_layout
-from jaxllm.objectives.dpo import reference_model
+from jaxllm.model.reference import reference_model
 from jaxllm.objectives.grpo import grpo_loss_fn
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.model.build import build_model

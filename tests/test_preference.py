@@ -23,7 +23,8 @@ from jaxllm.model.lora import adapters_of
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.model.reward import RewardModel
 from jaxllm.optim.chain import make_optimizer
-from jaxllm.objectives.dpo import dpo_loss_fn, reference_model, sequence_logps
+from jaxllm.model.reference import reference_model
+from jaxllm.objectives.dpo import dpo_loss_fn, sequence_logps
 from jaxllm.train.fit import to_global
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.objectives.reward import pair_rewards, reward_loss, reward_model_objective

@@ -1,7 +1,7 @@
 """Direct preference optimisation as an objective: the policy is the base LM with fresh LoRA adapters (or all of
 it at lora.rank=0). The reference is, with `dpo.reference="shared"`, the same base with the adapters off: the
 frozen arrays themselves, merged into the plain model's graph, so it costs no second copy of the weights
-(`reference_model`); with "precomputed", the base's log-probabilities of every pair, computed once before
+(`jaxllm.model.reference`); with "precomputed", the base's log-probabilities of every pair, computed once before
 training and stored with the data (jaxllm/objectives/reference.py), read from the batch.
 
 A LoRA SFT run as the base is merged first (jaxllm/runs/base_model.py, kind "jaxllm-lora"): the merged SFT model
@@ -21,12 +21,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxllm.config.schema import Config, ConfigError, DPOConfig
 from jaxllm.data.tokenizer import load_tokenizer
-from jaxllm.model.actor_critic import VALUE
 from jaxllm.model.head import head_stats
+from jaxllm.model.reference import reference_model
 from jaxllm.objectives import pair_eval
 from jaxllm.objectives.losses import dpo_loss
 from jaxllm.objectives.pairs import masked_mean, pair_mask, per_sequence_sums
@@ -35,12 +34,6 @@ from jaxllm.train.objective import Objective
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.objectives.reference import FIELD, reference_logps
 from jaxllm.objectives.reward import held_out_rows, load_pairs
-
-
-def reference_model(model, plain_graphdef):
-    """The model with its adapters off: its non-adapter variables (the same arrays) in the plain model's graph
-    (a PPO actor-critic's critic left out)."""
-    return nnx.merge(plain_graphdef, nnx.state(model, nnx.All(nnx.Not(nnx.LoRAParam), nnx.Not(VALUE))))
 
 
 def sequence_logps(model, batch, pairs_per_row: int, rng=None):
@@ -78,10 +71,10 @@ def dpo_loss_fn(model, batch, rng=None, *, plain_graphdef, pairs_per_row: int, d
     return jnp.sum(losses * mask), jnp.sum(mask), metrics
 
 
-def dpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
+def dpo_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
     """(cfg with the base's architecture, the DPO objective), preparing the pairs (and, precomputed, the
     reference log-probabilities) first."""
-    cfg, base, directory, manifest = load_pairs(cfg, num_devices, log)
+    cfg, base, directory, manifest = load_pairs(cfg, log)
     if base is None:
         raise ConfigError("checkpoint.restore_from", "DPO starts from a model, its reference: name a jaxllm run or "
                                                      "a Hugging Face model directory")

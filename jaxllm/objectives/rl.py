@@ -38,8 +38,8 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.observe.metrics import JsonlWriter
 from jaxllm.objectives import reward_fns as rewards
 from jaxllm.objectives.rollout import response_logps, rollout, sequence_layout
+from jaxllm.model.reference import reference_model
 from jaxllm.model.sample import left_pad
-from jaxllm.objectives.dpo import reference_model
 from jaxllm.objectives.finetune import data_errors, locate_base, tokenizer_path
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.objectives.pretrain import lm_objective
@@ -285,10 +285,10 @@ class RLSetup:
     report: object
 
 
-def rl_setup(cfg: Config, num_devices: int, section: str, log, build_policy=lm_objective) -> RLSetup:
+def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSetup:
     """Locate the base, resolve the reward, read the prompts and build the sampler of `cfg.<section>`;
     `build_policy(model, precision, pipeline, lora, rope_scaling=..., sequence_parallel=...)` gives the policy's objective."""
-    cfg, base = locate_base(cfg, num_devices, section)
+    cfg, base = locate_base(cfg, section)
     if base is None:
         raise ConfigError("checkpoint.restore_from", f"{section.upper()} starts from a model, its reference: name "
                                                      "a jaxllm run or a Hugging Face model directory")
