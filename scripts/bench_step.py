@@ -200,8 +200,7 @@ def main(argv):
             from jaxllm.runs import base_model
 
             if cfg.checkpoint.restore_from:
-                cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from),
-                                                    jax.device_count())
+                cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from))
             return lora_vs_full(cfg, args.steps)
         from jaxllm.objectives.pretrain import open_data
 

@@ -87,7 +87,7 @@ def main(argv):
         from jaxllm.objectives.registry import planned_config
 
         try:
-            cfg = planned_config(cfg, num_devices)
+            cfg = planned_config(cfg)
         except ConfigError as exc:
             fail(str(exc))
     if args.dry_run or args.print_comms:  # plans of the step as it will run: "auto" settings chosen first

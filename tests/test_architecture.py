@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.config.schema import OBJECTIVES
+from jaxllm.config.schema import OBJECTIVE_CHECKS, OBJECTIVES
 from jaxllm.objectives.registry import OBJECTIVES as REGISTERED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,5 +34,5 @@ def test_no_module_imports_a_private_name_of_another():
 
 
 @pytest.mark.smoke
-def test_every_objective_the_config_accepts_is_registered():
-    assert set(REGISTERED) == set(OBJECTIVES)
+def test_every_objective_the_config_accepts_is_registered_and_checks_its_sections():
+    assert set(REGISTERED) == set(OBJECTIVES) == set(OBJECTIVE_CHECKS)

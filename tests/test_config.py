@@ -182,7 +182,7 @@ def test_overrides_take_the_field_type(key, text, want):
 
 
 def test_free_form_xla_flags_keep_the_type_they_replace():
-    cd = load_config_file(str(ROOT / "configs" / "gpu" / "llama_1b_h200.py"))
+    cd = load_config_file(str(ROOT / "configs" / "gpu" / "llama_8b_h100x8.py"))
     apply_override(cd, "xla_flags.xla_gpu_enable_triton_gemm", "true")
     apply_override(cd, "xla_flags.xla_gpu_enable_command_buffer", "FUSION")
     assert cd.xla_flags.xla_gpu_enable_triton_gemm is True and cd.xla_flags.xla_gpu_enable_command_buffer == "FUSION"
@@ -230,3 +230,22 @@ def test_one_parser_for_training_and_data_prep(tmp_path, capsys):
                       "error: clean.min_words: expected an integer, got '12.5'\n",
                       "error: clean.min_words: expected an integer, got 12.5\n"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_base_architecture_is_adopted_and_checked_against_the_mesh_without_a_second_validation():
+    from jaxllm.config.schema import default_config_dict
+    from jaxllm.runs.base_model import ARCHITECTURE, Base, adopt_architecture
+
+    cd = default_config_dict()
+    cd.mesh.update(data=2, fsdp=2, tensor=2, stage=1)
+    cfg = validate(cd, 8)
+    shape = {k: getattr(cfg.model, k) for k in ARCHITECTURE}
+    fits = Base("jaxllm", Path("/base/7"), 7, dict(shape, num_heads=8, num_kv_heads=4, dim=512), None)
+    adopted = adopt_architecture(cfg, fits)
+    assert (adopted.model.num_heads, adopted.model.dim) == (8, 512) and adopted.model.remat == cfg.model.remat
+    odd_heads = Base("jaxllm", Path("/base/7"), 7, dict(shape, num_heads=3, num_kv_heads=3), None)
+    with pytest.raises(ConfigError) as info:
+        adopt_architecture(cfg, odd_heads)
+    assert info.value.key == "model.num_heads"
+    assert str(info.value) == ("model.num_heads: 3 heads are not divisible by mesh.tensor=2 (with the architecture "
+                               "of the base /base/7)")

@@ -151,8 +151,9 @@ def test_fp8_trains_close_to_float32(runs):
     (PrecisionConfig(quant="int4"), "precision.quant: 'int4' is not one of"),
 ])
 def test_bad_quant_is_a_config_error(precision, message):
-    from jaxllm.config.schema import _check_quant
+    from jaxllm.config.schema import check_quant_backend
 
     with pytest.raises(ConfigError) as info:
-        _check_quant(precision)
+        precision.check()
+        check_quant_backend(precision)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)

@@ -239,7 +239,7 @@ def assert_dry_run_plans_the_run(command: list[str], workdir) -> None:
 
     args, overrides = split_overrides(command[2:])  # after python and scripts/train.py
     cd = build_config(args[args.index("--config") + 1], overrides, args[args.index("--workdir") + 1])
-    cfg = planned_config(validate(cd, jax.device_count(), check_batch=False), jax.device_count())
+    cfg = planned_config(validate(cd, jax.device_count(), check_batch=False))
     plan = memory_plan(cfg, compiled=False)
     source = Checkpointer(Path(workdir) / "checkpoints", keep=1000, log=lambda *_: None)
     try:

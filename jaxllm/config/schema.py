@@ -1,5 +1,8 @@
 """Typed configuration: the ConfigDict from `configs/*.py` is validated once into frozen dataclasses.
 
+Each section checks its own fields in its `check()`, next to them; `check_across` holds the checks that tie
+sections together (the model and the batch against the mesh, ...), `OBJECTIVE_CHECKS` the sections of the
+objective that trains, and `probe_environment` what lies outside the config (files, packages, the backend).
 Every check names the key it rejects (`mesh.tensor: ...`), so scripts can print one line and exit 2.
 Functions downstream take only their own sub-config (`ModelConfig`, `OptimConfig`, ...).
 """
@@ -123,6 +126,32 @@ class ModelConfig:
     scan_layers: bool = True
     preset: str = ""
 
+    def check(self) -> None:
+        """This section's fields, alone and together (the mesh, precision and pipeline: `check_across`)."""
+        for key in ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+            _positive(f"model.{key}", getattr(self, key))
+        if self.vocab_size != AUTO_VOCAB:
+            _positive("model.vocab_size", self.vocab_size)
+        _positive("model.rope_theta", self.rope_theta)
+        _positive("model.norm_eps", self.norm_eps)
+        _choice("model.remat", self.remat, REMAT_POLICIES + (AUTO_REMAT,))
+        _choice("model.remat_offload", self.remat_offload, OFFLOADS)
+        if self.remat_offload == "host" and self.remat == AUTO_REMAT:
+            raise ConfigError("model.remat_offload", "'host' offloads what a named model.remat policy saves, and "
+                                                     "model.remat=auto may choose none or full: name the policy")
+        if self.remat_offload == "host" and self.remat in ("none", "full"):
+            raise ConfigError("model.remat_offload", f"'host' offloads what model.remat saves by name, and "
+                                                     f"model.remat={self.remat!r} saves nothing to offload (use "
+                                                     f"save_dots, minimal_with_context or save_qkv_proj)")
+        if self.loss_chunk < 0:
+            raise ConfigError("model.loss_chunk", f"must be >= 0 (0: no chunking), got {self.loss_chunk}")
+        _choice("model.attention", self.attention, ATTENTION_IMPLS)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("model.num_kv_heads", f"{self.num_kv_heads} must divide model.num_heads="
+                                                    f"{self.num_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ConfigError("model.head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
+
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
@@ -138,6 +167,20 @@ class PrecisionConfig:
     loss_scale_growth_interval: int = 2000
     # Quantised weight matmuls in training: "none", "int8" (qwix, forward and backward; jaxllm/model/quant.py), "fp8".
     quant: str = "none"
+
+    def check(self) -> None:
+        """The dtypes and the quantisation mode, and that they work together (the loss scale: `check_loss_scale`;
+        fp8's backend: `check_quant_backend`)."""
+        for key in ("params", "compute", "output"):
+            _choice(f"precision.{key}", getattr(self, key), DTYPES)
+        _choice("precision.quant", self.quant, QUANT_MODES)
+        if self.quant != "none" and self.compute == "float16":
+            # Measured (qwix 0.1.8, CPU, the default job's first step, loss scaling off): with float16 operands
+            # the int8 backward dots give a gradient norm of 0.73 where float32, int8 in float32 and plain float16
+            # give 3.21; the fp8 backward dots return float32 gradients for float16 operands, which the step
+            # cannot even trace.
+            raise ConfigError("precision.quant", f"{self.quant} needs precision.compute float32 or bfloat16 (with "
+                                                 f"float16 its backward dots give wrong gradients)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +211,27 @@ class OptimConfig:
     grad_compression: str = "none"
     powersgd_rank: int = 4
     powersgd_start_step: int = 100
+
+    def check(self) -> None:
+        """This section's fields (PowerSGD against the mesh: `check_across`)."""
+        _choice("optim.name", self.name, OPTIMIZERS)
+        _choice("optim.schedule", self.schedule, SCHEDULES)
+        _choice("optim.offload", self.offload, OFFLOADS)
+        _positive("optim.lr", self.lr)
+        if self.grad_accum != AUTO_GRAD_ACCUM:
+            _positive("optim.grad_accum", self.grad_accum)
+        if self.warmup_steps < 0:
+            raise ConfigError("optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError("optim.decay_fraction", f"must be in [0, 1], got {self.decay_fraction}")
+        if self.clip_norm < 0:
+            raise ConfigError("optim.clip_norm", f"must be >= 0 (0 disables clipping), got {self.clip_norm}")
+        _choice("optim.grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
+        _positive("optim.powersgd_rank", self.powersgd_rank)
+        if self.powersgd_start_step < 0:
+            raise ConfigError("optim.powersgd_start_step", f"must be >= 0, got {self.powersgd_start_step}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +266,23 @@ class TrainConfig:
     memory_budget_gb: float = 0.0
     memory_fraction: float = 0.9
 
+    def check(self) -> None:
+        """This section's fields (the batch against the mesh: `check_across`)."""
+        if self.memory_budget_gb < 0:
+            raise ConfigError("train.memory_budget_gb", f"must be >= 0 (0: the device's own limit), got "
+                                                        f"{self.memory_budget_gb}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ConfigError("train.memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
+        for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every"):
+            _positive(f"train.{key}", getattr(self, key))
+        if self.eval_batches < 0:
+            raise ConfigError("train.eval_batches", f"must be >= 0, got {self.eval_batches}")
+        _choice("train.on_anomaly", self.on_anomaly, ANOMALY_POLICIES)
+        if not self.hang_timeout_s >= 0:
+            raise ConfigError("train.hang_timeout_s", f"must be >= 0 (0: no hang watchdog), got "
+                                                      f"{self.hang_timeout_s}")
+        _choice("train.objective", self.objective, OBJECTIVES)
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -209,6 +290,10 @@ class DataConfig:
 
     path: str = "build/data/shakespeare"
     num_workers: int = 0
+
+    def check(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError("data.num_workers", f"must be >= 0, got {self.num_workers}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +308,13 @@ class CheckpointConfig:
     async_save: bool = True
     restore_from: str = ""
     restore_all: bool = False
+
+    def check(self) -> None:
+        """This section's fields (whether `restore_from` exists: `probe_environment`)."""
+        _positive("checkpoint.every", self.every)
+        _positive("checkpoint.keep", self.keep)
+        if self.keep_every < 0:
+            raise ConfigError("checkpoint.keep_every", f"must be >= 0, got {self.keep_every}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +337,18 @@ class AnomalyConfig:
     act_on_loss_spike: bool = True
     lr_factor: float = 0.5
     max_rollbacks: int = 3
+
+    def check(self) -> None:
+        _positive("anomaly.window", self.window)
+        _positive("anomaly.z", self.z)
+        _positive("anomaly.grad_z", self.grad_z)
+        for key in ("loss_ratio", "grad_ratio"):
+            if not getattr(self, key) >= 1.0:
+                raise ConfigError(f"anomaly.{key}", f"must be >= 1, got {getattr(self, key)}")
+        if not 0.0 < self.lr_factor <= 1.0:
+            raise ConfigError("anomaly.lr_factor", f"must be in (0, 1], got {self.lr_factor}")
+        if self.max_rollbacks < 0:
+            raise ConfigError("anomaly.max_rollbacks", f"must be >= 0, got {self.max_rollbacks}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +375,13 @@ class DebugConfig:
     data_sleep_s: float = 0.0
     emulate_fp8: bool = False
 
+    def check(self) -> None:
+        """This section's fields (`zero_layer` against the model, `hold_at_step` against the processes:
+        `check_across`)."""
+        _positive("debug.stall_s", self.stall_s)
+        if not self.data_sleep_s >= 0:
+            raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {self.data_sleep_s}")
+
 
 @dataclasses.dataclass(frozen=True)
 class DiagnosticsConfig:
@@ -280,6 +391,10 @@ class DiagnosticsConfig:
     records of metrics.jsonl). The production step is the same program whatever `every` is."""
 
     every: int = 50
+
+    def check(self) -> None:
+        if self.every < 0:
+            raise ConfigError("diagnostics.every", f"must be >= 0 (0: off), got {self.every}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +417,11 @@ class ProfileConfig:
 
     start_step: int = 0
     steps: int = 3
+
+    def check(self) -> None:
+        if self.start_step < 0:
+            raise ConfigError("profile.start_step", f"must be >= 0 (0: no trace), got {self.start_step}")
+        _positive("profile.steps", self.steps)
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -327,6 +447,18 @@ class LoRAConfig:
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
+    def check(self) -> None:
+        if self.rank < 0:
+            raise ConfigError("lora.rank", f"must be >= 0 (0: full fine-tuning), got {self.rank}")
+        if self.rank and self.alpha <= 0:
+            raise ConfigError("lora.alpha", f"must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        unknown = [t for t in self.target_list if t not in LORA_TARGETS]
+        if unknown or (self.rank and not self.target_list):
+            raise ConfigError("lora.targets", f"expected a comma-separated subset of {','.join(LORA_TARGETS)}, "
+                                              f"got {self.targets!r}")
+
 
 ANOMALY_POLICIES = ("rollback", "skip", "abort")
 
@@ -342,6 +474,15 @@ class FineTuningData:
     template: str = "alpaca"
     overlong: str = "truncate"
     tokenizer: str = ""
+
+    def check_data(self, section: str, what: str) -> None:
+        """The data fields, for the config section `section` of `what` (examples, preference pairs)."""
+        if not self.train_file:  # the files themselves are opened when the run starts (a dry run needs none)
+            raise ConfigError(f"{section}.train_file", f"must name a JSON-lines file of {what}")
+        if not self.eval_file and not 0.0 < self.eval_fraction < 1.0:
+            raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
+        _choice(f"{section}.template", self.template, SFT_TEMPLATES)
+        _choice(f"{section}.overlong", self.overlong, OVERLONG_RULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +502,12 @@ class SFTConfig(FineTuningData):
     eval_examples: int = 200
     max_new_tokens: int = 32
 
+    def check(self) -> None:
+        self.check_data("sft", "examples")
+        if self.eval_examples < 0:
+            raise ConfigError("sft.eval_examples", f"must be >= 0, got {self.eval_examples}")
+        _positive("sft.max_new_tokens", self.max_new_tokens)
+
 
 @dataclasses.dataclass(frozen=True)
 class PreferenceConfig(FineTuningData):
@@ -376,6 +523,12 @@ class PreferenceConfig(FineTuningData):
 
     pairs_per_row: int = 4
     eval_pairs: int = 0
+
+    def check(self) -> None:
+        self.check_data("preference", "preference pairs")
+        _positive("preference.pairs_per_row", self.pairs_per_row)
+        if self.eval_pairs < 0:
+            raise ConfigError("preference.eval_pairs", f"must be >= 0 (0: all), got {self.eval_pairs}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,6 +552,17 @@ class DPOConfig:
     loss: str = "sigmoid"
     label_smoothing: float = 0.0
     reference: str = "shared"
+
+    def check(self, lora: LoRAConfig) -> None:
+        """This section's fields, and the reference against the adapters `lora` trains."""
+        _positive("dpo.beta", self.beta)
+        _choice("dpo.loss", self.loss, DPO_LOSSES)
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError("dpo.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
+        _choice("dpo.reference", self.reference, DPO_REFERENCES)
+        if self.reference == "shared" and not lora.rank:
+            raise ConfigError("dpo.reference", "'shared' (the base with adapters off) needs LoRA adapters "
+                                               "(lora.rank > 0)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,6 +596,30 @@ class RolloutConfig:
     samples_every: int = 10
     samples: int = 3
 
+    def check_rollout(self, section: str, lora: LoRAConfig, batch_size: int, rows: int) -> None:
+        """The checks PPO and GRPO share, for config section `section`; `rows` are an iteration's responses,
+        trained in minibatches of `batch_size`, with the adapters of `lora` (whether an rm: reward exists:
+        `probe_environment`)."""
+        if not self.train_file:
+            raise ConfigError(f"{section}.train_file", "must name a JSON-lines file of prompts")
+        if not self.eval_file and not 0.0 < self.eval_fraction < 1.0:
+            raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
+        _choice(f"{section}.template", self.template, SFT_TEMPLATES)
+        kind, _, name = self.reward.partition(":")
+        if kind not in ("fn", "rm") or not name:
+            raise ConfigError(f"{section}.reward", f"expected fn:<name> (jaxllm/objectives/reward_fns.py) or "
+                                                   f"rm:<reward-model checkpoint>, got {self.reward!r}")
+        for key in ("max_prompt_tokens", "max_new_tokens", "prompts_per_iteration", "epochs", "temperature", "clip"):
+            _positive(f"{section}.{key}", getattr(self, key))
+        if rows % batch_size:
+            raise ConfigError("train.batch_size", f"{batch_size} does not divide an iteration's {rows} responses")
+        if not lora.rank:
+            raise ConfigError("lora.rank", f"{section.upper()} trains LoRA adapters (its reference is the base with "
+                                           "adapters off); full fine-tuning is not supported yet")
+        for key in ("eval_prompts", "samples_every", "samples"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{section}.{key}", f"must be >= 0, got {getattr(self, key)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(RolloutConfig):
@@ -444,6 +632,15 @@ class GRPOConfig(RolloutConfig):
     num_generations: int = 4
     beta: float = 0.04
     loss_agg: str = "dapo"
+
+    def check(self, lora: LoRAConfig, batch_size: int) -> None:
+        if self.num_generations < 2:
+            raise ConfigError("grpo.num_generations", f"must be >= 2 (advantages compare a group), got "
+                                                      f"{self.num_generations}")
+        self.check_rollout("grpo", lora, batch_size, self.prompts_per_iteration * self.num_generations)
+        if self.beta < 0:
+            raise ConfigError("grpo.beta", f"must be >= 0, got {self.beta}")
+        _choice("grpo.loss_agg", self.loss_agg, GRPO_LOSS_AGGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,6 +669,18 @@ class PPOConfig(RolloutConfig):
     missing_eos_penalty: float = 0.0
     max_approx_kl: float = 0.0
 
+    def check(self, lora: LoRAConfig, batch_size: int) -> None:
+        self.check_rollout("ppo", lora, batch_size, self.prompts_per_iteration)
+        _choice("ppo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        for key in ("kl_coef", "target_kl", "vf_coef", "entropy_coef", "missing_eos_penalty", "max_approx_kl"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"ppo.{key}", f"must be >= 0, got {getattr(self, key)}")
+        for key in ("kl_horizon", "value_clip"):
+            _positive(f"ppo.{key}", getattr(self, key))
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"ppo.{key}", f"must be in [0, 1], got {getattr(self, key)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
@@ -482,6 +691,11 @@ class PipelineConfig:
 
     microbatches: int = 1
     repeats: int = 1
+
+    def check(self) -> None:
+        """This section's fields (the schedule against the mesh and the model: `check_across`)."""
+        _positive("pipeline.microbatches", self.microbatches)
+        _positive("pipeline.repeats", self.repeats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,9 +826,24 @@ def resolve_dcn(mesh: MeshConfig, num_processes: int) -> MeshConfig:
     return dataclasses.replace(mesh, **{f"dcn_{a}": d for a, d in dcn.items()})
 
 
+SECTIONS_CHECKED_ALONE = ("model", "optim", "train", "data", "pipeline", "checkpoint", "anomaly", "debug",
+                          "diagnostics", "profile", "lora")  # each section's own check(); precision's is validate's
+# The sections each objective reads besides the core ones, checked only when it trains (they need the LoRA
+# section and the batch size). jaxllm.objectives.registry names the objectives; tests hold the two to agree.
+OBJECTIVE_CHECKS = {
+    "pretrain": lambda cfg: None,
+    "sft": lambda cfg: cfg.sft.check(),
+    "reward": lambda cfg: cfg.preference.check(),
+    "dpo": lambda cfg: (cfg.preference.check(), cfg.dpo.check(cfg.lora)),
+    "grpo": lambda cfg: cfg.grpo.check(cfg.lora, cfg.train.batch_size),
+    "ppo": lambda cfg: cfg.ppo.check(cfg.lora, cfg.train.batch_size),
+}
+
+
 def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool = True,
              num_processes: int | None = 1) -> Config:
-    """Turn a ConfigDict into a typed `Config`, raising `ConfigError` on the first problem.
+    """Turn a ConfigDict into a typed `Config`, raising `ConfigError` on the first problem: each section's own
+    `check()`, then `check_across` the sections, the objective's sections, and `probe_environment`.
 
     `num_devices` is the device count the mesh must cover (for a dry run: the hypothetical cluster), spread over
     `num_processes` processes (None: do not lay the mesh out over hosts, as in a dry run).
@@ -627,163 +856,111 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     precision = cfg.precision
     if precision.compute == "auto":  # resolved here, so everything downstream sees a real dtype
         precision = dataclasses.replace(precision, compute=resolve_compute()[0])
-    model, optim, train, data, pipeline = cfg.model, cfg.optim, cfg.train, cfg.data, cfg.pipeline
-    checkpoint, anomaly, debug, lora = cfg.checkpoint, cfg.anomaly, cfg.debug, cfg.lora
-    sft, preference, dpo, grpo, ppo = cfg.sft, cfg.preference, cfg.dpo, cfg.grpo, cfg.ppo
+    for name in SECTIONS_CHECKED_ALONE:
+        getattr(cfg, name).check()
+    precision.check()
+    precision = dataclasses.replace(precision, loss_scale=check_loss_scale(precision))
+    if not str(cd.get("workdir", "")):
+        raise ConfigError("workdir", "must not be empty")
+    cfg = dataclasses.replace(cfg, mesh=mesh, precision=precision, xla_flags=_xla_flags(cfg.xla_flags))
+    check_across(cfg, check_batch, num_processes)
+    OBJECTIVE_CHECKS[cfg.train.objective](cfg)
+    probe_environment(cfg)
+    return cfg
 
-    for key in ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
-        _positive(f"model.{key}", getattr(model, key))
-    if model.vocab_size != AUTO_VOCAB:
-        _positive("model.vocab_size", model.vocab_size)
-    _positive("model.rope_theta", model.rope_theta)
-    _positive("model.norm_eps", model.norm_eps)
-    _choice("model.remat", model.remat, REMAT_POLICIES + (AUTO_REMAT,))
-    _choice("model.remat_offload", model.remat_offload, OFFLOADS)
-    if model.remat_offload == "host" and model.remat == AUTO_REMAT:
-        raise ConfigError("model.remat_offload", "'host' offloads what a named model.remat policy saves, and "
-                                                 "model.remat=auto may choose none or full: name the policy")
-    if model.remat_offload == "host" and model.remat in ("none", "full"):
-        raise ConfigError("model.remat_offload", f"'host' offloads what model.remat saves by name, and "
-                                                 f"model.remat={model.remat!r} saves nothing to offload (use "
-                                                 f"save_dots, minimal_with_context or save_qkv_proj)")
-    if model.loss_chunk < 0:
-        raise ConfigError("model.loss_chunk", f"must be >= 0 (0: no chunking), got {model.loss_chunk}")
-    _choice("model.attention", model.attention, ATTENTION_IMPLS)
-    if model.attention == "cudnn" and precision.compute not in ("bfloat16", "float16"):
+
+def check_across(cfg: Config, check_batch: bool = True, num_processes: int | None = 1) -> None:
+    """The checks that tie sections together: the model and the sequence against the mesh and the pipeline, the
+    batch against the mesh, accumulation and micro-batches, attention against the compute dtype, PowerSGD against
+    the mesh, and the debug faults against the model and the processes."""
+    model, mesh, pipeline, train, optim, debug = cfg.model, cfg.mesh, cfg.pipeline, cfg.train, cfg.optim, cfg.debug
+    if model.attention == "cudnn" and cfg.precision.compute not in ("bfloat16", "float16"):
         raise ConfigError("model.attention", f"'cudnn' needs precision.compute bfloat16 or float16, got "
-                                             f"{precision.compute!r}")
-    if model.num_heads % model.num_kv_heads:
-        raise ConfigError(
-            "model.num_kv_heads", f"{model.num_kv_heads} must divide model.num_heads={model.num_heads} (grouped-query attention)"
-        )
+                                             f"{cfg.precision.compute!r}")
+    _check_model_on_mesh(model, mesh, train.seq_len)
+    if model.num_layers % (mesh.stage * pipeline.repeats):
+        raise ConfigError("model.num_layers", f"{model.num_layers} layers are not divisible by "
+                                              f"mesh.stage*pipeline.repeats={mesh.stage * pipeline.repeats}")
+    if mesh.stage > 1 and pipeline.microbatches < mesh.stage:
+        raise ConfigError("pipeline.microbatches", f"{pipeline.microbatches} micro-batches cannot fill {mesh.stage} "
+                                                   f"stages (need at least mesh.stage)")
+    _check_compression(optim, mesh)
+    _check_batch(train.batch_size, mesh, optim.grad_accum, pipeline.microbatches, check_batch)
+    if not -1 <= debug.zero_layer < model.num_layers:
+        raise ConfigError("debug.zero_layer", f"must be -1 (off) or a layer index below model.num_layers="
+                                              f"{model.num_layers}, got {debug.zero_layer}")
+    if debug.hold_at_step and num_processes is not None and num_processes > 1:
+        raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
+
+
+def _check_model_on_mesh(model: ModelConfig, mesh: MeshConfig, seq_len: int) -> None:
+    """Heads, MLP, vocabulary and sequence split over `tensor`, the model dimension over `fsdp`."""
     if model.num_heads % mesh.tensor:
         raise ConfigError("model.num_heads", f"{model.num_heads} heads are not divisible by mesh.tensor={mesh.tensor}")
     if model.num_kv_heads % mesh.tensor:
-        raise ConfigError(
-            "model.num_kv_heads", f"{model.num_kv_heads} kv heads are not divisible by mesh.tensor={mesh.tensor}"
-        )
+        raise ConfigError("model.num_kv_heads", f"{model.num_kv_heads} kv heads are not divisible by "
+                                                f"mesh.tensor={mesh.tensor}")
     if model.mlp_dim % mesh.tensor:
         raise ConfigError("model.mlp_dim", f"{model.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}")
-    if mesh.sequence_parallel and train.seq_len % mesh.tensor:
+    if mesh.sequence_parallel and seq_len % mesh.tensor:
         raise ConfigError("mesh.sequence_parallel", f"splits the sequence over mesh.tensor={mesh.tensor}, which does "
-                                                    f"not divide train.seq_len={train.seq_len}")
+                                                    f"not divide train.seq_len={seq_len}")
     if model.vocab_size % mesh.tensor:  # else embeddings and the head would silently stay whole on every device
         raise ConfigError("model.vocab_size", f"{model.vocab_size} is not divisible by mesh.tensor={mesh.tensor} "
                                               "(pad it, or use model.vocab_size=auto)")
     if model.dim % mesh.fsdp:
         raise ConfigError("model.dim", f"{model.dim} is not divisible by mesh.fsdp={mesh.fsdp}")
-    _positive("pipeline.microbatches", pipeline.microbatches)
-    _positive("pipeline.repeats", pipeline.repeats)
-    if model.num_layers % (mesh.stage * pipeline.repeats):
-        raise ConfigError(
-            "model.num_layers",
-            f"{model.num_layers} layers are not divisible by mesh.stage*pipeline.repeats={mesh.stage * pipeline.repeats}",
-        )
-    if mesh.stage > 1 and pipeline.microbatches < mesh.stage:
-        raise ConfigError(
-            "pipeline.microbatches",
-            f"{pipeline.microbatches} micro-batches cannot fill {mesh.stage} stages (need at least mesh.stage)",
-        )
-    if model.head_dim % 2:
-        raise ConfigError("model.head_dim", f"must be even for rotary embeddings, got {model.head_dim}")
 
-    for key in ("params", "compute", "output"):
-        _choice(f"precision.{key}", getattr(precision, key), DTYPES)
-    precision = dataclasses.replace(precision, loss_scale=check_loss_scale(precision))
-    _check_quant(precision, debug.emulate_fp8)
 
-    _choice("optim.name", optim.name, OPTIMIZERS)
-    _choice("optim.schedule", optim.schedule, SCHEDULES)
-    _choice("optim.offload", optim.offload, OFFLOADS)
-    _positive("optim.lr", optim.lr)
-    if optim.grad_accum != AUTO_GRAD_ACCUM:
-        _positive("optim.grad_accum", optim.grad_accum)
-    if train.memory_budget_gb < 0:
-        raise ConfigError("train.memory_budget_gb", f"must be >= 0 (0: the device's own limit), got "
-                                                    f"{train.memory_budget_gb}")
-    if not 0.0 < train.memory_fraction <= 1.0:
-        raise ConfigError("train.memory_fraction", f"must be in (0, 1], got {train.memory_fraction}")
-    if optim.warmup_steps < 0:
-        raise ConfigError("optim.warmup_steps", f"must be >= 0, got {optim.warmup_steps}")
-    if not 0.0 <= optim.min_lr_ratio <= 1.0:
-        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {optim.min_lr_ratio}")
-    if not 0.0 <= optim.decay_fraction <= 1.0:
-        raise ConfigError("optim.decay_fraction", f"must be in [0, 1], got {optim.decay_fraction}")
-    if optim.clip_norm < 0:
-        raise ConfigError("optim.clip_norm", f"must be >= 0 (0 disables clipping), got {optim.clip_norm}")
-    _check_compression(optim, mesh)
+def _check_compression(optim: OptimConfig, mesh: MeshConfig) -> None:
+    if optim.grad_compression != "powersgd":
+        return
+    if mesh.data == 1:
+        raise ConfigError("optim.grad_compression", "powersgd compresses gradients across mesh.data, which is 1: "
+                                                    "nothing to compress (use none)")
+    if mesh.stage > 1:
+        raise ConfigError("optim.grad_compression", f"powersgd does not support pipeline stages (mesh.stage="
+                                                    f"{mesh.stage}); use mesh.stage=1 or none")
 
-    for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every"):
-        _positive(f"train.{key}", getattr(train, key))
-    if train.eval_batches < 0:
-        raise ConfigError("train.eval_batches", f"must be >= 0, got {train.eval_batches}")
+
+def _check_batch(batch_size: int, mesh: MeshConfig, grad_accum: int, microbatches: int, check_batch: bool) -> None:
+    """The batch splits over the batch-sharded axes, into accumulation and pipeline micro-batches."""
     batch_shards = mesh.data * mesh.fsdp if check_batch else 1
-    if train.batch_size % batch_shards:
-        raise ConfigError(
-            "train.batch_size",
-            f"{train.batch_size} is not divisible by mesh.data*mesh.fsdp={batch_shards}",
-        )
-    accum = max(optim.grad_accum, 1)  # "auto" chooses among the counts that split the batch
-    if train.batch_size % (accum * batch_shards):
-        raise ConfigError(
-            "optim.grad_accum",
-            f"train.batch_size={train.batch_size} does not split into {optim.grad_accum} micro-batches "
-            f"divisible by mesh.data*mesh.fsdp={batch_shards}",
-        )
-    if check_batch and train.batch_size % (pipeline.microbatches * accum):
-        raise ConfigError(
-            "pipeline.microbatches",
-            f"train.batch_size={train.batch_size} does not split into {pipeline.microbatches} pipeline micro-batches "
-            f"(times optim.grad_accum={optim.grad_accum})",
-        )
-    _choice("train.on_anomaly", train.on_anomaly, ANOMALY_POLICIES)
-    if not train.hang_timeout_s >= 0:
-        raise ConfigError("train.hang_timeout_s", f"must be >= 0 (0: no hang watchdog), got {train.hang_timeout_s}")
-    _positive("debug.stall_s", debug.stall_s)
-    if not -1 <= debug.zero_layer < model.num_layers:
-        raise ConfigError("debug.zero_layer", f"must be -1 (off) or a layer index below model.num_layers="
-                                              f"{model.num_layers}, got {debug.zero_layer}")
-    if not debug.data_sleep_s >= 0:
-        raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {debug.data_sleep_s}")
-    if debug.hold_at_step and num_processes is not None and num_processes > 1:
-        raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
-    _positive("checkpoint.every", checkpoint.every)
-    _positive("checkpoint.keep", checkpoint.keep)
-    if checkpoint.keep_every < 0:
-        raise ConfigError("checkpoint.keep_every", f"must be >= 0, got {checkpoint.keep_every}")
-    if checkpoint.restore_from and not Path(checkpoint.restore_from).exists():
-        raise ConfigError("checkpoint.restore_from", f"no checkpoint at {checkpoint.restore_from}")
-    _positive("anomaly.window", anomaly.window)
-    _positive("anomaly.z", anomaly.z)
-    _positive("anomaly.grad_z", anomaly.grad_z)
-    for key in ("loss_ratio", "grad_ratio"):
-        if not getattr(anomaly, key) >= 1.0:
-            raise ConfigError(f"anomaly.{key}", f"must be >= 1, got {getattr(anomaly, key)}")
-    if not 0.0 < anomaly.lr_factor <= 1.0:
-        raise ConfigError("anomaly.lr_factor", f"must be in (0, 1], got {anomaly.lr_factor}")
-    if anomaly.max_rollbacks < 0:
-        raise ConfigError("anomaly.max_rollbacks", f"must be >= 0, got {anomaly.max_rollbacks}")
-    if cfg.diagnostics.every < 0:
-        raise ConfigError("diagnostics.every", f"must be >= 0 (0: off), got {cfg.diagnostics.every}")
-    _check_lora(lora)
-    _choice("train.objective", train.objective, OBJECTIVES)
-    if train.objective == "sft":
-        _check_sft(sft)
-    if train.objective in ("reward", "dpo"):
-        _check_preference(preference)
-    if train.objective == "dpo":
-        _check_dpo(dpo, lora)
-    if train.objective == "grpo":
-        _check_grpo(grpo, lora, train.batch_size)
-    if train.objective == "ppo":
-        _check_ppo(ppo, lora, train.batch_size)
-    if data.num_workers < 0:
-        raise ConfigError("data.num_workers", f"must be >= 0, got {data.num_workers}")
-    if not str(cd.get("workdir", "")):
-        raise ConfigError("workdir", "must not be empty")
-    _check_diagnostics(cfg.metrics, cfg.profile)
+    if batch_size % batch_shards:
+        raise ConfigError("train.batch_size", f"{batch_size} is not divisible by mesh.data*mesh.fsdp={batch_shards}")
+    accum = max(grad_accum, 1)  # "auto" chooses among the counts that split the batch
+    if batch_size % (accum * batch_shards):
+        raise ConfigError("optim.grad_accum", f"train.batch_size={batch_size} does not split into {grad_accum} "
+                                              f"micro-batches divisible by mesh.data*mesh.fsdp={batch_shards}")
+    if check_batch and batch_size % (microbatches * accum):
+        raise ConfigError("pipeline.microbatches", f"train.batch_size={batch_size} does not split into "
+                                                   f"{microbatches} pipeline micro-batches (times "
+                                                   f"optim.grad_accum={grad_accum})")
 
-    return dataclasses.replace(cfg, mesh=mesh, precision=precision, xla_flags=_xla_flags(cfg.xla_flags))
+
+def probe_environment(cfg: Config) -> None:
+    """What the config names outside itself: a checkpoint to start from, a reward model, the wandb package, a
+    backend that runs fp8."""
+    if cfg.checkpoint.restore_from and not Path(cfg.checkpoint.restore_from).exists():
+        raise ConfigError("checkpoint.restore_from", f"no checkpoint at {cfg.checkpoint.restore_from}")
+    for section in ("grpo", "ppo"):
+        kind, _, name = getattr(cfg, section).reward.partition(":")
+        if cfg.train.objective == section and kind == "rm" and not Path(name).exists():
+            raise ConfigError(f"{section}.reward", f"no reward-model checkpoint at {name}")
+    if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.wandb", "needs the wandb package: pip install 'jaxllm[wandb]' (or set it false)")
+    check_quant_backend(cfg.precision, cfg.debug.emulate_fp8)
+
+
+def check_quant_backend(precision: PrecisionConfig, emulate_fp8: bool = False) -> None:
+    """fp8 needs a GPU, unless `emulate_fp8` (debug.emulate_fp8) runs its numerics on a CPU."""
+    if precision.quant == "fp8" and not emulate_fp8:
+        import jax  # start-up speed: configs load and are checked before JAX does
+
+        backend = jax.default_backend()
+        if backend != "gpu":
+            raise ConfigError("precision.quant", f"fp8 needs a GPU (this run's backend is {backend}); use int8 or none "
+                                                 "(debug.emulate_fp8=true runs its numerics on a CPU, slowly)")
 
 
 def resolve_loss_scale(spec: str, compute: str) -> str:
@@ -815,24 +992,6 @@ def check_loss_scale(precision: PrecisionConfig) -> str:
 XLA_FLAG_NAME = re.compile(r"xla_[a-z0-9_]+")
 
 
-def _check_quant(precision: PrecisionConfig, emulate_fp8: bool = False) -> None:
-    """`precision.quant`: a known mode, and one that can work with the rest of the precision policy."""
-    _choice("precision.quant", precision.quant, QUANT_MODES)
-    if precision.quant != "none" and precision.compute == "float16":
-        # Measured (qwix 0.1.8, CPU, the default job's first step, loss scaling off): with float16 operands the
-        # int8 backward dots give a gradient norm of 0.73 where float32, int8 in float32 and plain float16 give 3.21;
-        # the fp8 backward dots return float32 gradients for float16 operands, which the step cannot even trace.
-        raise ConfigError("precision.quant", f"{precision.quant} needs precision.compute float32 or bfloat16 (with "
-                                             f"float16 its backward dots give wrong gradients)")
-    if precision.quant == "fp8" and not emulate_fp8:
-        import jax  # start-up speed: configs load and are checked before JAX does
-
-        backend = jax.default_backend()
-        if backend != "gpu":
-            raise ConfigError("precision.quant", f"fp8 needs a GPU (this run's backend is {backend}); use int8 or none "
-                                                 "(debug.emulate_fp8=true runs its numerics on a CPU, slowly)")
-
-
 def _xla_flags(flags) -> dict:
     """The `xla_flags` section as a plain dict; names and value types checked here, the names themselves against
     the installed XLA by the scripts (jaxllm.runtime.xla_flags.check_xla_flags)."""
@@ -842,124 +1001,6 @@ def _xla_flags(flags) -> dict:
         if not isinstance(value, (bool, int, float, str)):
             raise ConfigError(f"xla_flags.{name}", f"expected a bool, number or string, got {value!r}")
     return dict(flags.items())
-
-
-def _check_compression(optim: OptimConfig, mesh: MeshConfig) -> None:
-    _choice("optim.grad_compression", optim.grad_compression, GRAD_COMPRESSIONS)
-    _positive("optim.powersgd_rank", optim.powersgd_rank)
-    if optim.powersgd_start_step < 0:
-        raise ConfigError("optim.powersgd_start_step", f"must be >= 0, got {optim.powersgd_start_step}")
-    if optim.grad_compression != "powersgd":
-        return
-    if mesh.data == 1:
-        raise ConfigError("optim.grad_compression", "powersgd compresses gradients across mesh.data, which is 1: "
-                                                    "nothing to compress (use none)")
-    if mesh.stage > 1:
-        raise ConfigError("optim.grad_compression", f"powersgd does not support pipeline stages (mesh.stage="
-                                                    f"{mesh.stage}); use mesh.stage=1 or none")
-
-
-def _check_diagnostics(metrics: MetricsConfig, profile: ProfileConfig) -> None:
-    if metrics.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("metrics.wandb", "needs the wandb package: pip install 'jaxllm[wandb]' (or set it false)")
-    if profile.start_step < 0:
-        raise ConfigError("profile.start_step", f"must be >= 0 (0: no trace), got {profile.start_step}")
-    _positive("profile.steps", profile.steps)
-
-
-def _check_lora(cfg: LoRAConfig) -> None:
-    if cfg.rank < 0:
-        raise ConfigError("lora.rank", f"must be >= 0 (0: full fine-tuning), got {cfg.rank}")
-    if cfg.rank and cfg.alpha <= 0:
-        raise ConfigError("lora.alpha", f"must be positive, got {cfg.alpha}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise ConfigError("lora.dropout", f"must be in [0, 1), got {cfg.dropout}")
-    unknown = [t for t in cfg.target_list if t not in LORA_TARGETS]
-    if unknown or (cfg.rank and not cfg.target_list):
-        raise ConfigError("lora.targets", f"expected a comma-separated subset of {','.join(LORA_TARGETS)}, got "
-                                          f"{cfg.targets!r}")
-
-
-def _check_data(cfg: FineTuningData, section: str, what: str) -> None:
-    if not cfg.train_file:  # the files themselves are opened when the run starts (a dry run needs none)
-        raise ConfigError(f"{section}.train_file", f"must name a JSON-lines file of {what}")
-    if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
-        raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
-    _choice(f"{section}.template", cfg.template, SFT_TEMPLATES)
-    _choice(f"{section}.overlong", cfg.overlong, OVERLONG_RULES)
-
-
-def _check_sft(cfg: SFTConfig) -> None:
-    _check_data(cfg, "sft", "examples")
-    if cfg.eval_examples < 0:
-        raise ConfigError("sft.eval_examples", f"must be >= 0, got {cfg.eval_examples}")
-    _positive("sft.max_new_tokens", cfg.max_new_tokens)
-
-
-def _check_preference(cfg: PreferenceConfig) -> None:
-    _check_data(cfg, "preference", "preference pairs")
-    _positive("preference.pairs_per_row", cfg.pairs_per_row)
-    if cfg.eval_pairs < 0:
-        raise ConfigError("preference.eval_pairs", f"must be >= 0 (0: all), got {cfg.eval_pairs}")
-
-
-def _check_dpo(cfg: DPOConfig, lora: LoRAConfig) -> None:
-    _positive("dpo.beta", cfg.beta)
-    _choice("dpo.loss", cfg.loss, DPO_LOSSES)
-    if not 0.0 <= cfg.label_smoothing < 0.5:
-        raise ConfigError("dpo.label_smoothing", f"must be in [0, 0.5), got {cfg.label_smoothing}")
-    _choice("dpo.reference", cfg.reference, DPO_REFERENCES)
-    if cfg.reference == "shared" and not lora.rank:
-        raise ConfigError("dpo.reference", "'shared' (the base with adapters off) needs LoRA adapters "
-                                           "(lora.rank > 0)")
-
-
-def _check_rollout(cfg: RolloutConfig, section: str, lora: LoRAConfig, batch_size: int, rows: int) -> None:
-    """The checks PPO and GRPO share; `rows` are an iteration's responses."""
-    if not cfg.train_file:
-        raise ConfigError(f"{section}.train_file", "must name a JSON-lines file of prompts")
-    if not cfg.eval_file and not 0.0 < cfg.eval_fraction < 1.0:
-        raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {cfg.eval_fraction}")
-    _choice(f"{section}.template", cfg.template, SFT_TEMPLATES)
-    kind, _, name = cfg.reward.partition(":")
-    if kind not in ("fn", "rm") or not name:
-        raise ConfigError(f"{section}.reward", f"expected fn:<name> (jaxllm/objectives/reward_fns.py) or rm:<reward-model "
-                                               f"checkpoint>, got {cfg.reward!r}")
-    if kind == "rm" and not Path(name).exists():
-        raise ConfigError(f"{section}.reward", f"no reward-model checkpoint at {name}")
-    for key in ("max_prompt_tokens", "max_new_tokens", "prompts_per_iteration", "epochs", "temperature", "clip"):
-        _positive(f"{section}.{key}", getattr(cfg, key))
-    if rows % batch_size:
-        raise ConfigError("train.batch_size", f"{batch_size} does not divide an iteration's {rows} responses")
-    if not lora.rank:
-        raise ConfigError("lora.rank", f"{section.upper()} trains LoRA adapters (its reference is the base with "
-                                       "adapters off); full fine-tuning is not supported yet")
-    for key in ("eval_prompts", "samples_every", "samples"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{section}.{key}", f"must be >= 0, got {getattr(cfg, key)}")
-
-
-def _check_grpo(cfg: GRPOConfig, lora: LoRAConfig, batch_size: int) -> None:
-    if cfg.num_generations < 2:
-        raise ConfigError("grpo.num_generations", f"must be >= 2 (advantages compare a group), got "
-                                                  f"{cfg.num_generations}")
-    _check_rollout(cfg, "grpo", lora, batch_size, cfg.prompts_per_iteration * cfg.num_generations)
-    if cfg.beta < 0:
-        raise ConfigError("grpo.beta", f"must be >= 0, got {cfg.beta}")
-    _choice("grpo.loss_agg", cfg.loss_agg, GRPO_LOSS_AGGS)
-
-
-def _check_ppo(cfg: PPOConfig, lora: LoRAConfig, batch_size: int) -> None:
-    _check_rollout(cfg, "ppo", lora, batch_size, cfg.prompts_per_iteration)
-    _choice("ppo.kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
-    for key in ("kl_coef", "target_kl", "vf_coef", "entropy_coef", "missing_eos_penalty", "max_approx_kl"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"ppo.{key}", f"must be >= 0, got {getattr(cfg, key)}")
-    for key in ("kl_horizon", "value_clip"):
-        _positive(f"ppo.{key}", getattr(cfg, key))
-    for key in ("gamma", "lam"):
-        if not 0.0 <= getattr(cfg, key) <= 1.0:
-            raise ConfigError(f"ppo.{key}", f"must be in [0, 1], got {getattr(cfg, key)}")
 
 
 def default_config_dict() -> ml_collections.ConfigDict:

@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, reason: str):
         super().__init__(f"{key}: {reason}")
-        self.key = key
+        self.key, self.reason = key, reason
 
 
 def _bool(value):

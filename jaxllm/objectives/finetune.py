@@ -16,7 +16,7 @@ from jaxllm.runs import base_model
 from jaxllm.train.objective import BatchRequest
 
 
-def locate_base(cfg: Config, num_devices: int, section: str) -> tuple[Config, base_model.Base | None]:
+def locate_base(cfg: Config, section: str) -> tuple[Config, base_model.Base | None]:
     """(cfg with the base's architecture, the base named by checkpoint.restore_from or None), after checking the
     data files named in `cfg.<section>` exist."""
     if cfg.checkpoint.restore_all:
@@ -28,7 +28,7 @@ def locate_base(cfg: Config, num_devices: int, section: str) -> tuple[Config, ba
             raise ConfigError(f"{section}.{key}", f"no such file: {path}")
     base = base_model.locate(cfg.checkpoint.restore_from) if cfg.checkpoint.restore_from else None
     if base is not None:
-        cfg = base_model.adopt_architecture(cfg, base, num_devices)
+        cfg = base_model.adopt_architecture(cfg, base)
     return cfg, base
 
 

@@ -60,9 +60,9 @@ class GRPOBatches(RolloutBatches):
         return rows
 
 
-def grpo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
+def grpo_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
     """(cfg with the base's architecture, the GRPO objective), reading the prompts first."""
-    setup = rl_setup(cfg, num_devices, "grpo", log)
+    setup = rl_setup(cfg, "grpo", log)
     cfg = setup.cfg
 
     def open_batches(request: BatchRequest):

@@ -152,9 +152,9 @@ def critic_bytes(objective: Objective) -> tuple[int, int]:
     return size(critic), size(base)
 
 
-def ppo_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
+def ppo_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
     """(cfg with the base's architecture, the PPO objective), reading the prompts first."""
-    setup = rl_setup(cfg, num_devices, "ppo", log, build_policy=actor_critic_objective)
+    setup = rl_setup(cfg, "ppo", log, build_policy=actor_critic_objective)
     cfg = setup.cfg
     own, base = critic_bytes(setup.policy)
     log(f"critic: LoRA adapters and a value head on the policy's frozen base (shared, no second copy): "

@@ -1,7 +1,7 @@
 """The objectives by name: what `train.objective` may say, and the one table every tool builds an objective
 through (the training entry, the memory plan of --dry_run, the --print_memory report).
 
-Each entry has two halves: `build(cfg, devices, log)` makes the whole objective (it prepares the data and
+Each entry has two halves: `build(cfg, log)` makes the whole objective (it prepares the data and
 locates the base; it returns the config as the objective shapes it: a fine-tuning run adopts its base's
 architecture), and `model(cfg)` only its model and what trains, which plans use without data or a base.
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Callable
-
-import jax
 
 from jaxllm.config.schema import Config
 from jaxllm.objectives.dpo import dpo_objective
@@ -23,7 +21,7 @@ from jaxllm.objectives.sft import sft_objective
 from jaxllm.runs import base_model
 from jaxllm.train.objective import Objective
 
-Factory = Callable[[Config, int, Callable[[str], None]], tuple[Config, Objective]]
+Factory = Callable[[Config, Callable[[str], None]], tuple[Config, Objective]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +35,7 @@ class ObjectiveSpec:
     fine_tunes: bool = True
 
 
-def _pretrain(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
+def _pretrain(cfg: Config, log=print) -> tuple[Config, Objective]:
     cfg = with_store_vocab(cfg)
     return cfg, pretrain_objective(cfg)
 
@@ -68,14 +66,14 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
 def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
     """The objective `train.objective` names, and the config as it shapes it (fine-tuning adopts the base
     model's architecture)."""
-    return OBJECTIVES[cfg.train.objective].build(cfg, jax.device_count(), log)
+    return OBJECTIVES[cfg.train.objective].build(cfg, log)
 
 
-def planned_config(cfg: Config, num_devices: int) -> Config:
+def planned_config(cfg: Config) -> Config:
     """The configuration a plan describes: a fine-tuning run takes its base's architecture, and a vocabulary of
     "auto" is sized from the token store's manifest."""
     if OBJECTIVES[cfg.train.objective].fine_tunes and cfg.checkpoint.restore_from:
-        cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from), num_devices)
+        cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from))
     return with_store_vocab(cfg)
 
 

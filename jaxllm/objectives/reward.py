@@ -61,10 +61,10 @@ def reward_model_objective(model: ModelConfig, precision: PrecisionConfig, pipel
                      trainable=nnx.Any(nnx.LoRAParam, HEAD) if adapters else nnx.Param, fresh=HEAD)
 
 
-def load_pairs(cfg: Config, num_devices: int, log) -> tuple[Config, object, Path, dict]:
+def load_pairs(cfg: Config, log) -> tuple[Config, object, Path, dict]:
     """(cfg with the base's architecture, the base, the prepared directory, its manifest): the preference data of
     `cfg.preference` prepared with the base's tokenizer (shared by the reward model and DPO)."""
-    cfg, base = locate_base(cfg, num_devices, "preference")
+    cfg, base = locate_base(cfg, "preference")
     tokenizer_file = tokenizer_path(cfg, base, "preference")
     pc, tc = cfg.preference, cfg.train
     with data_errors("preference"):
@@ -85,9 +85,9 @@ def held_out_rows(cfg: Config, directory: Path, extra: dict | None = None) -> tu
     return pairs, rows.get_rows(np.arange(max(p["row"] for p in pairs) + 1))  # the rows those pairs are in
 
 
-def reward_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
+def reward_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
     """(cfg with the base's architecture, the reward-model objective), preparing the pairs first."""
-    cfg, base, directory, manifest = load_pairs(cfg, num_devices, log)
+    cfg, base, directory, manifest = load_pairs(cfg, log)
     K = cfg.preference.pairs_per_row
     pairs, rows = held_out_rows(cfg, directory)
     open_batches, eval_batches = row_batches(cfg, directory)

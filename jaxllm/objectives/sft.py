@@ -20,9 +20,9 @@ from jaxllm.train.objective import Objective
 from jaxllm.objectives.pretrain import lm_objective
 
 
-def sft_objective(cfg: Config, num_devices: int, log=print) -> tuple[Config, Objective]:
+def sft_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
     """(cfg with the base's architecture, the SFT objective), preparing the data first."""
-    cfg, base = locate_base(cfg, num_devices, "sft")
+    cfg, base = locate_base(cfg, "sft")
     tokenizer_file = tokenizer_path(cfg, base, "sft")
     sc, tc = cfg.sft, cfg.train
     with data_errors("sft"):

@@ -24,11 +24,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from jaxllm.model.lora import ADAPTER_SUFFIX
 from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, locate_checkpoints
-from jaxllm.config.schema import Config, ConfigError, validate
+from jaxllm.config.schema import Config, ConfigError, check_across
 from jaxllm.interop import hf
 
 # ModelConfig fields that describe the network itself (adopted from the base); the others (remat, attention,
@@ -113,16 +112,19 @@ def _store_tokenizer(store: str | None) -> Path | None:
     return Path(store) / name
 
 
-def adopt_architecture(cfg: Config, base: Base, num_devices: int) -> Config:
-    """`cfg` with the base's architecture, validated again against the mesh (the dims may differ from the
-    config file's)."""
+def adopt_architecture(cfg: Config, base: Base) -> Config:
+    """`cfg` with the base's architecture, checked again against the mesh and the rest of the config (the dims
+    may differ from the config file's)."""
     model = dataclasses.replace(cfg.model, **base.architecture)
     if model == cfg.model:
         return cfg
+    adopted = dataclasses.replace(cfg, model=model)
     try:
-        return validate(ml_collections.ConfigDict(dataclasses.replace(cfg, model=model).to_dict()), num_devices)
+        model.check()
+        check_across(adopted)
     except ConfigError as exc:
-        raise ConfigError(exc.key, f"{exc} (with the architecture of the base {base.path})") from None
+        raise ConfigError(exc.key, f"{exc.reason} (with the architecture of the base {base.path})") from None
+    return adopted
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
