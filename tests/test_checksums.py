@@ -1,6 +1,8 @@
 """Checkpoint checksums: bytes flipped without changing a file's size are caught before loading, and a resume
 falls back to the previous checkpoint; an intact checkpoint verifies; one without a manifest still loads."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -51,6 +53,15 @@ def test_intact_checkpoint_verifies(tmp_path, async_save):
     ckpt.wait()
     assert (tmp_path / "1" / MANIFEST).is_file()  # committed with the checkpoint (async) or right after (sync)
     ckpt.verify(1)
+    listed = json.loads((tmp_path / "1" / MANIFEST).read_text())["files"]
+    arrays = [p for p in (tmp_path / "1" / "state").rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert arrays and {str(p.relative_to(tmp_path / "1")) for p in arrays} <= set(listed)  # every state file
+    biggest = max(arrays, key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, same size: only the checksum can tell
+    biggest.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{biggest.relative_to(tmp_path / '1')} does not match its checksum"):
+        ckpt.verify(1)
     ckpt.close()
 
 

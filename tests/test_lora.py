@@ -74,6 +74,8 @@ def test_adapter_shapes_init_and_scale():
     bound = 1 / np.sqrt(32)  # PEFT's kaiming-uniform bound 1/sqrt(fan_in)
     assert 0.8 * bound < float(jnp.max(jnp.abs(q.a[...]))) <= bound and not np.any(np.asarray(q.b[...]))
     assert q.scale == pytest.approx(8.0 / 2.0)  # rsLoRA: alpha / sqrt(r)
+    plain = adapters_of(build_model(MODEL, F32, jax.random.key(0), lora=ALL))["q_proj"]
+    assert plain.scale == pytest.approx(8.0 / 4.0)  # LoRA: alpha / r
 
 
 def test_merge_equals_the_adapted_model(base):

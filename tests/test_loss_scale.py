@@ -113,6 +113,22 @@ def _jaxllm_sequence(scaling: LossScaling = DYNAMIC):
     return scales, skipped, records, state
 
 
+def test_scale_sequence_follows_the_grad_scaler_rule_without_torch():
+    """torch's GradScaler rule, written out: an overflow skips the step, halves the scale and restarts the count;
+    GROWTH_INTERVAL finite steps in a row double it."""
+    scale, finite_in_a_row, want = INIT_SCALE, 0, []
+    for overflow in OVERFLOWS:
+        if overflow:
+            scale, finite_in_a_row = scale * 0.5, 0
+        else:
+            finite_in_a_row += 1
+            if finite_in_a_row == GROWTH_INTERVAL:
+                scale, finite_in_a_row = scale * 2.0, 0
+        want.append(scale)
+    scales, skipped, _, _ = _jaxllm_sequence()
+    assert scales == want and skipped == OVERFLOWS
+
+
 def test_scale_sequence_and_skipped_steps_match_torch_grad_scaler():
     torch = pytest.importorskip("torch")
     p = torch.nn.Parameter(torch.ones(1))

@@ -80,3 +80,19 @@ def test_tests_never_write_into_the_real_home_cache():
     assert metrics.CPU_PEAK_CACHE.resolve().is_relative_to(Path(os.environ["JAXLLM_CACHE"]).resolve())
     assert metrics.peak_flops_per_device(compute_dtype="float32", device=jax.devices("cpu")[0]) > 0
     assert metrics.CPU_PEAK_CACHE.exists()
+
+
+def test_mfu_is_the_model_flops_over_every_device_s_peak():
+    """MFU = tokens/s x (6N + 12*L*H*Q*T) / (devices x peak), with N counted here from the built model's own
+    projection and head kernels (not from the formula under test), on 8 devices and on 1."""
+    cfg = ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
+    params = nnx.state(build_model(cfg, PrecisionConfig("float32", "float32", "float32"), jax.random.key(0)),
+                       nnx.Param)
+    n = sum(v.get_value().size for path, v in nnx.to_flat_state(params)
+            if path[-1].endswith("_proj") or path[-1] == "lm_head")
+    seq_len, tokens_per_sec, peak = 256, 2.5e4, 1e12
+    per_token = 6 * n + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+    assert train_flops_per_token(cfg, seq_len) == per_token
+    on_8 = metrics.mfu(tokens_per_sec, per_token, 8, peak)
+    assert on_8 == pytest.approx(tokens_per_sec * per_token / (8 * peak))
+    assert metrics.mfu(tokens_per_sec, per_token, 1, peak) == pytest.approx(8 * on_8)
