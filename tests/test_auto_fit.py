@@ -79,3 +79,36 @@ def test_auto_needs_a_budget_on_cpu_and_a_candidate_that_fits():
                     "--config.train.memory_budget_gb=1e-6"), lambda msg: None)
     with pytest.raises(ConfigError, match="model.remat_offload: 'host' offloads what a named model.remat policy"):
         _cfg("--config.model.remat=auto", "--config.model.remat_offload=host")
+
+
+class _Chosen(Exception):
+    """Raised by the stand-in for resolve_auto once it has seen the config auto-fit would choose for."""
+
+
+@pytest.mark.parametrize("objective", ["sft", "grpo"])
+def test_auto_fit_chooses_for_the_base_s_architecture_and_the_rollout_rows(objective, bases, tmp_path, monkeypatch):
+    """train() sizes "auto" settings for the model that will train: a fine-tuning run's base's architecture (tiny
+    here, not the config file's), and for RL the rollout rows' length, not train.seq_len."""
+    import jaxllm.launch.train as launch
+    from jaxllm.objectives.rl import prompt_bucket
+
+    seen = []
+
+    def stand_in(cfg, log=print):
+        seen.append(cfg)
+        raise _Chosen
+
+    monkeypatch.setattr(launch, "resolve_auto", stand_in)
+    overrides = [f"--config.checkpoint.restore_from={bases[0]}", "--config.model.remat=auto",
+                 f"--config.workdir={tmp_path / 'run'}", f"--config.{objective}.train_file=unused.jsonl",
+                 "--config.train.seq_len=64"]  # not the rollout rows' 128
+    cfg = validate(build_config(str(ROOT / "configs" / f"{'sft_lora' if objective == 'sft' else objective}.py"),
+                                split_overrides(overrides)[1]), 8)
+    assert (cfg.model.dim, cfg.model.num_layers) != (64, 2)  # the config file's own model is not the base's
+    with pytest.raises(_Chosen):
+        train(cfg, stream=io.StringIO())
+    (chosen,) = seen
+    assert (chosen.model.dim, chosen.model.num_layers, chosen.model.vocab_size) == (64, 2, 512)  # the tiny base
+    if objective == "grpo":
+        rows = prompt_bucket(cfg.grpo.max_prompt_tokens, cfg.grpo.max_prompt_tokens) + cfg.grpo.max_new_tokens
+        assert chosen.train.seq_len == rows != cfg.train.seq_len

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from jaxllm.config.schema import Config
-from jaxllm.objectives.registry import objective_for
+from jaxllm.objectives.registry import objective_for, resolved_shape
 from jaxllm.plan.auto_fit import resolve_auto
 from jaxllm.train.fit import check_run_setup, fit, main_log
 from jaxllm.train.objective import Objective
@@ -14,13 +14,15 @@ from jaxllm.train.objective import Objective
 def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) -> dict:
     """Train `cfg` end to end (resuming from `<workdir>/checkpoints` if there are any); returns the run's summary.
 
-    Without `objective`, "auto" settings are chosen first (jaxllm/plan/auto_fit.py: the remat policy is part of
-    the model, so before it is built) and the objective `train.objective` names is built
-    (jaxllm/objectives/registry.py); a given `objective` trains under `cfg` as it is.
+    Without `objective`, the config takes the shape of the model that will train (a fine-tuning base's
+    architecture, an RL run's rollout rows: `resolved_shape`), then "auto" settings are chosen for it
+    (jaxllm/plan/auto_fit.py: the remat policy is part of the model, so before it is built) and the objective
+    `train.objective` names is built (jaxllm/objectives/registry.py); a given `objective` trains under `cfg` as
+    it is.
     """
     if objective is None:
         check_run_setup(cfg)  # a bad --workdir or backend fails before anything is planned or built
         log = main_log(stream)
-        cfg = resolve_auto(cfg, log)
+        cfg = resolve_auto(resolved_shape(cfg), log)
         cfg, objective = objective_for(cfg, log)
     return fit(cfg, objective, stream)

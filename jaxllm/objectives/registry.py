@@ -17,6 +17,7 @@ from jaxllm.objectives.grpo import grpo_objective
 from jaxllm.objectives.ppo import actor_critic_objective, ppo_objective
 from jaxllm.objectives.pretrain import lm_objective, pretrain_objective, with_store_vocab
 from jaxllm.objectives.reward import reward_model_objective, reward_objective
+from jaxllm.objectives.rl import rollout_rows
 from jaxllm.objectives.sft import sft_objective
 from jaxllm.runs import base_model
 from jaxllm.train.objective import Objective
@@ -33,6 +34,7 @@ class ObjectiveSpec:
     build: Factory
     model: Callable[[Config], Objective]
     fine_tunes: bool = True
+    shape: Callable[[Config], Config] = lambda cfg: cfg  # what the objective's own settings fix (RL: the rows)
 
 
 def _pretrain(cfg: Config, log=print) -> tuple[Config, Objective]:
@@ -57,9 +59,11 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         cfg.model, cfg.precision, cfg.pipeline, _adapters(cfg), pairs_per_row=cfg.preference.pairs_per_row,
         sequence_parallel=cfg.mesh.sequence_parallel)),
     "dpo": ObjectiveSpec(dpo_objective, lambda cfg: _language_model(cfg, _adapters(cfg))),
-    "grpo": ObjectiveSpec(grpo_objective, lambda cfg: _language_model(cfg, cfg.lora)),
+    "grpo": ObjectiveSpec(grpo_objective, lambda cfg: _language_model(cfg, cfg.lora),
+                          shape=lambda cfg: rollout_rows(cfg, "grpo")),
     "ppo": ObjectiveSpec(ppo_objective, lambda cfg: actor_critic_objective(
-        cfg.model, cfg.precision, cfg.pipeline, cfg.lora, sequence_parallel=cfg.mesh.sequence_parallel)),
+        cfg.model, cfg.precision, cfg.pipeline, cfg.lora, sequence_parallel=cfg.mesh.sequence_parallel),
+                         shape=lambda cfg: rollout_rows(cfg, "ppo")),
 }
 
 
@@ -69,12 +73,19 @@ def objective_for(cfg: Config, log=print) -> tuple[Config, Objective]:
     return OBJECTIVES[cfg.train.objective].build(cfg, log)
 
 
-def planned_config(cfg: Config) -> Config:
-    """The configuration a plan describes: a fine-tuning run takes its base's architecture, and a vocabulary of
-    "auto" is sized from the token store's manifest."""
-    if OBJECTIVES[cfg.train.objective].fine_tunes and cfg.checkpoint.restore_from:
+def resolved_shape(cfg: Config) -> Config:
+    """The config of the model that will train, before anything is chosen or built for it: a fine-tuning run takes
+    its base's architecture, an RL run's rows are its rollouts' (auto-fit and plans size that model)."""
+    spec = OBJECTIVES[cfg.train.objective]
+    if spec.fine_tunes and cfg.checkpoint.restore_from:
         cfg = base_model.adopt_architecture(cfg, base_model.locate(cfg.checkpoint.restore_from))
-    return with_store_vocab(cfg)
+    return spec.shape(cfg)
+
+
+def planned_config(cfg: Config) -> Config:
+    """The configuration a plan describes: `resolved_shape`, with a vocabulary of "auto" sized from the token
+    store's manifest."""
+    return with_store_vocab(resolved_shape(cfg))
 
 
 def planned_model(cfg: Config) -> Objective:

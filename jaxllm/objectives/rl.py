@@ -58,6 +58,14 @@ def prompt_bucket(longest: int, max_prompt_tokens: int) -> int:
     return min(round_up(longest), round_up(max_prompt_tokens))
 
 
+def rollout_rows(cfg: Config, section: str) -> Config:
+    """`cfg` with train.seq_len the length of the longest rollout rows of `cfg.<section>` (the largest prompt
+    bucket and the responses): what the loop plans memory and FLOPs for, and auto-fit chooses for."""
+    settings: RolloutConfig = getattr(cfg, section)
+    longest = prompt_bucket(settings.max_prompt_tokens, settings.max_prompt_tokens) + settings.max_new_tokens
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=longest))
+
+
 def rows_prompt_len(rows: dict[str, np.ndarray]) -> int:
     """The prompt length of rollout rows: their slots less the response slots."""
     return rows["tokens"].shape[1] - rows["mask"].shape[1]
@@ -308,9 +316,7 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSet
                                tokenizer, settings.template, settings.max_prompt_tokens, log)
     if not prompts["train"]:
         raise ConfigError(f"{section}.train_file", f"no usable prompts in {settings.train_file}")
-    # train.seq_len is the longest rows' length (the largest bucket): what the loop plans memory and FLOPs for.
-    longest = prompt_bucket(settings.max_prompt_tokens, settings.max_prompt_tokens) + settings.max_new_tokens
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=longest))
+    cfg = rollout_rows(cfg, section)
     rope = base.rope_scaling
     sp = cfg.mesh.sequence_parallel
     plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
