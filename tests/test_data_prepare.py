@@ -14,7 +14,7 @@ from jaxllm.config.cli import split_overrides
 from jaxllm.config.schema import ConfigError
 from jaxllm.data import prepare as prepare_mod
 from jaxllm.data.clean import clean_document, normalize, quality_reason
-from jaxllm.data.dedup import find_duplicates
+from jaxllm.data.dedup import find_duplicates, near_duplicate_pairs
 from jaxllm.data.prep_config import CleanConfig, load_config
 from jaxllm.data.prepare import PrepareError, prepare
 from jaxllm.data.token_store import TokenStore
@@ -255,3 +255,24 @@ def test_cli_errors_are_one_line(tmp_path, raw):
     rc, _, err = _cli("--input", other, "--output", tmp_path / "o4", "--vocab_size", 400)
     assert rc == 2 and "different inputs" in err
 
+
+
+def _signatures_by_hand() -> np.ndarray:
+    """Four 128-row signatures (16 bands of 8 rows): B shares only the last band with A; C agrees with A on rows
+    0-95 (bands 0-11: a candidate, at 0.75 below the 0.8 threshold); D agrees with A on rows 0-109 (0.86)."""
+    rng = np.random.default_rng(0)
+    sig = rng.choice(2**31, size=(4, 128), replace=False).astype(np.uint32)  # no row equal by chance
+    a, b, c, d = sig
+    b[120:] = a[120:]
+    c[:96] = a[:96]
+    d[:110] = a[:110]
+    return sig
+
+
+@pytest.mark.parametrize("threshold,pairs", [
+    (0.8, [[0, 3]]),  # C collides with A but agrees too little; B agrees too little
+    (0.7, [[0, 2], [0, 3], [2, 3]]),  # C and D agree on rows 0-95 too
+    (0.06, [[0, 1], [0, 2], [0, 3], [2, 3]]),  # B: 8 of 128 rows, found through the last band alone
+])
+def test_near_duplicates_of_hand_made_signatures(threshold, pairs):
+    assert near_duplicate_pairs(_signatures_by_hand(), bands=16, threshold=threshold).tolist() == pairs
