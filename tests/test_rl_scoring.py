@@ -1,0 +1,77 @@
+"""What PPO's and GRPO's batch sources write into an iteration's rollout rows (`PPOBatches.score`,
+`GRPOBatches.score`), against the formulas written out here in numpy: PPO's per-token rewards, GAE with gamma and
+lambda in their places, the whitened advantages and the returns; GRPO's advantages normalised within each
+prompt's group of responses. The critic is a stand-in that returns fixed values: what is checked is the
+bookkeeping around it."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jaxllm.config.schema import PPOConfig
+from jaxllm.objectives import ppo as ppo_module
+from jaxllm.objectives.grpo import GRPOBatches
+from jaxllm.objectives.ppo import PPOBatches
+from jaxllm.parallel.mesh import single_device_mesh
+
+PROMPT, MASK = 4, np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], np.float32)
+SETTINGS = PPOConfig(kl_coef=0.05, gamma=0.9, lam=0.7, missing_eos_penalty=0.5, kl_estimator="k1")
+
+
+def _rollout(rng) -> dict[str, np.ndarray]:
+    b, n = MASK.shape
+    return dict(tokens=np.zeros((b, PROMPT + n), np.int32), segment_ids=np.ones((b, PROMPT + n), np.int32),
+                positions=np.tile(np.arange(PROMPT + n, dtype=np.int32), (b, 1)), mask=MASK.copy(),
+                old_logps=(rng.normal(size=MASK.shape) * MASK).astype(np.float32),
+                ref_logps=(rng.normal(size=MASK.shape) * MASK).astype(np.float32),
+                scores=rng.normal(size=(b, 1)).astype(np.float32), stopped=np.array([[1], [0], [1]], np.float32))
+
+
+def _expected(rows, values):
+    """(per-token rewards, advantages before whitening, returns, whitened advantages), by the book."""
+    m, v = MASK, values * MASK
+    rewards = -SETTINGS.kl_coef * (rows["old_logps"] - rows["ref_logps"]) * m
+    for b, length in enumerate(m.sum(axis=1).astype(int)):
+        penalty = 0.0 if rows["stopped"][b, 0] else SETTINGS.missing_eos_penalty
+        rewards[b, length - 1] += rows["scores"][b, 0] - penalty
+    advantages = np.zeros_like(rewards)
+    for b in range(len(m)):
+        running = 0.0
+        for t in reversed(range(m.shape[1])):
+            next_value = v[b, t + 1] if t + 1 < m.shape[1] else 0.0
+            delta = rewards[b, t] + SETTINGS.gamma * next_value - v[b, t]
+            running = delta + SETTINGS.gamma * SETTINGS.lam * running
+            advantages[b, t] = running * m[b, t]
+    n = m.sum()
+    mean = (advantages * m).sum() / n
+    var = (((advantages - mean) * m) ** 2).sum() / (n - 1)
+    return rewards, advantages, (advantages + v) * m, (advantages - mean) / np.sqrt(var + 1e-8) * m
+
+
+def test_ppo_scores_a_rollout_by_the_book(monkeypatch):
+    rng = np.random.default_rng(0)
+    rows, values = _rollout(rng), rng.normal(size=MASK.shape).astype(np.float32)
+    monkeypatch.setattr(ppo_module, "_values", lambda *args, **kwargs: values)
+    source = object.__new__(PPOBatches)  # the scoring alone: no sampler, prompts or model behind it
+    source.ppo, source.kl_coef = SETTINGS, SETTINGS.kl_coef
+    source.sampler = SimpleNamespace(mesh=single_device_mesh(), graphdef=None)
+    scored = source.score(dict(rows), variables=None)
+    rewards, _, returns, whitened = _expected(rows, values)
+    np.testing.assert_allclose(scored["old_values"], values * MASK, atol=1e-6)
+    np.testing.assert_allclose(scored["rewards"][:, 0], rewards.sum(axis=1), atol=1e-5)
+    np.testing.assert_allclose(scored["returns"], returns, atol=1e-5)
+    np.testing.assert_allclose(scored["advantages"], whitened, atol=1e-4)
+    np.testing.assert_allclose(scored["kl"][:, 0], ((rows["old_logps"] - rows["ref_logps"]) * MASK).sum(axis=1),
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [2, 4])
+def test_grpo_normalises_each_prompt_s_group_of_responses(group):
+    scores = np.array([1.0, 0.0, 3.0, 2.0, 5.0, 9.0, 4.0, 4.5], np.float32)
+    source = object.__new__(GRPOBatches)
+    source.responses_per_prompt = group
+    scored = source.score({"scores": scores[:, None]}, variables=None)
+    groups = scores.reshape(-1, group)  # a prompt's responses are consecutive rows
+    want = (groups - groups.mean(axis=1, keepdims=True)) / (groups.std(axis=1, ddof=1, keepdims=True) + 1e-4)
+    np.testing.assert_allclose(scored["advantages"][:, 0], want.reshape(-1), atol=1e-5)
