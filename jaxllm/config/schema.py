@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -789,10 +790,19 @@ def resolve_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
     product = math.prod(sizes.values())
     if product != num_devices:
         shape = "x".join(str(sizes[a]) for a in MESH_AXES)
-        raise ConfigError(
-            "mesh", f"data*fsdp*tensor*stage = {shape} = {product} but there are {num_devices} devices"
-        )
+        raise ConfigError("mesh", f"data*fsdp*tensor*stage = {shape} = {product} but there are {num_devices} "
+                                  f"devices{_cpu_devices_hint(product, num_devices)}")
     return dataclasses.replace(mesh, **sizes)
+
+
+def _cpu_devices_hint(wanted: int, found: int) -> str:
+    """On a CPU backend with fewer devices than the mesh asks for: how to get them (XLA fakes devices on
+    request). JAX is looked up, not imported: a config is checked before anything starts JAX."""
+    jax = sys.modules.get("jax")
+    if jax is None or found >= wanted or jax.default_backend() != "cpu":
+        return ""
+    return (f" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={wanted} before the command makes "
+            f"{wanted}, as make train does)")
 
 
 DCN_ORDER = ("data", "stage", "fsdp")  # axes that take processes when mesh.dcn_* are unset, in this order
