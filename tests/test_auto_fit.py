@@ -112,3 +112,18 @@ def test_auto_fit_chooses_for_the_base_s_architecture_and_the_rollout_rows(objec
     if objective == "grpo":
         rows = prompt_bucket(cfg.grpo.max_prompt_tokens, cfg.grpo.max_prompt_tokens) + cfg.grpo.max_new_tokens
         assert chosen.train.seq_len == rows != cfg.train.seq_len
+
+
+def test_a_fine_tuning_vocabulary_of_auto_is_sized_from_its_tokenizer_before_the_objective_is_built(
+        shakespeare_store, tmp_path):
+    """SFT without a base: the resolution phase sizes model.vocab_size=auto from sft.tokenizer (the objective is
+    then built from the resolved config and changes no setting); plans see the same size."""
+    from jaxllm.config.schema import AUTO_VOCAB
+    from jaxllm.objectives.registry import planned_config, resolved_shape
+
+    overrides = ["--config.checkpoint.restore_from=", "--config.model.vocab_size=auto",
+                 f"--config.sft.tokenizer={shakespeare_store / 'tokenizer.model'}",
+                 "--config.sft.train_file=unused.jsonl", f"--config.workdir={tmp_path / 'run'}"]
+    cfg = validate(build_config(str(ROOT / "configs" / "sft_lora.py"), split_overrides(overrides)[1]), 8)
+    assert cfg.model.vocab_size == AUTO_VOCAB
+    assert resolved_shape(cfg).model.vocab_size == planned_config(cfg).model.vocab_size == 512  # the store's tokenizer

@@ -253,3 +253,8 @@ def assert_dry_run_plans_the_run(command: list[str], workdir) -> None:
     frozen = sum(v[...].size for path, v in nnx.to_flat_state(model) if array_name(path, v) not in held)
     assert (plan["trainable_params"], plan["num_params"] - plan["trainable_params"], plan["opt_state_values"]) == (
         trainable, frozen, opt_state), (plan, trainable, frozen, opt_state)
+    from jaxllm.plan.reports import memory_report
+
+    biggest = max((v[...] for _, v in nnx.to_flat_state(model)), key=lambda x: x.size)  # --print_memory's plan
+    report = memory_report(cfg)  # of the model that trains, with no data prepared or read
+    assert str(tuple(biggest.shape)) in report and "largest of" in report.splitlines()[-1], report

@@ -11,18 +11,23 @@ from jaxllm.train.fit import check_run_setup, fit, main_log
 from jaxllm.train.objective import Objective
 
 
+def resolve(cfg: Config, log=print) -> Config:
+    """The one resolution phase of a run, before its objective is built: the shape of the model that will train
+    (a fine-tuning base's architecture, a vocabulary of "auto", an RL run's rollout rows:
+    `jaxllm.objectives.registry.resolved_shape`), then the "auto" settings chosen for it
+    (jaxllm/plan/auto_fit.py: the remat policy is part of the model, so before it is built)."""
+    return resolve_auto(resolved_shape(cfg), log)
+
+
 def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) -> dict:
     """Train `cfg` end to end (resuming from `<workdir>/checkpoints` if there are any); returns the run's summary.
 
-    Without `objective`, the config takes the shape of the model that will train (a fine-tuning base's
-    architecture, an RL run's rollout rows: `resolved_shape`), then "auto" settings are chosen for it
-    (jaxllm/plan/auto_fit.py: the remat policy is part of the model, so before it is built) and the objective
-    `train.objective` names is built (jaxllm/objectives/registry.py); a given `objective` trains under `cfg` as
-    it is.
+    Without `objective`, the config is resolved first (`resolve`) and the objective `train.objective` names is
+    built from it (jaxllm/objectives/registry.py); a given `objective` trains under `cfg` as it is.
     """
     if objective is None:
         check_run_setup(cfg)  # a bad --workdir or backend fails before anything is planned or built
         log = main_log(stream)
-        cfg = resolve_auto(resolved_shape(cfg), log)
-        cfg, objective = objective_for(cfg, log)
+        cfg = resolve(cfg, log)
+        objective = objective_for(cfg, log)
     return fit(cfg, objective, stream)

@@ -71,10 +71,10 @@ def dpo_loss_fn(model, batch, rng=None, *, plain_graphdef, pairs_per_row: int, d
     return jnp.sum(losses * mask), jnp.sum(mask), metrics
 
 
-def dpo_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
-    """(cfg with the base's architecture, the DPO objective), preparing the pairs (and, precomputed, the
-    reference log-probabilities) first."""
-    cfg, base, directory, manifest = load_pairs(cfg, log)
+def dpo_objective(cfg: Config, log=print) -> Objective:
+    """The DPO objective of a resolved `cfg`, preparing the pairs (and, precomputed, the reference
+    log-probabilities) first."""
+    base, directory, manifest = load_pairs(cfg, log)
     if base is None:
         raise ConfigError("checkpoint.restore_from", "DPO starts from a model, its reference: name a jaxllm run or "
                                                      "a Hugging Face model directory")
@@ -100,7 +100,7 @@ def dpo_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
                                                  "logp_accuracy": get("chosen") > get("rejected")})
 
     loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain.graphdef, pairs_per_row=K, dpo=cfg.dpo)
-    return cfg, dataclasses.replace(policy, name="dpo", loss_fn=loss_fn, open_batches=open_batches,
+    return dataclasses.replace(policy, name="dpo", loss_fn=loss_fn, open_batches=open_batches,
                                     eval_batches=eval_batches,
                                     tokenizer=load_tokenizer(directory / manifest["tokenizer"]), sample_prompt=None,
                                     base=base, report=report)

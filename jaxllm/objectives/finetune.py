@@ -8,17 +8,18 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from jaxllm.config.schema import Config, ConfigError, resolve_vocab_size
+from jaxllm.config.schema import AUTO_VOCAB, Config, ConfigError, resolve_vocab_size
 from jaxllm.data.pipeline import EvalBatches, TrainIterator
 from jaxllm.data.row_prep import PreparedDataError, PreparedRows
 from jaxllm.data.sft_template import TemplateError
+from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.runs import base_model
 from jaxllm.train.objective import BatchRequest
 
 
-def locate_base(cfg: Config, section: str) -> tuple[Config, base_model.Base | None]:
-    """(cfg with the base's architecture, the base named by checkpoint.restore_from or None), after checking the
-    data files named in `cfg.<section>` exist."""
+def locate_base(cfg: Config, section: str) -> base_model.Base | None:
+    """The base named by checkpoint.restore_from (None without one), after checking the data files named in
+    `cfg.<section>` exist. Its architecture is already the config's (`jaxllm.objectives.registry.resolved_shape`)."""
     if cfg.checkpoint.restore_all:
         raise ConfigError("checkpoint.restore_all", f"not for train.objective={cfg.train.objective} (it starts from "
                                                     "the base's parameters only)")
@@ -26,10 +27,7 @@ def locate_base(cfg: Config, section: str) -> tuple[Config, base_model.Base | No
         path = getattr(getattr(cfg, section), key)
         if path and not Path(path).is_file():
             raise ConfigError(f"{section}.{key}", f"no such file: {path}")
-    base = base_model.locate(cfg.checkpoint.restore_from) if cfg.checkpoint.restore_from else None
-    if base is not None:
-        cfg = base_model.adopt_architecture(cfg, base)
-    return cfg, base
+    return base_model.locate(cfg.checkpoint.restore_from) if cfg.checkpoint.restore_from else None
 
 
 def tokenizer_path(cfg: Config, base: base_model.Base | None, section: str) -> Path:
@@ -56,9 +54,24 @@ def data_errors(section: str):
         raise ConfigError(f"{section}.tokenizer", str(exc)) from None
 
 
-def check_vocab(cfg: Config, manifest: dict, tokenizer: Path) -> Config:
-    """`cfg` with its vocabulary checked against (or, "auto", sized from) the prepared data's tokenizer."""
-    return resolve_vocab_size(cfg, manifest["vocab_size"], str(tokenizer))
+def tokenizer_vocab(cfg: Config, section: str) -> Config:
+    """`cfg` with a vocabulary of "auto" sized from the tokenizer `cfg.<section>` encodes its data with (its own
+    or the base's; a base's architecture, adopted first, already fixes it)."""
+    if cfg.model.vocab_size != AUTO_VOCAB:
+        return cfg
+    base = base_model.locate(cfg.checkpoint.restore_from) if cfg.checkpoint.restore_from else None
+    path = tokenizer_path(cfg, base, section)
+    with data_errors(section):
+        size = load_tokenizer(path).vocab_size
+    return resolve_vocab_size(cfg, size, str(path))
+
+
+def check_vocab(cfg: Config, manifest: dict, tokenizer: Path) -> None:
+    """The prepared data's tokenizer fits the model's vocabulary (sized before the objective is built)."""
+    if cfg.model.vocab_size == AUTO_VOCAB:
+        raise ConfigError("model.vocab_size", "auto is sized before the objective is built "
+                                              "(jaxllm.launch.train.resolve): resolve the config first")
+    resolve_vocab_size(cfg, manifest["vocab_size"], str(tokenizer))  # raises when the tokenizer is larger
 
 
 def row_batches(cfg: Config, directory: Path, extra: dict | None = None):

@@ -60,13 +60,12 @@ class GRPOBatches(RolloutBatches):
         return rows
 
 
-def grpo_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
-    """(cfg with the base's architecture, the GRPO objective), reading the prompts first."""
+def grpo_objective(cfg: Config, log=print) -> Objective:
+    """The GRPO objective of a resolved `cfg`, reading the prompts first."""
     setup = rl_setup(cfg, "grpo", log)
-    cfg = setup.cfg
 
     def open_batches(request: BatchRequest):
         return GRPOBatches(cfg, request, setup.sampler, setup.prompts["train"])
 
-    return cfg, rl_objective(setup, "grpo", functools.partial(grpo_loss_fn, grpo=cfg.grpo), open_batches,
+    return rl_objective(setup, "grpo", functools.partial(grpo_loss_fn, grpo=cfg.grpo), open_batches,
                              ("reward", "kl", "response_length"))

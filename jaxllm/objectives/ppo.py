@@ -152,10 +152,9 @@ def critic_bytes(objective: Objective) -> tuple[int, int]:
     return size(critic), size(base)
 
 
-def ppo_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
-    """(cfg with the base's architecture, the PPO objective), reading the prompts first."""
+def ppo_objective(cfg: Config, log=print) -> Objective:
+    """The PPO objective of a resolved `cfg`, reading the prompts first."""
     setup = rl_setup(cfg, "ppo", log, build_policy=actor_critic_objective)
-    cfg = setup.cfg
     own, base = critic_bytes(setup.policy)
     log(f"critic: LoRA adapters and a value head on the policy's frozen base (shared, no second copy): "
         f"{own / 1e6:.2f} MB of its own, next to the base's {base / 1e6:.2f} MB")
@@ -163,5 +162,5 @@ def ppo_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
     def open_batches(request: BatchRequest):
         return PPOBatches(cfg, request, setup.sampler, setup.prompts["train"])
 
-    return cfg, rl_objective(setup, "ppo", functools.partial(ppo_loss_fn, ppo=cfg.ppo), open_batches,
+    return rl_objective(setup, "ppo", functools.partial(ppo_loss_fn, ppo=cfg.ppo), open_batches,
                              ("score", "kl", "approx_kl", "value_loss"))

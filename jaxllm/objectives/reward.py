@@ -61,10 +61,10 @@ def reward_model_objective(model: ModelConfig, precision: PrecisionConfig, pipel
                      trainable=nnx.Any(nnx.LoRAParam, HEAD) if adapters else nnx.Param, fresh=HEAD)
 
 
-def load_pairs(cfg: Config, log) -> tuple[Config, object, Path, dict]:
-    """(cfg with the base's architecture, the base, the prepared directory, its manifest): the preference data of
-    `cfg.preference` prepared with the base's tokenizer (shared by the reward model and DPO)."""
-    cfg, base = locate_base(cfg, "preference")
+def load_pairs(cfg: Config, log) -> tuple[object, Path, dict]:
+    """(the base, the prepared directory, its manifest): the preference data of `cfg.preference` prepared with
+    the base's tokenizer (shared by the reward model and DPO)."""
+    base = locate_base(cfg, "preference")
     tokenizer_file = tokenizer_path(cfg, base, "preference")
     pc, tc = cfg.preference, cfg.train
     with data_errors("preference"):
@@ -72,8 +72,8 @@ def load_pairs(cfg: Config, log) -> tuple[Config, object, Path, dict]:
                                       tokenizer_path=tokenizer_file, template=pc.template, seq_len=tc.seq_len,
                                       overlong=pc.overlong, eval_fraction=pc.eval_fraction, seed=tc.seed,
                                       pairs_per_row=pc.pairs_per_row, log=log)
-    cfg = check_vocab(cfg, manifest, tokenizer_file)
-    return cfg, base, Path(cfg.data.path), manifest
+    check_vocab(cfg, manifest, tokenizer_file)
+    return base, Path(cfg.data.path), manifest
 
 
 def held_out_rows(cfg: Config, directory: Path, extra: dict | None = None) -> tuple[list[dict], dict]:
@@ -85,9 +85,9 @@ def held_out_rows(cfg: Config, directory: Path, extra: dict | None = None) -> tu
     return pairs, rows.get_rows(np.arange(max(p["row"] for p in pairs) + 1))  # the rows those pairs are in
 
 
-def reward_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
-    """(cfg with the base's architecture, the reward-model objective), preparing the pairs first."""
-    cfg, base, directory, manifest = load_pairs(cfg, log)
+def reward_objective(cfg: Config, log=print) -> Objective:
+    """The reward-model objective of a resolved `cfg`, preparing the pairs first."""
+    base, directory, manifest = load_pairs(cfg, log)
     K = cfg.preference.pairs_per_row
     pairs, rows = held_out_rows(cfg, directory)
     open_batches, eval_batches = row_batches(cfg, directory)
@@ -102,6 +102,6 @@ def reward_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
     lora = cfg.lora if cfg.lora.rank else None
     model = reward_model_objective(cfg.model, cfg.precision, cfg.pipeline, lora, base and base.rope_scaling, K,
                                    cfg.reward, sequence_parallel=cfg.mesh.sequence_parallel)
-    return cfg, dataclasses.replace(model, open_batches=open_batches, eval_batches=eval_batches,
+    return dataclasses.replace(model, open_batches=open_batches, eval_batches=eval_batches,
                                     tokenizer=load_tokenizer(directory / manifest["tokenizer"]), sample_prompt=None,
                                     base=base, report=report)

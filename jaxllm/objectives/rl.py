@@ -281,10 +281,9 @@ class RolloutBatches:
 
 @dataclasses.dataclass(frozen=True)
 class RLSetup:
-    """What an RL objective is built from: the config with the base's architecture, the base, the plain LM and
-    the policy objectives, the sampler, the prompts ({"train", "eval"}) and the held-out report."""
+    """What an RL objective is built from: the base, the plain LM and the policy objectives, the sampler, the
+    prompts ({"train", "eval"}) and the held-out report."""
 
-    cfg: Config
     base: object
     plain: Objective
     policy: Objective
@@ -296,7 +295,10 @@ class RLSetup:
 def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSetup:
     """Locate the base, resolve the reward, read the prompts and build the sampler of `cfg.<section>`;
     `build_policy(model, precision, pipeline, lora, rope_scaling=..., sequence_parallel=...)` gives the policy's objective."""
-    cfg, base = locate_base(cfg, section)
+    base = locate_base(cfg, section)
+    if cfg != rollout_rows(cfg, section):
+        raise ConfigError("train.seq_len", f"{section.upper()} rows are sized before the objective is built "
+                                           "(jaxllm.launch.train.resolve): resolve the config first")
     if base is None:
         raise ConfigError("checkpoint.restore_from", f"{section.upper()} starts from a model, its reference: name "
                                                      "a jaxllm run or a Hugging Face model directory")
@@ -316,7 +318,6 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSet
                                tokenizer, settings.template, settings.max_prompt_tokens, log)
     if not prompts["train"]:
         raise ConfigError(f"{section}.train_file", f"no usable prompts in {settings.train_file}")
-    cfg = rollout_rows(cfg, section)
     rope = base.rope_scaling
     sp = cfg.mesh.sequence_parallel
     plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
@@ -336,7 +337,7 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSet
                                    "eos_rate": float(rows["stopped"].mean()),
                                    "length": float(rows["mask"].sum(axis=1).mean())}}, "samples": samples}
 
-    return RLSetup(cfg, base, plain, policy, sampler, prompts, report)
+    return RLSetup(base, plain, policy, sampler, prompts, report)
 
 
 def rl_objective(setup: RLSetup, name: str, loss_fn, open_batches, progress_metrics: tuple[str, ...]) -> Objective:

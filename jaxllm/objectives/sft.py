@@ -20,16 +20,16 @@ from jaxllm.train.objective import Objective
 from jaxllm.objectives.pretrain import lm_objective
 
 
-def sft_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
-    """(cfg with the base's architecture, the SFT objective), preparing the data first."""
-    cfg, base = locate_base(cfg, "sft")
+def sft_objective(cfg: Config, log=print) -> Objective:
+    """The SFT objective of a resolved `cfg`, preparing the data first."""
+    base = locate_base(cfg, "sft")
     tokenizer_file = tokenizer_path(cfg, base, "sft")
     sc, tc = cfg.sft, cfg.train
     with data_errors("sft"):
         manifest = prepare_sft(cfg.data.path, train_file=sc.train_file, eval_file=sc.eval_file,
                                tokenizer_path=tokenizer_file, template=sc.template, seq_len=tc.seq_len,
                                overlong=sc.overlong, eval_fraction=sc.eval_fraction, seed=tc.seed, log=log)
-    cfg = check_vocab(cfg, manifest, tokenizer_file)
+    check_vocab(cfg, manifest, tokenizer_file)
     directory = Path(cfg.data.path)
     tokenizer = load_tokenizer(directory / manifest["tokenizer"])
     examples = eval_prompts(directory)[: sc.eval_examples]
@@ -42,6 +42,6 @@ def sft_objective(cfg: Config, log=print) -> tuple[Config, Objective]:
     lora = cfg.lora if cfg.lora.rank else None
     lm = lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora, rope_scaling=base and base.rope_scaling,
                       sequence_parallel=cfg.mesh.sequence_parallel)
-    return cfg, dataclasses.replace(lm, name="sft", open_batches=open_batches, eval_batches=eval_batches,
+    return dataclasses.replace(lm, name="sft", open_batches=open_batches, eval_batches=eval_batches,
                                     tokenizer=tokenizer, sample_prompt=None, base=base,
                                     report=report if examples else None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from flax import nnx
 
 from jaxllm.model.build import abstract_model
-from jaxllm.objectives.registry import objective_for
+from jaxllm.objectives.registry import planned_model
 from jaxllm.observe.comms import step_comms
 from jaxllm.observe.memory import buffer_rows, format_buffers
 from jaxllm.optim.chain import make_optimizer
@@ -16,8 +16,10 @@ from jaxllm.train.state import abstract_objective_state, state_shardings
 
 
 def memory_report(cfg, count: int = 20) -> str:
-    """`format_buffers` of the run `cfg` describes, from its abstract train state: nothing is allocated."""
-    cfg, objective = objective_for(cfg, log=lambda _: None)
+    """`format_buffers` of the run `cfg` (a planned config: `jaxllm.objectives.registry.planned_config`)
+    describes, from the abstract train state of the model that trains: nothing is allocated, and no data is
+    prepared or read."""
+    objective = planned_model(cfg)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     state, frozen = abstract_objective_state(objective, tx, cfg.anomaly.window)
     mesh = make_mesh(cfg.mesh)
