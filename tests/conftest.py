@@ -59,6 +59,19 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# XLA:CPU runs the collectives of 8 fake devices on shared threads, and under load (2 cores, two test workers) one
+# device now and then never reaches an all-reduce: XLA aborts the process at its rendezvous limit with this
+# message (seen in 1 of 6 full runs on 2026-12-04, a DPO resume run, at either optimisation level). It is XLA's
+# runtime, not the code under test, so a test that failed with that message in its output runs once more from
+# scratch (pytest-rerunfailures, only on this message); any other failure fails at once.
+XLA_CPU_WEDGE = r"Termination timeout for `[a-z -]+ RendezvousKey"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.flaky(reruns=1, only_rerun=[XLA_CPU_WEDGE]))
+
+
 def made_once(tmp_path_factory, name: str, make) -> Path:
     """The directory `name`, filled by `make(directory)` once per test run. pytest-xdist runs each worker's
     session fixtures on their own, so the reference runs every worker needs would be made once per worker: the
