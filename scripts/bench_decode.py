@@ -1,6 +1,6 @@
 """Decode throughput against the memory-bandwidth bound:
 `python scripts/bench_decode.py --config configs/gpu/llama_1b_h200.py [--batches 1,8,64] [--prompt 512]
-[--new 512] [--bandwidth 4.8e12]`.
+[--new 512] [--bandwidth 4.8e12] [--profile DIR]`.
 
 The config's model (random weights, in its compute dtype: a served model's weights are not float32) decodes
 greedily with jaxllm.model.sample's KV-cache loop (prefill, then one token per step in one jitted call) at each
@@ -11,7 +11,9 @@ all cache slots, masked), so its bound is
 
     tokens/s <= B x bandwidth / (parameter bytes + B x KV-cache bytes per row)
 
-printed beside the measured figure, with their ratio. Ends with one JSON line.
+printed beside the measured figure, with their ratio. Ends with one JSON line. `--profile DIR` traces one more
+long call at the first batch size with jax.profiler into DIR (read it with scripts/profile_breakdown.py, or Perfetto),
+to see where a step's time goes beyond reading the weights.
 """
 
 import json
@@ -62,6 +64,20 @@ def measure(cfg, batch: int, prompt: int, new: int, bandwidth: float, graphdef, 
                 kv_bytes_per_row=kv, bound_tokens_per_sec=bound, of_bound=tokens_per_sec / bound)
 
 
+def trace_decode(graphdef, params, cfg, batch: int, prompt: int, new: int, out_dir: str) -> None:
+    """One more long decode call (already compiled by `measure`) under jax.profiler, into `out_dir`."""
+    import jax
+    import numpy as np
+
+    from jaxllm.model.sample import decode
+
+    tokens = np.random.default_rng(0).integers(1, cfg.model.vocab_size, (batch, prompt)).astype(np.int32)
+    start = np.zeros((batch,), np.int32)
+    with jax.profiler.trace(out_dir):
+        jax.block_until_ready(decode(graphdef, params, tokens, start, max_new_tokens=new))
+    print(f"trace of one {new}-token call at batch {batch} in {out_dir}", flush=True)
+
+
 def main(argv):
     args_list, overrides = split_overrides(argv)
     p = parser(__doc__.splitlines()[0])
@@ -70,6 +86,7 @@ def main(argv):
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens per row")
     p.add_argument("--new", type=int, default=512, help="generated tokens of the long call (> 16)")
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="memory bytes/s of the bound (H200: 4.8e12)")
+    p.add_argument("--profile", default=None, help="directory for a jax.profiler trace of one long call")
     args = p.parse_args(args_list)
     try:
         from bench_step import bench_config
@@ -102,6 +119,8 @@ def main(argv):
         rows.append(row)
         print(f"{batch:>5} {row['tokens_per_sec']:>10,.0f} {row['step_ms']:>8.2f} {row['bound_tokens_per_sec']:>15,.0f} "
               f"{row['of_bound']:>9.3f}", flush=True)
+    if args.profile:
+        trace_decode(graphdef, params, cfg, batches[0], args.prompt, args.new, args.profile)
     print(json.dumps({"bench": "decode", "config": args.config, "rows": rows}))
     return 0
 

@@ -70,3 +70,36 @@ def test_unrolled_layers_equal_the_scan(mesh_shape, num_layers, microbatches, lo
         assert scan_whiles >= 2 and loop_whiles == 0, (scan_whiles, loop_whiles)
     else:  # the pipeline's own iteration loops stay; the layer scans nested in them go
         assert loop_whiles < scan_whiles, (scan_whiles, loop_whiles)
+
+
+def _decode_program(cfg: ModelConfig, prompts):
+    """(new tokens, their log-probabilities, the compiled decode program's text) of greedy KV-cache decoding."""
+    from jaxllm.model import sample
+
+    graphdef, params = nnx.split(build_model(cfg, F32, jax.random.key(0)))
+    tokens, start = sample.left_pad(prompts)
+    new, logps = sample.decode(graphdef, params, tokens, start, max_new_tokens=6)
+    stops = np.full((sample.STOP_SLOTS,), sample.NO_TOKEN, np.int32)
+    compiled = sample._decode.lower(graphdef, params, tokens, start, np.int32(6), stops, np.float32(1e-6),
+                                    np.int32(0), np.float32(1.0), np.int32(sample.ALL_IDS), jax.random.key(0),
+                                    cache_len=sample.bucket(tokens.shape[1] + 6), sampling=False).compile()
+    return np.asarray(new), np.asarray(logps), compiled.as_text()
+
+
+def test_unrolled_decode_equals_the_scan_and_slices_no_weight_per_token():
+    """Decoding with the layers unrolled gives the scanned decode's tokens and log-probabilities, and its token
+    loop carries per-layer weights sliced once before it: no stacked [L, ...] array enters the while loop (a
+    slice inside it is a copy of every weight at every token)."""
+    cfg = dataclasses.replace(MODEL, num_layers=3, remat="none")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    scan_new, scan_logps, scan_text = _decode_program(cfg, prompts)
+    loop_new, loop_logps, loop_text = _decode_program(dataclasses.replace(cfg, scan_layers=False), prompts)
+    np.testing.assert_array_equal(loop_new, scan_new)
+    np.testing.assert_allclose(loop_logps, scan_logps, rtol=1e-5, atol=1e-6)
+
+    def stacked_in_token_loop(text):
+        loop = next(line for line in text.splitlines() if " while(" in line and "s32[2,16]" in line)
+        return re.findall(r"f32\[3,\d+[,\d]*\]", loop.split(" while(")[0])
+
+    assert stacked_in_token_loop(scan_text), "the scanned decode should carry the stacked weights"
+    assert not stacked_in_token_loop(loop_text), stacked_in_token_loop(loop_text)

@@ -82,7 +82,8 @@ def _decode(graphdef, params, tokens_BP, start_B, max_new, stop_ids, temperature
                              vocab_limit=vocab_limit, sampling=sampling)
 
     cache = KVCache.zeros(model.cfg, B, cache_len, model.compute_dtype)
-    logits_BV, cache = model.decode(tokens_BP, cache, 0, start_B)
+    layers = model.decode_layers()  # unrolled layers' weights, sliced once ahead of the loop (None: scanned)
+    logits_BV, cache = model.decode(tokens_BP, cache, 0, start_B, layers)
     token_B, logp_B = pick(logits_BV, step=0)
     out_BN = jnp.full((B, cache_len - P), NO_TOKEN, jnp.int32).at[:, 0].set(token_B)
     logp_BN = jnp.zeros((B, cache_len - P), jnp.float32).at[:, 0].set(logp_B)
@@ -95,7 +96,7 @@ def _decode(graphdef, params, tokens_BP, start_B, max_new, stop_ids, temperature
     def body(carry):
         step, cache, token_B, done_B, out_BN, logp_BN = carry
         # Token `step - 1` sits in slot P + step - 1; its logits give token `step`.
-        logits_BV, cache = model.decode(token_B[:, None], cache, P + step - 1, start_B)
+        logits_BV, cache = model.decode(token_B[:, None], cache, P + step - 1, start_B, layers)
         new_B, logp_B = pick(logits_BV, step=step)
         out_BN = out_BN.at[:, step].set(jnp.where(done_B, NO_TOKEN, new_B))
         logp_BN = logp_BN.at[:, step].set(jnp.where(done_B, 0.0, logp_B))

@@ -97,14 +97,20 @@ CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer for S cache slots: two arrays [L, B, S, K, H]."""
+    """Keys and values of every layer for S cache slots: two arrays [L, B, S, K, H] for scanned layers, or, with
+    the layers unrolled (`model.scan_layers=False`), two tuples of L arrays [B, S, K, H], one per layer, so that
+    no decode step slices (copies) a layer's cache out of a stack."""
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | tuple
+    v: jax.Array | tuple
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        if not cfg.scan_layers:
+            layers = tuple(constrain(jnp.zeros(shape, dtype), CACHE_AXES[1:]) for _ in range(cfg.num_layers))
+            return cls(layers, tuple(constrain(jnp.zeros(shape, dtype), CACHE_AXES[1:]) for _ in layers))
+        shape = (cfg.num_layers,) + shape
         return cls(constrain(jnp.zeros(shape, dtype), CACHE_AXES), constrain(jnp.zeros(shape, dtype), CACHE_AXES))
 
 
@@ -126,6 +132,23 @@ def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_
 
     (x_BTD, k, v, _), _ = jax.lax.scan(body, (x_BTD, cache.k, cache.v, jnp.int32(0)), stacked)
     return x_BTD, KVCache(k, v)
+
+
+def unroll_layers_decode(layers: tuple, x_BTD, cache: KVCache, index, mask_BTS, sin_BTh, cos_BTh):
+    """`scan_layers_decode` as a Python loop over `Transformer.decode_layers`' per-layer modules, on a per-layer
+    cache (`model.scan_layers=False`).
+
+    Scanned, every decode step copies each layer's weights that feed cuBLAS (the MLP's three matrices) and its
+    cache slice out of the stacks: on an H200 those copies were a third of a 1B model's decode step
+    (docs/benchmarks.md). Here the weights were sliced once, ahead of the token loop, and each layer's keys and
+    values are arrays of their own.
+    """
+    keys, values = [], []
+    for layer, k_BSKH, v_BSKH in zip(layers, cache.k, cache.v):
+        x_BTD, k_BTKH, v_BTKH = layer.decode(x_BTD, k_BSKH, v_BSKH, index, mask_BTS, sin_BTh, cos_BTh)
+        keys.append(constrain(jax.lax.dynamic_update_slice(k_BSKH, k_BTKH, (0, index, 0, 0)), CACHE_AXES[1:]))
+        values.append(constrain(jax.lax.dynamic_update_slice(v_BSKH, v_BTKH, (0, index, 0, 0)), CACHE_AXES[1:]))
+    return x_BTD, KVCache(tuple(keys), tuple(values))
 
 
 def layer_keys(rng, num_layers: int):
@@ -307,21 +330,39 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):
         return self.logits(self.hidden_states(tokens_BT, segment_ids_BT, positions_BT, rng))
 
-    def decode(self, tokens_BT, cache: KVCache, index, start_B):
+    def decode_layers(self) -> tuple | None:
+        """The layers as L modules with arrays of their own (sliced from the stacked weights), for `decode` inside
+        a token loop with the layers unrolled; None when they are scanned.
+
+        Call it once, outside the loop: XLA does not hoist slices of a while loop's invariants out of its body, so
+        slicing in `decode` would copy every layer's weights at every token. The price is a second copy of the
+        layers' weights for the length of the call."""
+        if self.cfg.scan_layers:
+            return None
+        graphdef, stacked = nnx.split(self.layers)
+        return tuple(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+                     for i in range(self.cfg.num_layers))
+
+    def decode(self, tokens_BT, cache: KVCache, index, start_B, layers: tuple | None = None):
         """KV-cache forward of T new tokens that occupy cache slots [index, index + T).
 
         Rows are left-padded: row b's first real token sits in slot `start_B[b]`, so its positions count from
         there and slots before it are never attended to. Returns the logits of the last new token [B, V] (the
-        only ones sampling needs) and the updated cache.
+        only ones sampling needs) and the updated cache. With the layers unrolled, `layers` is
+        `decode_layers()`'s result, made once outside the token loop (None: made here).
         """
-        T, S = tokens_BT.shape[1], cache.k.shape[2]
+        T, S = tokens_BT.shape[1], jax.tree.leaves(cache.k)[0].shape[-3]
         slots_T = index + jnp.arange(T, dtype=jnp.int32)
         positions_BT = jnp.maximum(slots_T[None, :] - start_B[:, None], 0)
         sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
         slots_11S = jnp.arange(S, dtype=jnp.int32)[None, None, :]
         mask_BTS = (slots_11S <= slots_T[None, :, None]) & (slots_11S >= start_B[:, None, None])
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
-        x_BTD, cache = scan_layers_decode(self.layers, x_BTD, cache, index, mask_BTS, sin_BTh, cos_BTh)
+        if self.cfg.scan_layers:
+            x_BTD, cache = scan_layers_decode(self.layers, x_BTD, cache, index, mask_BTS, sin_BTh, cos_BTh)
+        else:
+            x_BTD, cache = unroll_layers_decode(layers or self.decode_layers(), x_BTD, cache, index, mask_BTS,
+                                                sin_BTh, cos_BTh)
         return self.logits(self.norm(x_BTD[:, -1:]))[:, 0], cache
 
 
