@@ -83,18 +83,12 @@ def main(argv):
 
         print(f"precision.compute=auto: {cfg.precision.compute}, {resolve_compute()[1]}", flush=True)
 
-    if planning:
-        from jaxllm.objectives.registry import planned_config
+    if planning:  # plans describe the model that will train; the dry run and comms plan the step as it will run
+        from jaxllm.launch.train import resolve
+        from jaxllm.objectives.registry import resolved_shape
 
         try:
-            cfg = planned_config(cfg)
-        except ConfigError as exc:
-            fail(str(exc))
-    if args.dry_run or args.print_comms:  # plans of the step as it will run: "auto" settings chosen first
-        from jaxllm.plan.auto_fit import resolve_auto
-
-        try:
-            cfg = resolve_auto(cfg)
+            cfg = resolve(cfg) if args.dry_run or args.print_comms else resolved_shape(cfg)
         except ConfigError as exc:
             fail(str(exc))
     if args.dry_run:

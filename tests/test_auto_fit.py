@@ -82,14 +82,14 @@ def test_auto_needs_a_budget_on_cpu_and_a_candidate_that_fits():
 
 
 class _Chosen(Exception):
-    """Raised by the stand-in for resolve_auto once it has seen the config auto-fit would choose for."""
+    """Raised by the stand-in for auto_fit.choose once it has seen the config auto-fit would choose for."""
 
 
 @pytest.mark.parametrize("objective", ["sft", "grpo"])
 def test_auto_fit_chooses_for_the_base_s_architecture_and_the_rollout_rows(objective, bases, tmp_path, monkeypatch):
     """train() sizes "auto" settings for the model that will train: a fine-tuning run's base's architecture (tiny
     here, not the config file's), and for RL the rollout rows' length, not train.seq_len."""
-    import jaxllm.launch.train as launch
+    from jaxllm.plan import auto_fit
     from jaxllm.objectives.rl import prompt_bucket
 
     seen = []
@@ -98,7 +98,7 @@ def test_auto_fit_chooses_for_the_base_s_architecture_and_the_rollout_rows(objec
         seen.append(cfg)
         raise _Chosen
 
-    monkeypatch.setattr(launch, "resolve_auto", stand_in)
+    monkeypatch.setattr(auto_fit, "choose", stand_in)
     overrides = [f"--config.checkpoint.restore_from={bases[0]}", "--config.model.remat=auto",
                  f"--config.workdir={tmp_path / 'run'}", f"--config.{objective}.train_file=unused.jsonl",
                  "--config.train.seq_len=64"]  # not the rollout rows' 128
@@ -119,11 +119,11 @@ def test_a_fine_tuning_vocabulary_of_auto_is_sized_from_its_tokenizer_before_the
     """SFT without a base: the resolution phase sizes model.vocab_size=auto from sft.tokenizer (the objective is
     then built from the resolved config and changes no setting); plans see the same size."""
     from jaxllm.config.schema import AUTO_VOCAB
-    from jaxllm.objectives.registry import planned_config, resolved_shape
+    from jaxllm.objectives.registry import resolved_shape
 
     overrides = ["--config.checkpoint.restore_from=", "--config.model.vocab_size=auto",
                  f"--config.sft.tokenizer={shakespeare_store / 'tokenizer.model'}",
                  "--config.sft.train_file=unused.jsonl", f"--config.workdir={tmp_path / 'run'}"]
     cfg = validate(build_config(str(ROOT / "configs" / "sft_lora.py"), split_overrides(overrides)[1]), 8)
     assert cfg.model.vocab_size == AUTO_VOCAB
-    assert resolved_shape(cfg).model.vocab_size == planned_config(cfg).model.vocab_size == 512  # the store's tokenizer
+    assert resolved_shape(cfg).model.vocab_size == 512  # the store's tokenizer

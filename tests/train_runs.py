@@ -232,14 +232,14 @@ def assert_dry_run_plans_the_run(command: list[str], workdir) -> None:
 
     from jaxllm.config.cli import build_config, split_overrides
     from jaxllm.config.schema import validate
-    from jaxllm.objectives.registry import planned_config
+    from jaxllm.objectives.registry import resolved_shape
     from jaxllm.plan.footprint import memory_plan
     from jaxllm.runs.checkpoint import Checkpointer, array_shapes
     from jaxllm.runs.loader import array_name, load_checkpoint
 
     args, overrides = split_overrides(command[2:])  # after python and scripts/train.py
     cd = build_config(args[args.index("--config") + 1], overrides, args[args.index("--workdir") + 1])
-    cfg = planned_config(validate(cd, jax.device_count(), check_batch=False))
+    cfg = resolved_shape(validate(cd, jax.device_count(), check_batch=False))
     plan = memory_plan(cfg, compiled=False)
     source = Checkpointer(Path(workdir) / "checkpoints", keep=1000, log=lambda *_: None)
     try:

@@ -6,7 +6,7 @@ import sys
 
 from jaxllm.config.schema import Config
 from jaxllm.objectives.registry import objective_for, resolved_shape
-from jaxllm.plan.auto_fit import resolve_auto
+from jaxllm.plan import auto_fit
 from jaxllm.train.fit import check_run_setup, fit, main_log
 from jaxllm.train.objective import Objective
 
@@ -16,7 +16,7 @@ def resolve(cfg: Config, log=print) -> Config:
     (a fine-tuning base's architecture, a vocabulary of "auto", an RL run's rollout rows:
     `jaxllm.objectives.registry.resolved_shape`), then the "auto" settings chosen for it
     (jaxllm/plan/auto_fit.py: the remat policy is part of the model, so before it is built)."""
-    return resolve_auto(resolved_shape(cfg), log)
+    return auto_fit.choose(resolved_shape(cfg), log)
 
 
 def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) -> dict:

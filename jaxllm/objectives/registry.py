@@ -86,11 +86,6 @@ def resolved_shape(cfg: Config) -> Config:
     return spec.shape(cfg)
 
 
-def planned_config(cfg: Config) -> Config:
-    """The configuration a plan describes (`resolved_shape`; the auto settings are the plan's to choose)."""
-    return resolved_shape(cfg)
-
-
 def planned_model(cfg: Config) -> Objective:
     """The model half of the objective `cfg` trains (what trains, what is frozen), for plans."""
     return OBJECTIVES[cfg.train.objective].model(cfg)

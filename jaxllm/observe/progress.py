@@ -22,8 +22,8 @@ class ProgressBar:
 
     STEADY_STEPS = 2
 
-    def __init__(self, total: int, start: int = 0, stream=None, width: int = 24, min_interval: float | None = None):
-        self.total, self.start, self.width = total, start, width
+    def __init__(self, total: int, stream=None, width: int = 24, min_interval: float | None = None):
+        self.total, self.width = total, width
         self.stream = stream or sys.stdout
         self.tty = getattr(self.stream, "isatty", lambda: False)()
         self.min_interval = min_interval if min_interval is not None else (0.2 if self.tty else 10.0)

@@ -26,7 +26,6 @@ import jax
 from jaxllm.config.schema import AUTO_GRAD_ACCUM, AUTO_REMAT, Config, ConfigError
 from jaxllm.observe.sizes import GB
 from jaxllm.plan.footprint import compiled_step
-from jaxllm.objectives.pretrain import with_store_vocab
 
 REMAT_ORDER = ("none", "save_dots", "minimal_with_context", "save_qkv_proj", "full")  # least recomputation first
 def memory_budget(cfg: Config) -> int:
@@ -124,13 +123,3 @@ def choose(cfg: Config, log=print) -> Config:
     log(f"chose model.remat={chosen['remat']}, optim.grad_accum={chosen['grad_accum']} (micro-batch "
         f"{chosen['micro_batch']} of train.batch_size={cfg.train.batch_size})")
     return with_setting(cfg, chosen["remat"], chosen["grad_accum"])
-
-
-def resolve_auto(cfg: Config, log=print) -> Config:
-    """`choose` for a run about to build its objective: a pretraining vocabulary of "auto" is sized first from
-    the token store (the candidates compile with it)."""
-    if cfg.model.remat != AUTO_REMAT and cfg.optim.grad_accum != AUTO_GRAD_ACCUM:
-        return cfg
-    if cfg.train.objective == "pretrain":
-        cfg = with_store_vocab(cfg)
-    return choose(cfg, log)

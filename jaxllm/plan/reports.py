@@ -16,7 +16,7 @@ from jaxllm.train.state import abstract_objective_state, state_shardings
 
 
 def memory_report(cfg, count: int = 20) -> str:
-    """`format_buffers` of the run `cfg` (a planned config: `jaxllm.objectives.registry.planned_config`)
+    """`format_buffers` of the run `cfg` (a planned config: `jaxllm.objectives.registry.resolved_shape`)
     describes, from the abstract train state of the model that trains: nothing is allocated, and no data is
     prepared or read."""
     objective = planned_model(cfg)

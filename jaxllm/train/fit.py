@@ -235,7 +235,7 @@ def fit(cfg: Config, objective: Objective, stream=sys.stdout) -> dict:
         f"attention {resolve_attention(cfg.model.attention, cfg.precision.compute)}")
 
     watchdog = HangWatchdog(tc.hang_timeout_s, workdir / f"hang-stacks-{jax.process_index()}.txt")
-    metrics_log = MetricsLog(cfg, mesh, workdir, start_step, is_main, stream, objective.progress_metrics,
+    metrics_log = MetricsLog(cfg, mesh, workdir, is_main, stream, objective.progress_metrics,
                              on_step=watchdog.beat, stalls=planned_stalls(cfg.debug))
     summary: dict = {"compile_s": compile_s, "start_step": start_step, "startup_peak_live_bytes": peak_live.peak,
                      # which device ran it: the diagnosis judges MFU only against a known peak (jaxllm.observe.metrics)

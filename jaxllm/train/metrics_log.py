@@ -30,7 +30,7 @@ class MetricsLog:
     devices: the loop blocks exactly where a hung collective would block it.
     """
 
-    def __init__(self, cfg: Config, mesh, workdir: Path, start_step: int, is_main: bool, stream,
+    def __init__(self, cfg: Config, mesh, workdir: Path, is_main: bool, stream,
                  progress_metrics: tuple[str, ...] = (), on_step: Callable[[int, float], None] = lambda *_: None,
                  stalls: dict[int, float] | None = None):
         tc = cfg.train
@@ -40,7 +40,7 @@ class MetricsLog:
         self.peak, self.devices = peak_flops_per_device(cfg.peak_flops, cfg.precision.compute), mesh.size
         self.writer = MetricsWriter(workdir, cfg.metrics, enabled=is_main, run_config=cfg.to_dict())
         self.host_times = HostTimes()  # the loop's data wait, checkpoint blocking and eval, per record
-        self.bar = ProgressBar(tc.steps, start=start_step, stream=stream) if is_main else None
+        self.bar = ProgressBar(tc.steps, stream=stream) if is_main else None
         self.shown = progress_metrics
         self.log_every, self.total = tc.log_every, tc.steps
         self.step_times: list[float] = []
