@@ -19,13 +19,20 @@ SFT_TASK := build/data/sft_task
 PAIRS := build/data/preference
 CPU_DEVICES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=180" JAX_PLATFORMS=cpu
 
-.PHONY: install data train sft reward dpo grpo ppo pipeline test test-smoke bench docs docs-check clean
+.PHONY: install data train sft reward dpo grpo ppo pipeline test test-smoke bench docs docs-check clean \
+	check-sft check-reward check-dpo check-grpo check-ppo
 
+# `make install` installs what training needs (the package and its dependencies); `make test` adds the test extra
+# (the reference libraries of the parity tests: torch, transformers, peft, trl; pytest and its plugins) on top.
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
@@ -37,30 +44,33 @@ $(DATA)/manifest.json: $(VENV)/.installed data/shakespeare.jsonl.gz
 train: data
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/pretrain.py $(ARGS)
 
+# A post-training target first checks that the run it starts from exists, before it installs or builds anything
+# (make runs a target's prerequisites left to right).
+$(addprefix check-,sft reward): check-%:
+	@test -d runs/pretrain/checkpoints || { echo "error: make $* starts from the model of make train (runs/pretrain): run make train first" >&2; exit 2; }
+
+$(addprefix check-,dpo grpo ppo): check-%:
+	@test -d runs/sft_lora/checkpoints || { echo "error: make $* starts from the model of make sft (runs/sft_lora): run make sft first" >&2; exit 2; }
+
 $(SFT_TASK)/train.jsonl: $(VENV)/.installed data/shakespeare.jsonl.gz scripts/make_sft_task.py
 	$(BIN)/python scripts/make_sft_task.py --out $(SFT_TASK)
 
-sft: $(SFT_TASK)/train.jsonl
-	@test -d runs/pretrain/checkpoints || { echo "error: make sft fine-tunes the model of make train: run make train first" >&2; exit 2; }
+sft: check-sft $(SFT_TASK)/train.jsonl
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/sft_lora.py --config.checkpoint.restore_from=runs/pretrain $(ARGS)
 
 $(PAIRS)/train.jsonl: $(VENV)/.installed data/shakespeare.jsonl.gz scripts/make_preference_set.py scripts/make_sft_task.py
 	$(BIN)/python scripts/make_preference_set.py --out $(PAIRS)
 
-reward: $(PAIRS)/train.jsonl
-	@test -d runs/pretrain/checkpoints || { echo "error: make reward starts from the model of make train: run make train first" >&2; exit 2; }
+reward: check-reward $(PAIRS)/train.jsonl
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/reward.py --config.checkpoint.restore_from=runs/pretrain $(ARGS)
 
-dpo: $(PAIRS)/train.jsonl
-	@test -d runs/sft_lora/checkpoints || { echo "error: make dpo starts from the model of make sft: run make sft first" >&2; exit 2; }
+dpo: check-dpo $(PAIRS)/train.jsonl
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/dpo.py --config.checkpoint.restore_from=runs/sft_lora $(ARGS)
 
-grpo: $(SFT_TASK)/train.jsonl
-	@test -d runs/sft_lora/checkpoints || { echo "error: make grpo starts from the model of make sft: run make sft first" >&2; exit 2; }
+grpo: check-grpo $(SFT_TASK)/train.jsonl
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/grpo.py --config.checkpoint.restore_from=runs/sft_lora $(ARGS)
 
-ppo: $(SFT_TASK)/train.jsonl
-	@test -d runs/sft_lora/checkpoints || { echo "error: make ppo starts from the model of make sft: run make sft first" >&2; exit 2; }
+ppo: check-ppo $(SFT_TASK)/train.jsonl
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/ppo.py --config.checkpoint.restore_from=runs/sft_lora $(ARGS)
 
 pipeline: install
@@ -71,12 +81,12 @@ pipeline: install
 # (shared reference runs) in one worker.
 TEST_WORKERS ?= 2
 
-test: install
+test: $(VENV)/.installed-test
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
 
 # The short subset that CI also runs under Python 3.12 with current JAX, to catch API drift early.
-test-smoke: install
+test-smoke: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m smoke $(ARGS)
 
 bench: data
