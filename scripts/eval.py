@@ -15,7 +15,8 @@
                  "kind" groups them), tokenised as the run's training pairs were (its preference.template,
                  train.seq_len); accuracy per kind, over all and on the length-matched subset ("reward")
 A LoRA fine-tuning checkpoint is evaluated with its adapters on the base model it records.
-Prints one JSON object.
+Prints one JSON object; its "units" entry says what the numbers are (UNITS below): every accuracy and exact
+match in percent, BLEU on sacrebleu's 0-100 scale (null for answers too short to be free text), loss in nats.
 """
 
 import json
@@ -23,6 +24,9 @@ import sys
 from pathlib import Path
 
 from jaxllm.config.cli import fail, parser
+
+UNITS = ("accuracies and exact_match: percent (0-100); bleu: sacrebleu corpus BLEU (0-100), null where the "
+         "references are not free text (a median under 4 words); loss: nats per token")
 
 
 def main(argv):
@@ -82,7 +86,7 @@ def main(argv):
     if args.tokenizer is not None:
         tokenizer_file = Path(args.tokenizer)
 
-    result = {}
+    result = {"units": UNITS}
     try:
         if data is not None:
             ppl = evaluate.perplexity(graphdef, params, mesh, data, split=args.split, seq_len=seq_len,

@@ -184,9 +184,10 @@ def test_multiple_choice_accuracy(imported, shakespeare_store, tmp_path, capsys)
     for name, path in (("worst", worst), ("best_char", best_char)):
         results[name] = evaluate.multiple_choice(loaded.graphdef, loaded.params, mesh, tokenizer,
                                                  evaluate.read_choices(path))
-    assert results["best"]["mc_accuracy"] == 1.0 and results["best"]["mc_questions"] == 3
+    assert results["best"]["mc_accuracy"] == 100.0 and results["best"]["mc_questions"] == 3  # percent, as named:
+    assert "percent" in results["best"]["units"]
     assert results["worst"]["mc_accuracy"] == 0.0
-    assert results["best_char"]["mc_accuracy_norm"] == 1.0
+    assert results["best_char"]["mc_accuracy_norm"] == 100.0
     # The batched, padded scorer agrees with the independent one.
     q, c = QUESTIONS[0]
     pairs = [evaluate.encode_choice(tokenizer, q, x) for x in c]

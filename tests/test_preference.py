@@ -245,6 +245,30 @@ def test_dpo_at_the_reference_with_tiny_beta_is_log_2_with_gradients_linear_in_b
     np.testing.assert_allclose(large, 2 * small, rtol=1e-4, atol=1e-12)
 
 
+def test_rpo_adds_alpha_times_the_chosen_responses_nll_per_token(policy):
+    """dpo.rpo_alpha: the loss grows by alpha x the chosen responses' negative log-likelihood per response token,
+    taken from each chosen sequence scored alone (TRL's "sft" term: cross-entropy over the chosen completions)."""
+    pairs = _random_pairs(3, 6)
+    rows, _ = pack_pairs(pairs, SEQ, 0, K)
+    alone = np.zeros((len(pairs), SEQ), np.int32)
+    for i, ((ids, _), _) in enumerate(pairs):
+        alone[i, :len(ids)] = ids
+    logp = np.asarray(jax.jit(lambda m, t: jax.nn.log_softmax(m(t), axis=-1))(policy, alone))
+    nll = [-logp[i, t, ids[t + 1]] for i, ((ids, mask), _) in enumerate(pairs) for t in range(len(ids) - 1)
+           if mask[t + 1]]
+    expected = float(np.mean(nll))
+    graphdef, adapters, frozen = nnx.split(policy, nnx.LoRAParam, ...)
+    plain = lm_objective(MODEL, F32).graphdef
+    out = {}
+    for alpha in (0.0, 0.5):
+        loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain, pairs_per_row=K,
+                                    dpo=DPOConfig(beta=0.5, rpo_alpha=alpha))
+        out[alpha] = grads_and_loss(graphdef, adapters, rows, loss_fn=loss_fn, frozen=frozen)[1:]
+    assert "nll_loss" not in out[0.0][2]
+    np.testing.assert_allclose(float(out[0.5][2]["nll_loss"]), expected, rtol=1e-5)
+    np.testing.assert_allclose(float(out[0.5][0]) - float(out[0.0][0]), 0.5 * expected, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------ layouts
 
 

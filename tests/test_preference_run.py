@@ -137,7 +137,8 @@ def test_dpo_trains_new_adapters_on_the_merged_sft_model(dpo_run, lora_run):
               for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(sft, nnx.Param))}
     assert frozen.keys() == merged.keys() and all(np.array_equal(frozen[k], merged[k]) for k in frozen)
     summary = json.loads((dpo_run / "summary.json").read_text())
-    assert summary["task"]["base"]["all"]["reward_accuracy"] == 0.0  # the policy starts as its reference
+    # The policy starts as its reference: every implicit reward margin is 0, so that accuracy is left out.
+    assert "reward_accuracy" not in summary["task"]["base"]["all"] and "logp_accuracy" in summary["task"]["base"]["all"]
     assert {"reward_accuracy", "logp_accuracy"} <= set(summary["task"]["tuned"]["all"])
     steps = [r for r in metrics(dpo_run) if "loss" in r]
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -153,10 +154,13 @@ def test_bad_settings_are_one_line_errors(bases, pairs, tmp_path):
                                   "preference.train_file"),
                                  ("reward", (f"--config.preference.train_file={bad}",), "preference.train_file"),
                                  ("dpo", ("--config.dpo.loss=hinge",), "dpo.loss")):
-        data = f"--config.data.path={tmp_path / key / 'data'}"
+        data = f"--config.data.path={tmp_path / 'data' / key}"
         proc = _run(objective, bases[0], pairs, tmp_path / key, *args, data)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {key}:"), proc.stderr[-2000:]
+        # Nothing is left behind (no empty run directory, no data), and no line points at a file never written.
+        assert not (tmp_path / key).exists() and not (tmp_path / "data").exists()
+        assert "manifest.json" not in proc.stdout + proc.stderr, proc.stdout
 
 
 def test_dpo_with_precomputed_reference_fine_tunes_everything(bases, pairs, tmp_path):

@@ -547,12 +547,16 @@ class DPOConfig:
     `beta`, `label_smoothing` (robust; with sigmoid it gives conservative DPO, which TRL 1.13.0's sigmoid
     ignores). `reference` "shared": the reference is the base with the adapters off (the same arrays, no copy;
     needs lora.rank > 0); "precomputed": the base scores every pair once before training and the sums are stored
-    with the data (jaxllm/objectives/reference.py): no reference model in memory, for full fine-tuning too."""
+    with the data (jaxllm/objectives/reference.py): no reference model in memory, for full fine-tuning too.
+    `rpo_alpha` > 0 adds that weight times the chosen responses' negative log-likelihood per token (RPO; TRL
+    1.13.0's loss_type ["sigmoid", "sft"] with loss_weights [1, rpo_alpha]): a guard against DPO lowering the
+    likelihood of the very responses it prefers."""
 
     beta: float = 0.1
     loss: str = "sigmoid"
     label_smoothing: float = 0.0
     reference: str = "shared"
+    rpo_alpha: float = 0.0
 
     def check(self, lora: LoRAConfig) -> None:
         """This section's fields, and the reference against the adapters `lora` trains."""
@@ -561,6 +565,8 @@ class DPOConfig:
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError("dpo.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
         _choice("dpo.reference", self.reference, DPO_REFERENCES)
+        if self.rpo_alpha < 0:
+            raise ConfigError("dpo.rpo_alpha", f"must be >= 0, got {self.rpo_alpha}")
         if self.reference == "shared" and not lora.rank:
             raise ConfigError("dpo.reference", "'shared' (the base with adapters off) needs LoRA adapters "
                                                "(lora.rank > 0)")

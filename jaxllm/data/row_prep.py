@@ -109,7 +109,7 @@ def read_and_encode(output: Path, files: tuple, eval_fraction: float, seed: int,
     train_file, eval_file = files
     skipped: list[dict] = []
     splits = read_splits(train_file, eval_file, eval_fraction, seed, parse, skipped)
-    report_skipped(skipped, output, log)
+    report_skipped(skipped, log)
     encoded = {name: encode(records) for name, records in splits.items()}
     for name, enc in encoded.items():
         if not enc.items:
@@ -153,11 +153,12 @@ def commit(output: Path, manifest: dict, write: Callable[[Path], dict], tokenize
     return manifest
 
 
-def report_skipped(skipped: list[dict], output: Path, log) -> None:
+def report_skipped(skipped: list[dict], log) -> None:
+    """The first MAX_REPORTED_LINES skipped lines, one log line each, and how many there were."""
     for line in skipped[:MAX_REPORTED_LINES]:
         log(f"skipped {line['file']} line {line['line']}: {line['reason']}")
-    if skipped:
-        log(f"skipped {len(skipped)} unusable lines (listed in {output / MANIFEST})")
+    if len(skipped) > MAX_REPORTED_LINES:
+        log(f"skipped {len(skipped)} unusable lines in all")
 
 
 class PreparedRows:

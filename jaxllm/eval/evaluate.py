@@ -108,7 +108,7 @@ def continuation_logprobs(graphdef, params, mesh, pairs: Sequence[tuple[list[int
 
 
 def multiple_choice(graphdef, params, mesh, tokenizer, items: Iterable[dict]) -> dict:
-    """Accuracy by summed log-likelihood, per-token mean and per-character (`norm`) of each choice."""
+    """Accuracy in percent by summed log-likelihood, per-token mean and per-character (`norm`) of each choice."""
     items = list(items)
     right = right_token = right_char = 0
     for item in items:
@@ -120,5 +120,5 @@ def multiple_choice(graphdef, params, mesh, tokenizer, items: Iterable[dict]) ->
         right_token += int(np.argmax(per_token) == item["answer"])
         right_char += int(np.argmax(per_char) == item["answer"])
     n = max(len(items), 1)
-    return {"mc_accuracy": right / n, "mc_accuracy_norm": right_char / n, "mc_accuracy_per_token": right_token / n,
-            "mc_questions": len(items)}
+    return {"mc_accuracy": 100.0 * right / n, "mc_accuracy_norm": 100.0 * right_char / n,
+            "mc_accuracy_per_token": 100.0 * right_token / n, "mc_questions": len(items)}

@@ -1,8 +1,11 @@
 """Task metrics of a generating model: greedy responses to held-out prompts, scored by exact match and by corpus
 BLEU (sacrebleu), per task (each example's "task" field) and over all examples.
 
-Exact match compares the response and the reference with surrounding whitespace stripped. BLEU is sacrebleu's
-corpus BLEU with its default 13a tokenisation, as reported in papers (a hand-written BLEU would not be comparable).
+Exact match compares the response and the reference with surrounding whitespace stripped (percent). BLEU is
+sacrebleu's corpus BLEU with its default 13a tokenisation, as reported in papers (a hand-written BLEU would not be
+comparable), on its 0-100 scale. It is reported only for free text: a group whose references have a median of
+fewer than BLEU_ORDER words (one-word answers, labels) has no 4-grams to match, and its BLEU (15 for one-word
+answers where exact match read 0.3%) would say nothing; its "bleu" is None.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import jax
 from jaxllm.model.sample import generate
 
 GENERATE_BATCH = 64  # prompts decoded together (bounds the KV cache of large models)
+BLEU_ORDER = 4  # sacrebleu's highest n-gram order: shorter references are not free text to BLEU
 ALL = "all"
 
 
@@ -33,7 +37,7 @@ def responses(graphdef, variables, mesh, tokenizer, prompts: Sequence[Sequence[i
 
 
 def score(hypotheses: Sequence[str], examples: Sequence[dict]) -> dict:
-    """{task: {"examples", "exact_match" (%), "bleu"}} for each task and for "all"."""
+    """{task: {"examples", "exact_match" (%), "bleu" (0-100, None unless free text)}} for each task and "all"."""
     import sacrebleu
 
     groups: dict[str, list[int]] = {ALL: list(range(len(examples)))}
@@ -44,8 +48,9 @@ def score(hypotheses: Sequence[str], examples: Sequence[dict]) -> dict:
         hyps = [hypotheses[i].strip() for i in members]
         refs = [examples[i]["reference"].strip() for i in members]
         exact = sum(h == r for h, r in zip(hyps, refs))
+        free_text = bool(refs) and sorted(len(r.split()) for r in refs)[len(refs) // 2] >= BLEU_ORDER
         result[task] = {"examples": len(members), "exact_match": 100.0 * exact / max(len(members), 1),
-                        "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score}
+                        "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score if free_text else None}
     return result
 
 

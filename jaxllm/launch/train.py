@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from jaxllm.config.schema import Config
 from jaxllm.objectives.registry import objective_for, resolved_shape
@@ -25,9 +26,17 @@ def train(cfg: Config, stream=sys.stdout, objective: Objective | None = None) ->
     Without `objective`, the config is resolved first (`resolve`) and the objective `train.objective` names is
     built from it (jaxllm/objectives/registry.py); a given `objective` trains under `cfg` as it is.
     """
-    if objective is None:
-        check_run_setup(cfg)  # a bad --workdir or backend fails before anything is planned or built
-        log = main_log(stream)
-        cfg = resolve(cfg, log)
-        objective = objective_for(cfg, log)
-    return fit(cfg, objective, stream)
+    workdir = Path(cfg.workdir)
+    new_workdir = not workdir.exists()
+    try:
+        if objective is None:
+            check_run_setup(cfg)  # a bad --workdir or backend fails before anything is planned or built
+            log = main_log(stream)
+            cfg = resolve(cfg, log)
+            objective = objective_for(cfg, log)
+        return fit(cfg, objective, stream)
+    except BaseException:
+        # A run that stops before it wrote anything (bad data, a refused setting) leaves no directory behind.
+        if new_workdir and workdir.is_dir() and not any(workdir.iterdir()):
+            workdir.rmdir()
+        raise

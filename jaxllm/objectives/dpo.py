@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.config.schema import Config, ConfigError, DPOConfig
 from jaxllm.data.tokenizer import load_tokenizer
@@ -57,7 +58,9 @@ def pair_logps(model, batch, plain_graphdef, pairs_per_row: int, rng=None) -> di
 
 
 def dpo_loss_fn(model, batch, rng=None, *, plain_graphdef, pairs_per_row: int, dpo: DPOConfig = DPOConfig()):
-    """`loss_fn` of DPO: the loss summed over the batch's pairs, counted per pair."""
+    """`loss_fn` of DPO: the loss summed over the batch's pairs, counted per pair. With `dpo.rpo_alpha` the
+    chosen responses' mean negative log-likelihood per token (over the batch, as TRL's "sft" term) is added to
+    each pair's loss, times rpo_alpha, and logged as nll_loss."""
     lp = pair_logps(model, batch, plain_graphdef, pairs_per_row, rng)
     mask = pair_mask(batch["segment_ids"], pairs_per_row)
     losses, chosen_rewards, rejected_rewards = dpo_loss(
@@ -68,7 +71,12 @@ def dpo_loss_fn(model, batch, rng=None, *, plain_graphdef, pairs_per_row: int, d
                "rewards/accuracies": masked_mean((chosen_rewards > rejected_rewards).astype(jnp.float32), mask),
                "rewards/margins": masked_mean(chosen_rewards - rejected_rewards, mask),
                "logps/chosen": masked_mean(lp["chosen"], mask), "logps/rejected": masked_mean(lp["rejected"], mask)}
-    return jnp.sum(losses * mask), jnp.sum(mask), metrics
+    loss_sum, count = jnp.sum(losses * mask), jnp.sum(mask)
+    if dpo.rpo_alpha:
+        nll = -jnp.sum(lp["chosen"] * mask) / jnp.maximum(jnp.sum(lp["chosen_len"] * mask), 1)
+        loss_sum += dpo.rpo_alpha * nll * count  # per pair, so the mean over pairs is the DPO loss + alpha * nll
+        metrics["nll_loss"] = nll
+    return loss_sum, count, metrics
 
 
 def dpo_objective(cfg: Config, log=print) -> Objective:
@@ -95,9 +103,13 @@ def dpo_objective(cfg: Config, log=print) -> Objective:
         lp = pair_eval.score_rows(graphdef, variables, mesh, rows, cfg.train.batch_size,
                                   lambda model, batch: pair_logps(model, batch, plain.graphdef, K))
         get = lambda name: pair_eval.per_pair(pairs, lp[name])
-        implicit = (get("chosen") - get("ref_chosen")) > (get("rejected") - get("ref_rejected"))
-        return pair_eval.accuracy_report(pairs, {"reward_accuracy": implicit,
-                                                 "logp_accuracy": get("chosen") > get("rejected")})
+        margin = (get("chosen") - get("ref_chosen")) - (get("rejected") - get("ref_rejected"))
+        correct = {"logp_accuracy": get("chosen") > get("rejected")}
+        # The implicit reward's accuracy means nothing while the policy is its reference (the base model, before
+        # training): every margin is 0 by construction, so the report leaves it out rather than print 0%.
+        if np.any(margin != 0):
+            correct = {"reward_accuracy": margin > 0, **correct}
+        return pair_eval.accuracy_report(pairs, correct)
 
     loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain.graphdef, pairs_per_row=K, dpo=cfg.dpo)
     return dataclasses.replace(policy, name="dpo", loss_fn=loss_fn, open_batches=open_batches,

@@ -387,8 +387,9 @@ def sample(cfg: Config, objective: Objective, run: Run, mesh, summary: dict, log
 
 
 def format_task_table(base: dict, tuned: dict) -> str:
-    """Base vs fine-tuned scores, one line per group ({group: {"examples": n, metric: value}}; a group or metric
-    the base lacks shows as nan). Metrics in percent (exact match, accuracies) end in "%"."""
+    """Base vs fine-tuned scores, one line per group ({group: {"examples": n, metric: value}}; a value that is
+    missing or None, e.g. BLEU of one-word answers, shows as n/a). Metrics in percent (exact match, accuracies)
+    end in "%"."""
     metrics = [m for m in next(iter(tuned.values()), {}) if m != "examples"]
     percent = lambda m: m == "exact_match" or m.endswith("accuracy")
     header = f"{'group':<16}{'examples':>9}" + "".join(f"{m + ' base':>{max(len(m) + 6, 12)}}{'tuned':>8}"
@@ -400,6 +401,7 @@ def format_task_table(base: dict, tuned: dict) -> str:
         for m in metrics:
             unit = "%" if percent(m) else ""
             width = max(len(m) + 6, 12) - len(unit)
-            row += f"{b.get(m, float('nan')):>{width}.{1 if unit else 2}f}{unit}{t[m]:>{8 - len(unit)}.{1 if unit else 2}f}{unit}"
+            shown = lambda v, w: f"{'n/a':>{w + len(unit)}}" if v is None else f"{v:>{w}.{1 if unit else 2}f}{unit}"
+            row += shown(b.get(m), width) + shown(t.get(m), 8 - len(unit))
         lines.append(row)
     return "\n".join(lines)
