@@ -42,6 +42,14 @@ def stages(out: Path, steps: int) -> list[tuple[str, list[list[str]], callable]]
                     f"--config.ppo.eval_file={data / 'sft_task' / 'eval.jsonl'}"]
     task = lambda s, name: s["task"]["tuned"]["all"][name]
     base_task = lambda s, name: s["task"]["base"]["all"][name]
+
+    def sft_task(s: dict) -> str:
+        """What a post-training stage did to the SFT task (exact match, perplexity of its held-out responses)."""
+        if "sft_task" not in s:
+            return "SFT task not reported"
+        before, after = s["sft_task"]["base"]["all"], s["sft_task"]["tuned"]["all"]
+        return (f"SFT task exact match {before['exact_match']:.1f}% -> {after['exact_match']:.1f}%, perplexity "
+                f"{before['perplexity']:.1f} -> {after['perplexity']:.1f}")
     return [
         ("prepare", [py + [str(ROOT / "scripts" / "prepare_data.py"), "--input", str(ROOT / "data" / "shakespeare.jsonl.gz"),
                            "--output", str(data / "shakespeare"), "--vocab_size", "512"],
@@ -57,7 +65,7 @@ def stages(out: Path, steps: int) -> list[tuple[str, list[list[str]], callable]]
         ("ppo", [train("ppo", "ppo", f"--config.checkpoint.restore_from={out / 'sft'}",
                        f"--config.ppo.reward=rm:{out / 'reward'}", *prompt_files)],
          lambda s: (f"reward-model score {base_task(s, 'reward'):.3f} -> {task(s, 'reward'):.3f}, "
-                    f"KL {task(s, 'kl'):.2f} nats")),
+                    f"KL {task(s, 'kl'):.2f} nats; {sft_task(s)}")),
     ]
 
 

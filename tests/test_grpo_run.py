@@ -59,6 +59,9 @@ def test_each_iteration_starts_at_ratio_1(grpo_run):
     assert all(s["reward"] == single_line(s["prompt"], s["response"]) for s in samples)
     summary = json.loads((grpo_run / "summary.json").read_text())
     assert summary["task"]["tuned"]["all"]["examples"] == 8 and "reward" in summary["task"]["base"]["all"]
+    # On a LoRA SFT run: that run's task before and after (tests/test_preference_run.py checks it against the SFT
+    # run's own report).
+    assert {"exact_match", "perplexity"} <= set(summary["sft_task"]["tuned"]["all"]) <= set(summary["sft_task"]["base"]["all"])
 
 
 def test_resumes_bitwise_after_sigterm_mid_iteration(grpo_run, lora_run, prompts, tmp_path):

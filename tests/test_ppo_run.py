@@ -63,6 +63,8 @@ def test_each_iteration_starts_at_ratio_1_and_logs_every_ppo_metric(ppo_run):
                                             abs=1e-5)
     summary = json.loads((ppo_run / "summary.json").read_text())
     assert {"reward", "kl", "eos_rate", "length"} <= set(summary["task"]["tuned"]["all"])
+    # The policy (the actor-critic's decoder with its adapters) on the SFT task of its base, before and after.
+    assert {"exact_match", "perplexity"} <= set(summary["sft_task"]["tuned"]["all"]) <= set(summary["sft_task"]["base"]["all"])
 
 
 def test_resumes_bitwise_after_sigterm_mid_iteration(ppo_run, lora_run, rl_prompts, tmp_path):

@@ -140,6 +140,13 @@ def test_dpo_trains_new_adapters_on_the_merged_sft_model(dpo_run, lora_run):
     # The policy starts as its reference: every implicit reward margin is 0, so that accuracy is left out.
     assert "reward_accuracy" not in summary["task"]["base"]["all"] and "logp_accuracy" in summary["task"]["base"]["all"]
     assert {"reward_accuracy", "logp_accuracy"} <= set(summary["task"]["tuned"]["all"])
+    # The base's SFT task, before and after: before, it is the SFT run's own end-of-run report (same examples,
+    # the merged SFT model), and its held-out responses' perplexity is finite.
+    sft_task = summary["sft_task"]
+    sft_summary = json.loads((lora_run / "summary.json").read_text())
+    assert sft_task["base"]["all"]["exact_match"] == sft_summary["task"]["tuned"]["all"]["exact_match"]
+    assert sft_task["base"]["all"]["examples"] == sft_summary["task"]["tuned"]["all"]["examples"]
+    assert all(1.0 < sft_task[side]["all"]["perplexity"] < 600 for side in ("base", "tuned")), sft_task
     steps = [r for r in metrics(dpo_run) if "loss" in r]
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
             "logps/rejected"} <= set(steps[0])

@@ -28,6 +28,7 @@ from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.model.head import head_stats
 from jaxllm.model.reference import reference_model
 from jaxllm.objectives import pair_eval
+from jaxllm.objectives.retention import with_sft_task
 from jaxllm.objectives.losses import dpo_loss
 from jaxllm.objectives.pairs import masked_mean, pair_mask, per_sequence_sums
 from jaxllm.objectives.finetune import row_batches
@@ -115,4 +116,4 @@ def dpo_objective(cfg: Config, log=print) -> Objective:
     return dataclasses.replace(policy, name="dpo", loss_fn=loss_fn, open_batches=open_batches,
                                     eval_batches=eval_batches,
                                     tokenizer=load_tokenizer(directory / manifest["tokenizer"]), sample_prompt=None,
-                                    base=base, report=report)
+                                    base=base, report=with_sft_task(report, base, cfg.train.batch_size, log))

@@ -37,6 +37,7 @@ from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.observe.metrics import JsonlWriter
 from jaxllm.objectives import reward_fns as rewards
+from jaxllm.objectives.retention import with_sft_task
 from jaxllm.objectives.rollout import response_logps, rollout, sequence_layout
 from jaxllm.model.reference import reference_model
 from jaxllm.model.sample import left_pad
@@ -337,7 +338,7 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSet
                                    "eos_rate": float(rows["stopped"].mean()),
                                    "length": float(rows["mask"].sum(axis=1).mean())}}, "samples": samples}
 
-    return RLSetup(base, plain, policy, sampler, prompts, report)
+    return RLSetup(base, plain, policy, sampler, prompts, with_sft_task(report, base, cfg.train.batch_size, log))
 
 
 def rl_objective(setup: RLSetup, name: str, loss_fn, open_batches, progress_metrics: tuple[str, ...]) -> Objective:

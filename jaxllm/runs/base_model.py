@@ -41,7 +41,7 @@ _KEY = "checkpoint.restore_from"
 @dataclasses.dataclass(frozen=True)
 class Base:
     """A located base: `kind` "jaxllm" or "jaxllm-lora" (`path` is a step directory) or "hf" (a model
-    directory)."""
+    directory); `config`, the configuration a jaxllm run recorded with that checkpoint (None for "hf")."""
 
     kind: str
     path: Path
@@ -49,6 +49,7 @@ class Base:
     architecture: dict
     tokenizer: Path | None
     rope_scaling: object = None
+    config: dict | None = None
 
     def record(self, fingerprint: str) -> dict:
         """What a run's checkpoints say of their base."""
@@ -94,7 +95,7 @@ def locate(restore_from: str) -> Base:
             raise ConfigError(_KEY, f"{directory / str(step)} holds LoRA adapters and records no base model")
         kind, rope_scaling = "jaxllm-lora", locate(record["path"]).rope_scaling
     return Base(kind, Path(directory) / str(step), step, {k: config["model"][k] for k in ARCHITECTURE},
-                _store_tokenizer((config.get("data") or {}).get("path")), rope_scaling)
+                _store_tokenizer((config.get("data") or {}).get("path")), rope_scaling, config)
 
 
 def holds_adapters(saved_names: set[str]) -> bool:

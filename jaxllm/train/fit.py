@@ -45,7 +45,7 @@ from jaxllm.train.control import HOT_UPDATES, HotUpdates
 from jaxllm.train.faults import planned_stalls
 from jaxllm.train.metrics_log import MetricsLog
 from jaxllm.train.step_runner import StepRunner
-from jaxllm.train.objective import BatchRequest, Objective
+from jaxllm.train.objective import SFT_TASK, BatchRequest, Objective
 from jaxllm.train.recovery import Recovery, restore_start
 from jaxllm.train.state import abstract_objective_state, state_shardings
 from jaxllm.train.step import batch_sharding, jit_eval_step, make_eval_step, process_rows
@@ -363,11 +363,17 @@ def report_task(objective: Objective, run: Run, mesh, base_report: dict | None, 
     if objective.report is None:
         return
     tuned = objective.report(objective.graphdef, run.variables(), mesh)
-    base = (base_report or {}).get("scores", {})
+    base_report = base_report or {}
+    base = base_report.get("scores", {})
     summary["task"] = {"base": base, "tuned": tuned["scores"], "samples": tuned["samples"]}
     log("task metrics, base model vs fine-tuned (held-out examples):\n" + format_task_table(base, tuned["scores"]))
     for s in tuned["samples"]:
         log(f"  [{s['task']}] reference {s['reference']!r}, response {s['response']!r}")
+    if SFT_TASK in tuned:  # a post-training run on an SFT run: what it did to that run's task
+        before = base_report.get(SFT_TASK, {})
+        summary[SFT_TASK] = {"base": before, "tuned": tuned[SFT_TASK]}
+        log("the base's SFT task, before vs after (its held-out examples; perplexity of its responses):\n"
+            + format_task_table(before, tuned[SFT_TASK]))
 
 
 def sample(cfg: Config, objective: Objective, run: Run, mesh, summary: dict, log) -> None:

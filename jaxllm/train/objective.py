@@ -37,6 +37,9 @@ class BatchSource(Protocol):
     def close(self) -> None: ...
 
 
+SFT_TASK = "sft_task"  # a report's entry for its base's SFT task (post-training runs on an SFT run)
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchRequest:
     """What the loop asks a batch source for: data indices [first, end) (data index = step - 1 + offset) of
@@ -69,8 +72,9 @@ class Objective:
     initialising: into the frozen variables when there are any (adapters), else into the trainable ones (full
     fine-tuning); `fresh` filters the trainable variables a base does not have (a reward model's score head),
     which are initialised from the seed instead. `report(graphdef, variables, mesh)` gives task metrics of a
-    model ({"scores": {group: {"examples": n, metric: value}}, "samples": [...]}), taken before and after
-    training. `progress_metrics` name the loss_fn metrics the progress line shows beside the loss.
+    model ({"scores": {group: {"examples": n, metric: value}}, "samples": [...]}, and under SFT_TASK the scores of
+    the SFT task its base was fine-tuned for: jaxllm/objectives/retention.py), taken before and after training.
+    `progress_metrics` name the loss_fn metrics the progress line shows beside the loss.
     """
 
     name: str
