@@ -107,3 +107,15 @@ def test_a_tensor_layout_has_collectives_on_tensor_and_the_report_groups_them(ca
     out = capsys.readouterr().out
     assert out.startswith("collectives of the compiled train step on mesh data=2 x fsdp=2 x tensor=2 x stage=1")
     assert "all-reduce           tensor" in out and "top 10 collectives by bytes per step:" in out
+
+
+def test_compiled_plans_of_dpo_compile_its_own_step():
+    """--print_comms and a compiled --dry_run of DPO compile DPO's step (the policy's forward and backward plus the
+    reference's forward on the same rows), not the language-model step of the same model with its adapters."""
+    def flops(objective):
+        cd = build_config(str(ROOT / "configs" / f"{objective}.py"),
+                          split_overrides([*TINY, "--config.checkpoint.restore_from=", "--config.lora.rank=4"])[1])
+        return compiled_step(validate(cd, 8, check_batch=False)).cost_analysis()["flops"]
+
+    ratio = flops("dpo") / flops("sft_lora")  # the same tiny model, adapters and rows
+    assert 1.1 < ratio < 1.7, ratio

@@ -11,10 +11,11 @@ data or a base.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 from jaxllm.config.schema import Config
-from jaxllm.objectives.dpo import dpo_objective
+from jaxllm.objectives.dpo import dpo_loss_fn, dpo_objective
 from jaxllm.objectives.grpo import grpo_objective
 from jaxllm.objectives.ppo import actor_critic_objective, ppo_objective
 from jaxllm.objectives.pretrain import lm_objective, pretrain_objective, with_store_vocab
@@ -31,13 +32,16 @@ Factory = Callable[[Config, Callable[[str], None]], Objective]
 @dataclasses.dataclass(frozen=True)
 class ObjectiveSpec:
     """One objective: `build` makes it whole, `model` its model and trainable variables alone, `fine_tunes` says
-    whether it starts from the base `checkpoint.restore_from` names and takes its architecture, and `shape` what
-    its own settings fix in the config (the vocabulary of "auto", RL's rows)."""
+    whether it starts from the base `checkpoint.restore_from` names and takes its architecture, `shape` what
+    its own settings fix in the config (the vocabulary of "auto", RL's rows), and `step` the model with the
+    objective's own loss when that loss is not `model`'s and reads no more than a language model's rows (for
+    compiled plans; None: plan with `model`)."""
 
     build: Factory
     model: Callable[[Config], Objective]
     fine_tunes: bool = True
     shape: Callable[[Config], Config] = lambda cfg: cfg
+    step: Callable[[Config], Objective | None] = lambda cfg: None
 
 
 def _pretrain(cfg: Config, log=print) -> Objective:
@@ -54,6 +58,16 @@ def _language_model(cfg: Config, lora=None) -> Objective:
                         sequence_parallel=cfg.mesh.sequence_parallel)
 
 
+def _dpo_step(cfg: Config) -> Objective | None:
+    """DPO's loss on the policy, its reference the base with the adapters off; None with a precomputed reference
+    (its loss reads the stored sums, a field plans do not make)."""
+    if cfg.dpo.reference != "shared":
+        return None
+    plain = _language_model(cfg).graphdef
+    return dataclasses.replace(_language_model(cfg, _adapters(cfg)), loss_fn=functools.partial(
+        dpo_loss_fn, plain_graphdef=plain, pairs_per_row=cfg.preference.pairs_per_row, dpo=cfg.dpo))
+
+
 OBJECTIVES: dict[str, ObjectiveSpec] = {
     "pretrain": ObjectiveSpec(_pretrain, _language_model, fine_tunes=False, shape=with_store_vocab),
     "sft": ObjectiveSpec(sft_objective, lambda cfg: _language_model(cfg, _adapters(cfg)),
@@ -62,7 +76,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         cfg.model, cfg.precision, cfg.pipeline, _adapters(cfg), pairs_per_row=cfg.preference.pairs_per_row,
         sequence_parallel=cfg.mesh.sequence_parallel), shape=lambda cfg: tokenizer_vocab(cfg, "preference")),
     "dpo": ObjectiveSpec(dpo_objective, lambda cfg: _language_model(cfg, _adapters(cfg)),
-                         shape=lambda cfg: tokenizer_vocab(cfg, "preference")),
+                         shape=lambda cfg: tokenizer_vocab(cfg, "preference"), step=_dpo_step),
     "grpo": ObjectiveSpec(grpo_objective, lambda cfg: _language_model(cfg, cfg.lora),
                           shape=lambda cfg: rollout_rows(cfg, "grpo")),
     "ppo": ObjectiveSpec(ppo_objective, lambda cfg: actor_critic_objective(
@@ -89,3 +103,11 @@ def resolved_shape(cfg: Config) -> Config:
 def planned_model(cfg: Config) -> Objective:
     """The model half of the objective `cfg` trains (what trains, what is frozen), for plans."""
     return OBJECTIVES[cfg.train.objective].model(cfg)
+
+
+def planned_step(cfg: Config) -> Objective:
+    """The step compiled plans (`--print_comms`, a compiled `--dry_run`) compile for `cfg`, with no data: the
+    objective's own loss where it reads no more than a language model's rows (pretraining, SFT, the reward
+    model, DPO with the shared reference); PPO, GRPO and DPO with a precomputed reference read rollout or stored
+    fields, so they compile the language-model loss on their model (exact counts, approximate temporaries)."""
+    return OBJECTIVES[cfg.train.objective].step(cfg) or planned_model(cfg)

@@ -20,8 +20,7 @@ from jaxllm.model.visibility import gpu_attention
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.parallel.sharding import bytes_per_device, sharding_tree
 from jaxllm.train.step_runner import StepRunner
-from jaxllm.objectives.pretrain import lm_objective
-from jaxllm.objectives.registry import planned_model
+from jaxllm.objectives.registry import planned_model, planned_step
 from jaxllm.train.state import abstract_objective_state, state_shardings
 
 
@@ -33,15 +32,6 @@ def _count(tree) -> int:
 GPUS = {"H100 80 GB": 81559 * 1024**2, "H200 141 GB": 143771 * 1024**2}
 # JAX preallocates this share of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
 JAX_MEM_FRACTION = 0.75
-
-
-def _objective(cfg: Config):
-    """The step the compiled plans compile: the language model's, with the run's adapters when SFT trains
-    some (a post-training step is planned as that step with its parameters; the counts come from
-    `planned_model`)."""
-    lora = cfg.lora if cfg.train.objective == "sft" and cfg.lora.rank else None
-    return lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora=lora,
-                        sequence_parallel=cfg.mesh.sequence_parallel)
 
 
 def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
@@ -101,7 +91,7 @@ def compiled_step(cfg: Config):
     machine (nothing allocated): its `memory_analysis()` and `as_text()` are what XLA will run."""
     mesh = make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    objective = _objective(cfg)
+    objective = planned_step(cfg)
     state, frozen = abstract_objective_state(objective, tx, cfg.anomaly.window)
     state = powersgd.with_state(state, powersgd.from_config(cfg.optim), mesh)  # its buffers are step arguments
     shape = (cfg.train.batch_size, cfg.train.seq_len)
