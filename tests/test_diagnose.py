@@ -251,6 +251,21 @@ def test_each_rule_names_its_pathology(tmp_path, finding_id):
         assert found.evidence["layers"] == layers
 
 
+@pytest.mark.parametrize("above_clip, share, fires", [(1.05, 1.0, True), (0.95, 1.0, False),
+                                                      (1.5, 0.55, True), (1.5, 0.45, False)])
+def test_clipping_is_named_from_just_above_the_clip_norm_and_the_share(tmp_path, above_clip, share, fires):
+    """Both sides of clipping_dominant's two limits: gradient norms just above optim.clip_norm (1.0) on every step
+    after warmup fire and just below do not; norms well above it on just more than clip_share (half) of those
+    steps fire and on just fewer do not."""
+    run_dir = _copy(tmp_path)
+    records = _records(run_dir)
+    after = [r for r in records if "loss" in r and r["step"] > 30]  # the recorded run's warmup_steps
+    clipped = set(r["step"] for r in after[:round(share * len(after))])
+    _scale_steps(records, "grad_norm", lambda s, v: above_clip if s in clipped else (0.5 if s > 30 else v))
+    _write(run_dir, records)
+    assert ("clipping_dominant" in _alarms(run_dir)) == fires
+
+
 def test_diag_records_on_their_own_lines_are_read_the_same(tmp_path):
     run_dir = _copy(tmp_path)
     records = _with_new_fields(_records(run_dir))
