@@ -23,7 +23,10 @@ def get_config():
     config.optim.update(name="adamw", lr=5e-3, schedule="cosine", warmup_steps=20, weight_decay=0.0)
     # A row holds a pair's two sequences side by side (up to 128 positions each: the base's trained length).
     config.train.update(objective="dpo", steps=200, batch_size=16, seq_len=256, eval_every=100, eval_batches=8)
-    config.dpo.update(beta=0.1, loss="sigmoid")
+    # rpo_alpha 1: the chosen responses' NLL beside the DPO loss. Measured on this job (docs/benchmarks.md): held-out
+    # preference accuracy 88.2% -> 92.3% and the SFT task's response perplexity 89 -> 39 (15.4 before DPO)
+    # against rpo_alpha 0; the SFT task's short answers are lost either way (exact match 32% -> 0%).
+    config.dpo.update(beta=0.1, loss="sigmoid", rpo_alpha=1.0)
     config.preference.update(train_file="build/data/preference/train.jsonl",
                              eval_file="build/data/preference/eval.jsonl", template="alpaca", pairs_per_row=2)
     config.data.update(path="build/data/preference/prepared", num_workers=0)
