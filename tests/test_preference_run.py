@@ -149,8 +149,9 @@ def test_dpo_trains_new_adapters_on_the_merged_sft_model(dpo_run, lora_run):
     assert all(1.0 < sft_task[side]["all"]["perplexity"] < 600 for side in ("base", "tuned")), sft_task
     steps = [r for r in metrics(dpo_run) if "loss" in r]
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-            "logps/rejected"} <= set(steps[0])
-    assert steps[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # fresh adapters: policy == reference
+            "logps/rejected", "nll_loss"} <= set(steps[0])
+    # Fresh adapters: policy == reference, so the DPO term is ln 2; configs/dpo.py adds rpo_alpha (1) x the NLL.
+    assert steps[0]["loss"] - steps[0]["nll_loss"] == pytest.approx(np.log(2), rel=1e-4)
 
 
 def test_bad_settings_are_one_line_errors(bases, pairs, tmp_path):
