@@ -116,7 +116,10 @@ def saturated_gates(run: RunData, t: Thresholds) -> Finding | None:
 
 
 def attention_logit_growth(run: RunData, t: Thresholds) -> Finding | None:
-    """Attention logits that are very large, or grew several times over the run."""
+    """Attention logits past the hard limit, or still growing at the end of the run: above the floor and several
+    times their level over the middle third of the records. Growth from the first record alone is what every
+    run from scratch shows (attention sharpens as it learns, then levels off), and a fine-tuning run starts
+    where its base left them."""
     series = run.layer_series("attn_logit_max")
     if not series:
         raise NotEvaluated("metrics.jsonl has no `diag/attn_logit_max/layer_<i>` records")
@@ -126,15 +129,18 @@ def attention_logit_growth(run: RunData, t: Thresholds) -> Finding | None:
         if not finite.size:
             continue
         last, first = float(finite[-1]), float(finite[0])
-        grew = first > 0 and last / first > t.attn_logit_growth and last > t.attn_logit_max / 2
-        if last > t.attn_logit_max or grew:
-            flagged[layer] = {"first": first, "last": last, "last_step": int(steps[-1])}
+        third = len(finite) // 3
+        middle = float(np.median(finite[third:2 * third])) if third else first
+        growing = middle > 0 and last / middle > t.attn_logit_growth and last > t.attn_logit_floor
+        if last > t.attn_logit_max or growing:
+            flagged[layer] = {"first": first, "middle": middle, "last": last, "last_step": int(steps[-1])}
     if not flagged:
         return None
     return Finding("attention_logit_growth", WARNING,
-                   {"summary": "max attention logit " + ", ".join(f"layer {k}: {v['first']:.3g} -> {v['last']:.3g}"
-                                                                   for k, v in flagged.items())
-                               + f" (limit {t.attn_logit_max:g}, or {t.attn_logit_growth:g}x growth)",
+                   {"summary": "max attention logit " + ", ".join(
+                       f"layer {k}: {v['first']:.3g} -> {v['middle']:.3g} -> {v['last']:.3g}" for k, v in flagged.items())
+                               + f" (first, middle third, last; limit {t.attn_logit_max:g}, or above "
+                                 f"{t.attn_logit_floor:g} and {t.attn_logit_growth:g}x the middle third's)",
                     "layers": sorted(flagged), "values": flagged},
                    "Softmax is turning one-hot: lower optim.lr or model.init_std; QK-norm or logit soft-capping "
                    "bound the growth.")
