@@ -173,7 +173,8 @@ def test_bad_settings_are_one_line_errors(bases, pairs, tmp_path):
 
 def test_dpo_with_precomputed_reference_fine_tunes_everything(bases, pairs, tmp_path):
     proc = _run("dpo", bases[0], pairs, tmp_path / "run", "--config.train.steps=2", "--config.lora.rank=0",
-                "--config.dpo.reference=precomputed", f"--config.data.path={tmp_path / 'data'}")
+                "--config.dpo.reference=precomputed", f"--config.data.path={tmp_path / 'data'}",
+                "--config.dpo.rpo_alpha=0")  # the DPO term alone, to read the reference from the loss
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "computing reference log-probabilities" in proc.stdout
     (stored,) = (tmp_path / "data").glob("reference-*")
