@@ -31,6 +31,14 @@ def kv_bytes_per_row(model_cfg, cache_len: int, itemsize: int) -> int:
     return 2 * model_cfg.num_layers * cache_len * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
 
 
+def prompts(cfg, batch: int, prompt: int):
+    """(tokens [batch, prompt], start [batch]): random full-length prompts, the same for every call."""
+    import numpy as np
+
+    tokens = np.random.default_rng(0).integers(1, cfg.model.vocab_size, (batch, prompt)).astype(np.int32)
+    return tokens, np.zeros((batch,), np.int32)
+
+
 def timed_decode(graphdef, params, tokens, start, new: int) -> float:
     """Seconds of one decode call (after a warm-up call of the same shape)."""
     import jax
@@ -46,12 +54,10 @@ def timed_decode(graphdef, params, tokens, start, new: int) -> float:
 def measure(cfg, batch: int, prompt: int, new: int, bandwidth: float, graphdef, params) -> dict:
     """Decode tokens/s at `batch` rows against the bandwidth bound."""
     import jax
-    import numpy as np
 
     from jaxllm.model.sample import bucket
 
-    tokens = np.random.default_rng(0).integers(1, cfg.model.vocab_size, (batch, prompt)).astype(np.int32)
-    start = np.zeros((batch,), np.int32)
+    tokens, start = prompts(cfg, batch, prompt)
     short, long = timed_decode(graphdef, params, tokens, start, SHORT), timed_decode(graphdef, params, tokens,
                                                                                       start, new)
     tokens_per_sec = batch * (new - SHORT) / (long - short)
@@ -67,12 +73,10 @@ def measure(cfg, batch: int, prompt: int, new: int, bandwidth: float, graphdef, 
 def trace_decode(graphdef, params, cfg, batch: int, prompt: int, new: int, out_dir: str) -> None:
     """One more long decode call (already compiled by `measure`) under jax.profiler, into `out_dir`."""
     import jax
-    import numpy as np
 
     from jaxllm.model.sample import decode
 
-    tokens = np.random.default_rng(0).integers(1, cfg.model.vocab_size, (batch, prompt)).astype(np.int32)
-    start = np.zeros((batch,), np.int32)
+    tokens, start = prompts(cfg, batch, prompt)
     with jax.profiler.trace(out_dir):
         jax.block_until_ready(decode(graphdef, params, tokens, start, max_new_tokens=new))
     print(f"trace of one {new}-token call at batch {batch} in {out_dir}", flush=True)

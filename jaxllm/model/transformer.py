@@ -108,10 +108,10 @@ class KVCache(NamedTuple):
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
         shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
         if not cfg.scan_layers:
-            layers = tuple(constrain(jnp.zeros(shape, dtype), CACHE_AXES[1:]) for _ in range(cfg.num_layers))
-            return cls(layers, tuple(constrain(jnp.zeros(shape, dtype), CACHE_AXES[1:]) for _ in layers))
-        shape = (cfg.num_layers,) + shape
-        return cls(constrain(jnp.zeros(shape, dtype), CACHE_AXES), constrain(jnp.zeros(shape, dtype), CACHE_AXES))
+            per_layer = lambda: tuple(constrain(jnp.zeros(shape, dtype), CACHE_AXES[1:]) for _ in range(cfg.num_layers))
+            return cls(per_layer(), per_layer())
+        stacked = lambda: constrain(jnp.zeros((cfg.num_layers,) + shape, dtype), CACHE_AXES)
+        return cls(stacked(), stacked())
 
 
 def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_BTS, sin_BTh, cos_BTh):

@@ -80,6 +80,19 @@ def dpo_loss_fn(model, batch, rng=None, *, plain_graphdef, pairs_per_row: int, d
     return loss_sum, count, metrics
 
 
+def dpo_model(cfg: Config, rope_scaling=None) -> tuple[Objective, Objective]:
+    """(the plain language model, the policy with DPO's loss) of `cfg`, no data: the model-and-loss half the
+    objective trains and compiled plans compile. The reference is the policy's base with its adapters off (the
+    plain model's graph over the same arrays); with stored reference sums in a batch the loss reads those."""
+    sp = cfg.mesh.sequence_parallel
+    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope_scaling, sequence_parallel=sp)
+    policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora if cfg.lora.rank else None,
+                          rope_scaling=rope_scaling, sequence_parallel=sp)
+    loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain.graphdef, pairs_per_row=cfg.preference.pairs_per_row,
+                                dpo=cfg.dpo)
+    return plain, dataclasses.replace(policy, name="dpo", loss_fn=loss_fn)
+
+
 def dpo_objective(cfg: Config, log=print) -> Objective:
     """The DPO objective of a resolved `cfg`, preparing the pairs (and, precomputed, the reference
     log-probabilities) first."""
@@ -88,11 +101,7 @@ def dpo_objective(cfg: Config, log=print) -> Objective:
         raise ConfigError("checkpoint.restore_from", "DPO starts from a model, its reference: name a jaxllm run or "
                                                      "a Hugging Face model directory")
     K = cfg.preference.pairs_per_row
-    rope = base.rope_scaling
-    sp = cfg.mesh.sequence_parallel
-    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
-    policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora if cfg.lora.rank else None,
-                          rope_scaling=rope, sequence_parallel=sp)
+    plain, policy = dpo_model(cfg, base.rope_scaling)
     extra = {}
     if cfg.dpo.reference == "precomputed":
         stored = reference_logps(cfg, base, directory, plain, lambda m, b: sequence_logps(m, b, K), log)
@@ -112,8 +121,6 @@ def dpo_objective(cfg: Config, log=print) -> Objective:
             correct = {"reward_accuracy": margin > 0, **correct}
         return pair_eval.accuracy_report(pairs, correct)
 
-    loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain.graphdef, pairs_per_row=K, dpo=cfg.dpo)
-    return dataclasses.replace(policy, name="dpo", loss_fn=loss_fn, open_batches=open_batches,
-                                    eval_batches=eval_batches,
+    return dataclasses.replace(policy, open_batches=open_batches, eval_batches=eval_batches,
                                     tokenizer=load_tokenizer(directory / manifest["tokenizer"]), sample_prompt=None,
                                     base=base, report=with_sft_task(report, base, cfg.train.batch_size, log))

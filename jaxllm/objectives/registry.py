@@ -11,11 +11,10 @@ data or a base.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 from jaxllm.config.schema import Config
-from jaxllm.objectives.dpo import dpo_loss_fn, dpo_objective
+from jaxllm.objectives.dpo import dpo_model, dpo_objective
 from jaxllm.objectives.grpo import grpo_objective
 from jaxllm.objectives.ppo import actor_critic_objective, ppo_objective
 from jaxllm.objectives.pretrain import lm_objective, pretrain_objective, with_store_vocab
@@ -59,13 +58,9 @@ def _language_model(cfg: Config, lora=None) -> Objective:
 
 
 def _dpo_step(cfg: Config) -> Objective | None:
-    """DPO's loss on the policy, its reference the base with the adapters off; None with a precomputed reference
-    (its loss reads the stored sums, a field plans do not make)."""
-    if cfg.dpo.reference != "shared":
-        return None
-    plain = _language_model(cfg).graphdef
-    return dataclasses.replace(_language_model(cfg, _adapters(cfg)), loss_fn=functools.partial(
-        dpo_loss_fn, plain_graphdef=plain, pairs_per_row=cfg.preference.pairs_per_row, dpo=cfg.dpo))
+    """DPO's step with the shared reference; None with a precomputed one (its loss reads the stored sums, a field
+    plans do not make)."""
+    return dpo_model(cfg)[1] if cfg.dpo.reference == "shared" else None
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {

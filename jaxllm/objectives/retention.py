@@ -9,15 +9,14 @@ when it is gone the report says so once and the run goes on without it.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Callable
 
 import jax.numpy as jnp
 
-from jaxllm.data.row_prep import MANIFEST, PreparedRows
-from jaxllm.data.sft import eval_prompts
+from jaxllm.data.row_prep import PreparedDataError, PreparedRows, existing_manifest
+from jaxllm.data.sft import FORMAT, eval_prompts
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.eval.task_eval import ALL, evaluate_task
 from jaxllm.model.head import head_stats
@@ -42,10 +41,13 @@ def sft_task_report(base, batch_size: int, log=print) -> Callable | None:
     if (recorded.get("train") or {}).get("objective") != "sft":
         return None
     directory = Path((recorded.get("data") or {}).get("path", ""))
-    if not (directory / MANIFEST).is_file():
+    try:
+        manifest = existing_manifest(directory, FORMAT)
+    except PreparedDataError:
+        manifest = None
+    if manifest is None:
         log(f"no SFT task report: the base's SFT data is no longer at {directory}")
         return None
-    manifest = json.loads((directory / MANIFEST).read_text())
     tokenizer = load_tokenizer(directory / manifest["tokenizer"])
     sft, seq_len = recorded.get("sft") or {}, manifest["seq_len"]
     examples = eval_prompts(directory)[: sft.get("eval_examples", 64)]
