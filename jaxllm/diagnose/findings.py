@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxllm.diagnose.run_data import RunData
 from jaxllm.diagnose.signals import LossShape, loss_shape, running_median, trailing_ratio
+from jaxllm.objectives.registry import LOSS_KINDS, OBJECTIVES
 
 CRITICAL, WARNING, INFO = "critical", "warning", "info"
 
@@ -27,15 +28,21 @@ CRITICAL, WARNING, INFO = "critical", "warning", "info"
 class Thresholds:
     """Every limit the rules compare against (docs/diagnostics.md, Diagnosis report, has the table with the reasons)."""
 
-    smooth_window: int = 5  # steps in the running median that removes batch noise from the loss
+    smooth_window: int = 5  # steps in the running median that removes batch noise from the loss ...
+    pair_smooth_share: float = 0.1  # ... or this share of the run's steps for a mean over a few pairs (LOSS_KINDS)
     min_steps: int = 10  # fewer step records: the loss rules are not evaluated
-    divergence_rise: float = 0.10  # smoothed loss ends this fraction above its minimum
+    divergence_rise: float = 0.10  # smoothed loss ends this fraction above its minimum ...
+    # ... or this many times its step-to-step wobble: the lowest point of a noisy smoothed loss is itself a low draw
+    # of its noise (a healthy DPO run at batch 16: a 23% wobble, its end 51% above that low)
+    divergence_wobbles: float = 3.0
     excursion: float = 0.03  # the smoothed loss climbs this fraction above its lowest point so far ...
     # ... or, where the run's loss is noisier, this many times its own wobble (below): a small batch's loss
     # climbs a few % for a few steps in healthy runs (the default job, five seeds of 300 steps: 5.0-6.9% at a
     # wobble of 1.7-2.2%, 2.6-3.9 times it)
     excursion_wobbles: float = 6.0
-    oscillation: float = 0.06  # median step-to-step loss change after warmup, fraction of the smoothed loss
+    # median step-to-step loss change after warmup, fraction of the smoothed loss; judged for token-mean losses
+    # only (a loss over a few pairs a step changes by tens of percent with its batch: registry.LOSS_KINDS)
+    oscillation: float = 0.06
     # median |update| / |param| per step. AdamW moves each weight by about lr * |m / sqrt(v)|, so the ratio
     # follows the LR: the default job measured 2e-2 after warmup (lr 3e-3), 6e-2..0.16 at LR x30, 4e-5 at LR/1000
     # (larger models at lr ~3e-4 run near 1e-3).
@@ -46,9 +53,16 @@ class Thresholds:
     logits_max: float = 50.0  # diag/logits_max: output logits this large make the softmax one-hot
     grad_spike_ratio: float = 10.0  # gradient norm this many times the median of the 10 steps before it
     grad_spike_share: float = 0.10  # spikes on more than this share of steps
-    grad_growth: float = 10.0  # the gradient norm's running median grows this many times above its low
+    # the gradient norm's running median (over a tenth of the run, at least 9 steps) grows this many times above
+    # its low: healthy runs grow 1.1-5.9x (LoRA SFT's adapters start at zero; a reward model's gradient follows its
+    # loss toward zero and back with the hard pairs)
+    grad_growth: float = 10.0
+    grad_level_share: float = 0.1
     clip_share: float = 0.5  # share of post-warmup steps whose gradient norm exceeds optim.clip_norm
-    layer_outlier: float = 10.0  # a layer's norm below 1/x or above x times the median of the other layers
+    layer_outlier: float = 10.0  # a layer's norm below 1/x or above x times the median of the other layers ...
+    # ... and for its gradient norm, which spreads across depth more (healthy: 0.09-8.9x the others'; AdamW's
+    # update is normalised, so the update ratio is what shows a layer that does not learn)
+    layer_grad_outlier: float = 20.0
     vanishing_ratio: float = 0.01  # a layer's gradient norm below this fraction of the largest layer's
     gate_saturation: float = 0.25  # fraction of a layer's SwiGLU gate inputs in silu's flat tails
     # Attention logits: healthy runs of the shipped jobs' tiny models reach 54-75 (pretraining, five seeds; SFT 70)
@@ -96,19 +110,49 @@ def required_series(run: RunData, name: str) -> np.ndarray:
     return values
 
 
-def _loss_shape(run: RunData, t: Thresholds) -> LossShape:
+@dataclasses.dataclass(frozen=True)
+class JudgedLoss:
+    """A run's LossShape and the limits its own noise and kind of loss allow: the smoothed loss may end `rise`
+    above its low and climb `excursion` above a low on the way, and change by `wobble` from step to step
+    (inf: not judged for this kind of loss)."""
+
+    shape: LossShape
+    rise: float
+    excursion: float
+    wobble: float
+
+    def unstable(self, rise: float | None = None, excursion: float | None = None) -> bool:
+        """The loss went non-finite, ended above its low, climbed back up somewhere, or wobbles, past its limits
+        (or the `rise` and `excursion` given)."""
+        s = self.shape
+        return (bool(s.nonfinite_steps) or s.rise > (rise or self.rise) or s.excursion > (excursion or self.excursion)
+                or s.wobble > self.wobble)
+
+
+def loss_kind(run: RunData) -> str:
+    """What the run's logged loss measures (registry.LOSS_KINDS), from its objective."""
+    spec = OBJECTIVES.get(run.config_value("train.objective", "pretrain"))
+    return spec.loss_kind if spec else "token_mean"
+
+
+def _judged_loss(run: RunData, t: Thresholds) -> JudgedLoss:
+    kind = loss_kind(run)
+    if kind == "surrogate":
+        raise NotEvaluated(f"the {run.config_value('train.objective')} loss is {LOSS_KINDS[kind]}")
     loss = required_series(run, "loss")
     if len(loss) < t.min_steps:
         raise NotEvaluated(f"only {len(loss)} step records (the loss rules need {t.min_steps})")
     if not np.any(np.isfinite(loss)):
-        return LossShape(loss, 0, np.inf, np.inf, 0, 0, 0.0, 0.0, [int(s) for s in run.step])
-    return loss_shape(run.step, loss, t.smooth_window, int(run.config_value("optim.warmup_steps", 0) or 0))
-
-
-def _unstable(shape: LossShape, t: Thresholds) -> bool:
-    """The loss went non-finite, ended above its low, climbed back up somewhere, or wobbles."""
-    return (bool(shape.nonfinite_steps) or shape.rise > t.divergence_rise or shape.excursion > t.excursion
-            or shape.wobble > t.oscillation)
+        shape = LossShape(loss, 0, np.inf, np.inf, 0, 0, 0.0, 0.0, [int(s) for s in run.step])
+    else:
+        # a few pairs' mean is ruled by its one or two hard pairs once most are learnt: a longer median
+        window = t.smooth_window
+        if kind == "pair_mean":
+            window = max(window, round(t.pair_smooth_share * len(loss)))
+        shape = loss_shape(run.step, loss, window, int(run.config_value("optim.warmup_steps", 0) or 0))
+    return JudgedLoss(shape, rise=max(t.divergence_rise, t.divergence_wobbles * shape.wobble),
+                      excursion=max(t.excursion, t.excursion_wobbles * shape.wobble),
+                      wobble=t.oscillation if kind == "token_mean" else np.inf)
 
 
 def _median_after_warmup(run: RunData, values: np.ndarray) -> float:
@@ -120,9 +164,10 @@ def _median_after_warmup(run: RunData, values: np.ndarray) -> float:
 def loss_divergence(run: RunData, t: Thresholds) -> Finding | None:
     """The loss is non-finite at the end, or ended well above its lowest (smoothed) point. Non-finite steps the
     run recovered from (skipped or rolled back) are anomaly incidents, not divergence."""
-    shape = _loss_shape(run, t)
+    judged = _judged_loss(run, t)
+    shape = judged.shape
     ends_nonfinite = any(s >= run.step[-t.smooth_window] for s in shape.nonfinite_steps)
-    if not ends_nonfinite and shape.rise <= t.divergence_rise:
+    if not ends_nonfinite and shape.rise <= judged.rise:
         return None
     low_step = int(run.step[shape.min_index])
     summary = (f"the smoothed loss fell to {shape.smoothed[shape.min_index]:.3f} at step {low_step}, then rose "
@@ -133,7 +178,7 @@ def loss_divergence(run: RunData, t: Thresholds) -> Finding | None:
         summary = f"non-finite loss on {len(shape.nonfinite_steps)} steps (first {shape.nonfinite_steps[0]}); " + summary
     return Finding("loss_divergence", CRITICAL,
                    {"summary": summary, "steps": shape.nonfinite_steps[:20] or [low_step, int(run.step[-1])],
-                    "values": {"rise": shape.rise, "threshold": t.divergence_rise}},
+                    "values": {"rise": shape.rise, "threshold": judged.rise}},
                    "Lower optim.lr (try 3-10x lower) or lengthen optim.warmup_steps; resume from the checkpoint "
                    "before the loss turned up.")
 
@@ -141,11 +186,11 @@ def loss_divergence(run: RunData, t: Thresholds) -> Finding | None:
 def loss_oscillation(run: RunData, t: Thresholds) -> Finding | None:
     """The smoothed loss climbed back up well above its low at some point, or after warmup it jumps by a
     large fraction from step to step."""
-    shape = _loss_shape(run, t)
+    judged = _judged_loss(run, t)
+    shape, limit = judged.shape, judged.excursion
     if not np.isfinite(shape.excursion):  # no finite loss at all: loss_divergence says so
         return None
-    limit = max(t.excursion, t.excursion_wobbles * shape.wobble)  # what this run's own batch noise explains
-    if shape.excursion <= limit and shape.wobble <= t.oscillation:
+    if shape.excursion <= limit and shape.wobble <= judged.wobble:
         return None
     start, peak = int(run.step[shape.excursion_from]), int(run.step[shape.excursion_to])
     parts = []
@@ -155,14 +200,14 @@ def loss_oscillation(run: RunData, t: Thresholds) -> Finding | None:
                      f"{shape.smoothed[shape.excursion_to]:.3f} at step {peak} (more than {100 * limit:.1f}%: "
                      f"{t.excursion_wobbles:g}x its step-to-step wobble of {100 * shape.wobble:.1f}%, or "
                      f"{100 * t.excursion:.0f}%)")
-    if shape.wobble > t.oscillation:
+    if shape.wobble > judged.wobble:
         parts.append(f"after warmup the loss changes by a median {100 * shape.wobble:.1f}% from one step to the "
                      "next (healthy runs: 1-2%)")
     return Finding("loss_oscillation", WARNING,
                    {"summary": "; ".join(parts),
                     "steps": [start, peak],
                     "values": {"excursion": shape.excursion, "wobble": shape.wobble,
-                               "thresholds": {"excursion": limit, "oscillation": t.oscillation}}},
+                               "thresholds": {"excursion": limit, "oscillation": judged.wobble}}},
                    "Lower optim.lr or lengthen optim.warmup_steps; raise train.batch_size if the wobble is batch "
                    "noise.")
 
@@ -170,8 +215,11 @@ def loss_oscillation(run: RunData, t: Thresholds) -> Finding | None:
 def lr_too_high(run: RunData, t: Thresholds) -> Finding | None:
     """An unstable loss caused by the step size: large update/param ratios, or (without them) the loss climbing
     while the LR rose, the signature of an LR range test past its good range."""
-    shape = _loss_shape(run, t)
-    if not _unstable(shape, t):
+    judged = _judged_loss(run, t)
+    shape = judged.shape
+    # The update ratio is a second witness here, so a climb past the fixed limits is enough: healthy runs climb
+    # as far (3-7%, within their noise) but with updates 2-3x below large_update_ratio
+    if not judged.unstable(t.divergence_rise, t.excursion):
         return None
     ratio = run.series("update_ratio")
     if ratio is not None:
@@ -211,7 +259,8 @@ def _lr_range_signature(run: RunData, shape: LossShape) -> dict:
 
 def warmup_too_short(run: RunData, t: Thresholds) -> Finding | None:
     """The loss blew up early (during or just after warmup) and then recovered."""
-    shape = _loss_shape(run, t)
+    judged = _judged_loss(run, t)
+    shape = judged.shape
     warmup = int(run.config_value("optim.warmup_steps", 0) or 0)
     early = run.step <= max(2 * warmup, t.min_steps)
     if early.all() or early.sum() < t.smooth_window:
@@ -219,8 +268,8 @@ def warmup_too_short(run: RunData, t: Thresholds) -> Finding | None:
     smooth = shape.smoothed
     running_low = np.fmin.accumulate(np.where(np.isfinite(smooth), smooth, np.inf))
     early_rise = np.nanmax((smooth[early] - running_low[early]) / running_low[early])
-    recovered = shape.rise <= t.divergence_rise and smooth[-1] < np.nanmax(smooth[early])
-    if early_rise <= t.divergence_rise or not recovered:
+    recovered = shape.rise <= judged.rise and smooth[-1] < np.nanmax(smooth[early])
+    if early_rise <= judged.rise or not recovered:
         return None
     peak = int(run.step[early][np.nanargmax(smooth[early] - running_low[early])])
     return Finding("warmup_too_short", WARNING,
@@ -235,7 +284,7 @@ def gradient_explosion(run: RunData, t: Thresholds) -> Finding | None:
     grad = required_series(run, "grad_norm")
     nonfinite = [int(s) for s in run.step[~np.isfinite(grad)]]
     spikes = trailing_ratio(grad, 10) > t.grad_spike_ratio
-    level = running_median(grad, 9)
+    level = running_median(grad, max(9, round(t.grad_level_share * len(grad))))
     growth = float(np.nanmax(level / np.fmin.accumulate(np.where(level > 0, level, np.inf))))
     share = float(spikes.sum() / len(grad))
     if not nonfinite and share <= t.grad_spike_share and growth <= t.grad_growth:
@@ -271,11 +320,12 @@ def clipping_dominant(run: RunData, t: Thresholds) -> Finding | None:
 
 def slow_convergence(run: RunData, t: Thresholds) -> Finding | None:
     """A run from scratch whose loss barely moved."""
-    shape = _loss_shape(run, t)
+    judged = _judged_loss(run, t)
+    shape = judged.shape
     if run.step[0] > t.smooth_window:
         raise NotEvaluated(f"the records start at step {int(run.step[0])} (a resumed or cut run): no start to "
                            "measure progress from")
-    if shape.progress >= t.min_progress or _unstable(shape, t):
+    if shape.progress >= t.min_progress or judged.unstable():
         return None
     return Finding("slow_convergence", WARNING,
                    {"summary": f"over {len(run.step)} steps the smoothed loss fell only {100 * shape.progress:.1f}% "
@@ -289,7 +339,7 @@ def lr_too_low(run: RunData, t: Thresholds) -> Finding | None:
     ratio = _median_after_warmup(run, required_series(run, "update_ratio"))
     if not np.isfinite(ratio):
         raise NotEvaluated("`update_ratio` has no finite values")
-    shape = _loss_shape(run, t)
+    shape = _judged_loss(run, t).shape
     if ratio >= t.tiny_update_ratio or shape.progress >= t.min_progress:
         return None
     return Finding("lr_too_low", WARNING,

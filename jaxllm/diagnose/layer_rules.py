@@ -32,7 +32,7 @@ def _layer_medians(run: RunData, stat: str, last_fraction: float = 1.0) -> dict[
 
 def _outliers(run: RunData, t: Thresholds, dead: bool) -> dict[int, dict]:
     """{layer: {stat: (value, median of the other layers)}} of layers below 1/x (`dead`) or above x times the
-    median of the others, x = t.layer_outlier, over OUTLIER_STATS."""
+    median of the others, x = t.layer_outlier (t.layer_grad_outlier for gradient norms), over OUTLIER_STATS."""
     found: dict[int, dict] = {}
     available = 0
     for stat in OUTLIER_STATS:
@@ -47,7 +47,8 @@ def _outliers(run: RunData, t: Thresholds, dead: bool) -> dict[int, dict]:
             others = float(np.nanmedian([v for k, v in medians.items() if k != layer]))
             if not others > 0:
                 continue
-            off = value < others / t.layer_outlier if dead else value > others * t.layer_outlier
+            limit = t.layer_grad_outlier if stat == "grad_norm" else t.layer_outlier
+            off = value < others / limit if dead else value > others * limit
             if off:
                 found.setdefault(layer, {})[stat] = {"value": value, "others_median": others}
     if not available:
@@ -68,7 +69,8 @@ def dead_layer(run: RunData, t: Thresholds) -> Finding | None:
     if not layers:
         return None
     return Finding("dead_layer", CRITICAL,
-                   {"summary": f"{_describe(layers)} (below 1/{t.layer_outlier:g} of the others)",
+                   {"summary": f"{_describe(layers)} (below 1/{t.layer_outlier:g} of the others; gradient norms "
+                               f"1/{t.layer_grad_outlier:g})",
                     "layers": sorted(layers), "values": {f"layer_{k}": v for k, v in layers.items()}},
                    "Check how these layers are initialised or frozen (all-zero weights receive zero gradients "
                    "and never train); re-initialise them or remove what freezes them.")
@@ -80,7 +82,8 @@ def exploding_layer(run: RunData, t: Thresholds) -> Finding | None:
     if not layers:
         return None
     return Finding("exploding_layer", CRITICAL,
-                   {"summary": f"{_describe(layers)} (above {t.layer_outlier:g}x the others)",
+                   {"summary": f"{_describe(layers)} (above {t.layer_outlier:g}x the others; gradient norms "
+                               f"{t.layer_grad_outlier:g}x)",
                     "layers": sorted(layers), "values": {f"layer_{k}": v for k, v in layers.items()}},
                    "Lower optim.lr or tighten optim.clip_norm; check that layer's initialisation (model.init_std) "
                    "and its inputs' scale (activation RMS plot).")

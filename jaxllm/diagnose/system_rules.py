@@ -22,13 +22,22 @@ def _share(run: RunData, part: str) -> tuple[float, float]:
     return seconds / max(float(np.sum(total[mask])), 1e-12), seconds
 
 
+# An RL run's batches are its rollouts: the seconds its sampler and scorer took (jaxllm/objectives/rl.py) are
+# RL's own work inside the wait for the next batch, not an input pipeline's.
+ROLLOUT_FIELDS = ("rollout_s", "scoring_s")
+
+
 def input_bound(run: RunData, t: Thresholds) -> Finding | None:
-    """The devices wait for the next batch for a large share of each step."""
+    """The devices wait for the next batch for a large share of each step (less the rollouts' time in RL)."""
     share, seconds = _share(run, "data_wait_s")
+    rollouts = [_share(run, field) for field in ROLLOUT_FIELDS if run.series(field) is not None]
+    share = max(0.0, share - sum(s for s, _ in rollouts))
+    seconds = max(0.0, seconds - sum(s for _, s in rollouts))
     if share <= t.data_wait_share:
         return None
     return Finding("input_bound", WARNING,
-                   {"summary": f"{100 * share:.0f}% of step time ({seconds:.1f}s) is spent waiting for data",
+                   {"summary": f"{100 * share:.0f}% of step time ({seconds:.1f}s) is spent waiting for data"
+                               + (" (not counting the rollouts' sampling and scoring)" if rollouts else ""),
                     "values": {"data_wait_share": share, "threshold": t.data_wait_share}},
                    "Raise data.num_workers (grain worker processes) or prefetch, or pre-tokenize/pack the data "
                    "offline; check the loader is not doing per-batch work on the training thread.")

@@ -34,13 +34,27 @@ class ObjectiveSpec:
     whether it starts from the base `checkpoint.restore_from` names and takes its architecture, `shape` what
     its own settings fix in the config (the vocabulary of "auto", RL's rows), and `step` the model with the
     objective's own loss when that loss is not `model`'s and reads no more than a language model's rows (for
-    compiled plans; None: plan with `model`)."""
+    compiled plans; None: plan with `model`). `loss_kind` says what its logged loss measures, for the diagnosis
+    (one of LOSS_KINDS)."""
 
     build: Factory
     model: Callable[[Config], Objective]
     fine_tunes: bool = True
     shape: Callable[[Config], Config] = lambda cfg: cfg
     step: Callable[[Config], Objective | None] = lambda cfg: None
+    loss_kind: str = "token_mean"
+
+
+LOSS_KINDS = {
+    # a mean over the batch's tokens (thousands a step): its step-to-step change is small, so a large one is news
+    "token_mean": "a mean over the batch's tokens",
+    # a mean over a few preference pairs a step: it falls as the model learns, but one batch's easy or hard pairs
+    # move it by tens of percent (DPO's sigmoid loss at batch 16: a 23% median step-to-step change in a healthy run)
+    "pair_mean": "a mean over a few preference pairs a step",
+    # a policy-gradient surrogate over whitened advantages: centred near zero by construction and not lower when
+    # the policy is better; RL's progress is its reward
+    "surrogate": "a policy-gradient surrogate whose value does not measure progress (the reward does)",
+}
 
 
 def _pretrain(cfg: Config, log=print) -> Objective:
@@ -69,14 +83,15 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
                          shape=lambda cfg: tokenizer_vocab(cfg, "sft")),
     "reward": ObjectiveSpec(reward_objective, lambda cfg: reward_model_objective(
         cfg.model, cfg.precision, cfg.pipeline, _adapters(cfg), pairs_per_row=cfg.preference.pairs_per_row,
-        sequence_parallel=cfg.mesh.sequence_parallel), shape=lambda cfg: tokenizer_vocab(cfg, "preference")),
+        sequence_parallel=cfg.mesh.sequence_parallel), shape=lambda cfg: tokenizer_vocab(cfg, "preference"),
+        loss_kind="pair_mean"),
     "dpo": ObjectiveSpec(dpo_objective, lambda cfg: _language_model(cfg, _adapters(cfg)),
-                         shape=lambda cfg: tokenizer_vocab(cfg, "preference"), step=_dpo_step),
+                         shape=lambda cfg: tokenizer_vocab(cfg, "preference"), step=_dpo_step, loss_kind="pair_mean"),
     "grpo": ObjectiveSpec(grpo_objective, lambda cfg: _language_model(cfg, cfg.lora),
-                          shape=lambda cfg: rollout_rows(cfg, "grpo")),
+                          shape=lambda cfg: rollout_rows(cfg, "grpo"), loss_kind="surrogate"),
     "ppo": ObjectiveSpec(ppo_objective, lambda cfg: actor_critic_objective(
         cfg.model, cfg.precision, cfg.pipeline, cfg.lora, sequence_parallel=cfg.mesh.sequence_parallel),
-                         shape=lambda cfg: rollout_rows(cfg, "ppo")),
+                         shape=lambda cfg: rollout_rows(cfg, "ppo"), loss_kind="surrogate"),
 }
 
 
