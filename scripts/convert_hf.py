@@ -1,16 +1,16 @@
-"""Convert between Hugging Face Llama directories and jaxllm checkpoints.
+"""Convert between Hugging Face directories (Llama, Qwen2, Qwen3, Mistral: docs/models.md) and jaxllm checkpoints.
 
   python scripts/convert_hf.py import --hf DIR --out CKPT_DIR [--dtype float32]
       Writes step 0 of a jaxllm checkpoint (parameters from DIR, a fresh AdamW state) that a run can start
       from with `--config.checkpoint.restore_from=CKPT_DIR` (use a matching --config.model.*). A
-      LlamaForSequenceClassification directory (one label) becomes a reward-model checkpoint.
+      *ForSequenceClassification directory (one label) becomes a reward-model checkpoint.
   python scripts/convert_hf.py export --checkpoint CKPT [--step N] --out DIR [--adapter_only]
       CKPT is a run's workdir, its checkpoints directory or one step directory; the model config is read from
       the checkpoint's metadata and only the parameters are read. DIR loads with
       `transformers.AutoModelForCausalLM.from_pretrained` (a reward model's with
-      `AutoModelForSequenceClassification`: LlamaForSequenceClassification, pad_token_id the tokenizer's). A LoRA
-      fine-tuning run is exported merged into its base, or with --adapter_only as the adapter alone in PEFT's
-      format (`peft.PeftModel.from_pretrained`).
+      `AutoModelForSequenceClassification`: the family's *ForSequenceClassification, pad_token_id the
+      tokenizer's). A LoRA fine-tuning run is exported merged into its base, or with --adapter_only as the
+      adapter alone in PEFT's format (`peft.PeftModel.from_pretrained`).
 """
 
 import dataclasses

@@ -173,9 +173,9 @@ def test_wrong_shape_and_architecture(saved, tmp_path):
         hf.from_pretrained(tmp_path)
 
     config = json.loads((path / "config.json").read_text())
-    config.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="MistralForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         hf.from_pretrained(tmp_path)
 
 

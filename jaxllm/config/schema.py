@@ -19,6 +19,8 @@ from typing import Any
 
 import ml_collections
 
+from jaxllm.config.families import FAMILIES
+from jaxllm.config.families.blocks import Blocks
 from jaxllm.config.presets import GPU_PRESETS, PRESETS
 from jaxllm.config.typed_config import ConfigError, build
 from jaxllm.config.auto_precision import resolve_compute
@@ -112,6 +114,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # The architecture family (jaxllm/config/families/): the blocks its layers have beyond Llama's (`blocks`) and
+    # its Hugging Face names. Presets of a family set it.
+    family: str = "llama"
+    # Attention sees at most this many positions back, itself included (0: the whole context); only families
+    # whose blocks have it (Mistral).
+    sliding_window: int = 0
     init_std: float = 0.02
     remat: str = "none"  # or "auto": chosen before training by jaxllm/plan/auto_fit.py
     # "host": what `remat` saves for the backward pass (save_dots, minimal_with_context, save_qkv_proj) goes to
@@ -127,8 +135,20 @@ class ModelConfig:
     scan_layers: bool = True
     preset: str = ""
 
+    @property
+    def blocks(self) -> Blocks:
+        """The optional parts of this family's decoder layer."""
+        return FAMILIES[self.family].blocks
+
     def check(self) -> None:
         """This section's fields, alone and together (the mesh, precision and pipeline: `check_across`)."""
+        _choice("model.family", self.family, tuple(FAMILIES))
+        if self.sliding_window < 0:
+            raise ConfigError("model.sliding_window", f"must be >= 0 (0: the whole context), got {self.sliding_window}")
+        if self.sliding_window and not self.blocks.sliding_window:
+            windowed = [name for name, f in FAMILIES.items() if f.blocks.sliding_window]
+            raise ConfigError("model.sliding_window", f"family {self.family!r} has no sliding-window attention "
+                                                      f"(families that have: {windowed})")
         for key in ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
             _positive(f"model.{key}", getattr(self, key))
         if self.vocab_size != AUTO_VOCAB:

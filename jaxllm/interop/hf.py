@@ -1,9 +1,11 @@
-"""Hugging Face Llama checkpoints <-> jaxllm `Transformer`, through one declarative table; reward models <->
-`LlamaForSequenceClassification` (num_labels=1) through the same table with its `score` head for the lm_head.
+"""Hugging Face checkpoints of the families jaxllm builds (jaxllm/config/families/: Llama, Qwen2, Qwen3,
+Mistral) <-> jaxllm `Transformer`, through one declarative table; reward models <-> the family's
+`*ForSequenceClassification` (num_labels=1) through the same table with its `score` head for the lm_head.
 
-`TABLE` has one row per tensor kind: the Hugging Face name (with `{i}` for the layer), the jaxllm parameter
-path, and the layout transform between them. Import reads it forwards, export backwards. Weights are read with
-`safetensors` in numpy mode (no torch needed); `ml_dtypes` registers bfloat16 with numpy so bf16 files load.
+`table(cfg)` has one row per tensor kind: the Hugging Face name (with `{i}` for the layer), the jaxllm parameter
+path, and the layout transform between them; a family's blocks add their rows (q/k/v biases, q/k norms). Import
+reads it forwards, export backwards. Weights are read with `safetensors` in numpy mode (no torch needed);
+`ml_dtypes` registers bfloat16 with numpy so bf16 files load.
 
 With a mesh, every parameter is created directly in its shards (`jax.make_array_from_callback`), each shard
 reading only its own slice of each layer's tensor from disk, so no process holds a whole large tensor.
@@ -22,12 +24,14 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxllm.config.families import FAMILIES, family_of_model_type
+from jaxllm.config.families.blocks import Family, FamilyConfigError
 from jaxllm.config.schema import ModelConfig, PrecisionConfig
 from jaxllm.model.layers import RopeScaling
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.transformer import Transformer
 from jaxllm.interop import hf_peft
-from jaxllm.interop.table import IDENTITY, SPLIT_IN_HEADS, SPLIT_OUT_HEADS, TRANSPOSE, Row
+from jaxllm.interop.table import IDENTITY, SPLIT_HEADS, SPLIT_IN_HEADS, SPLIT_OUT_HEADS, TRANSPOSE, Row
 from jaxllm.parallel.sharding import sharding_tree
 from jaxllm.model.lora import merge
 
@@ -51,18 +55,43 @@ TABLE: tuple[Row, ...] = (
     Row("model.norm.weight", ("norm", "scale"), IDENTITY),
     Row("lm_head.weight", ("lm_head",), TRANSPOSE),  # absent from the model (and file) when tied
 )
+# The rows a family's blocks (jaxllm.config.families.blocks.Blocks) add, by block.
+BLOCK_ROWS: dict[str, tuple[Row, ...]] = {
+    "qkv_bias": tuple(Row(f"model.layers.{{i}}.self_attn.{p}_proj.bias", ("layers", "self_attn", f"{p}_bias"),
+                          SPLIT_HEADS) for p in "qkv"),
+    "qk_norm": tuple(Row(f"model.layers.{{i}}.self_attn.{p}_norm.weight", ("layers", "self_attn", f"{p}_norm", "scale"),
+                         IDENTITY) for p in "qk"),
+}
 # A reward model (jaxllm.model.reward.RewardModel): the same body, `score` [D, 1] <-> HF score.weight [1, D].
-REWARD_TABLE: tuple[Row, ...] = TABLE[:-1] + (Row("score.weight", ("score",), TRANSPOSE),)
-REWARD_ARCHITECTURE = "LlamaForSequenceClassification"
+SCORE_ROW = Row("score.weight", ("score",), TRANSPOSE)
+
+
+def table(cfg: ModelConfig, reward: bool = False) -> tuple[Row, ...]:
+    """The rows of a model of `cfg`: the shared ones, its blocks' and its head (the score head of a reward model)."""
+    blocks = dataclasses.asdict(cfg.blocks)
+    extra = tuple(row for block, rows in BLOCK_ROWS.items() if blocks[block] for row in rows)
+    return TABLE[:-1] + extra + (SCORE_ROW if reward else TABLE[-1],)
 
 
 def _table(model) -> tuple[Row, ...]:
-    return REWARD_TABLE if isinstance(model, RewardModel) else TABLE
+    return table(model.cfg, isinstance(model, RewardModel))
+
+
+def family_of(hf: dict) -> Family:
+    """The family a config.json describes; ValueError naming its architecture when jaxllm has none."""
+    model_type = hf.get("model_type", "llama")
+    family = family_of_model_type(model_type)
+    architecture = (hf.get("architectures") or [family.causal_lm if family else model_type])[0]
+    if family is None or architecture not in (family.causal_lm, family.sequence_classification):
+        known = ", ".join(name for f in FAMILIES.values() for name in (f.causal_lm, f.sequence_classification) if name)
+        raise ValueError(f"{CONFIG_FILE}: unsupported architecture {architecture!r} (model_type {model_type!r}); "
+                         f"supported: {known}")
+    return family
 
 
 def is_reward_config(hf: dict) -> bool:
     """Whether a config.json describes a sequence-classification (reward) model."""
-    return REWARD_ARCHITECTURE in (hf.get("architectures") or [])
+    return (hf.get("architectures") or [""])[0] == family_of(hf).sequence_classification
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -80,18 +109,15 @@ def _rope_parameters(hf: dict) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """A jaxllm ModelConfig from a Hugging Face LlamaForCausalLM (or LlamaForSequenceClassification)
-    `config.json` dict."""
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type", "llama") != "llama" or archs[0] not in ("LlamaForCausalLM", REWARD_ARCHITECTURE):
-        raise ValueError(f"{CONFIG_FILE}: unsupported architecture {archs[0]!r} (model_type "
-                         f"{hf.get('model_type')!r}); only LlamaForCausalLM and {REWARD_ARCHITECTURE} are "
-                         "supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise ValueError(f"{CONFIG_FILE}: {key}=true is not supported (jaxllm projections have no bias)")
+    """A jaxllm ModelConfig from a Hugging Face `config.json` dict of a family jaxllm builds (a causal LM or its
+    sequence-classification model): the shapes every family shares, then the family's own keys."""
+    family = family_of(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{CONFIG_FILE}: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+    try:
+        own = family.from_hf(hf)
+    except FamilyConfigError as exc:
+        raise ValueError(f"{CONFIG_FILE}: {exc}") from None
     heads = hf["num_attention_heads"]
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -105,6 +131,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
+        family=family.name,
+        **own,
     )
 
 
@@ -123,18 +151,19 @@ def rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
 
 def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtype: str = "float32",
                  reward_pad_id: int | None = None) -> dict:
-    """A LlamaForCausalLM `config.json` dict for `cfg` (readable by transformers 4.x and 5.x); with
-    `reward_pad_id`, a LlamaForSequenceClassification one (one label) whose pad token is that id (it finds each
+    """A `config.json` dict of `cfg`'s family's causal LM (readable by transformers 4.x and 5.x); with
+    `reward_pad_id`, of its sequence-classification model (one label) whose pad token is that id (it finds each
     sequence's last non-padding token by it)."""
+    family = FAMILIES[cfg.family]
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if rope_scaling is not None:
         rope.update(dataclasses.asdict(rope_scaling))
-    reward = {} if reward_pad_id is None else {"architectures": [REWARD_ARCHITECTURE], "num_labels": 1,
+    reward = {} if reward_pad_id is None else {"architectures": [family.sequence_classification], "num_labels": 1,
                                                  "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
                                                  "pad_token_id": reward_pad_id}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [family.causal_lm],
+        "model_type": family.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.mlp_dim,
@@ -148,13 +177,12 @@ def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtyp
         "rope_scaling": None if rope_scaling is None else rope,
         "rope_parameters": rope,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "initializer_range": cfg.init_std,
         "max_position_embeddings": 8192,
         "use_cache": True,
         "torch_dtype": dtype,
         "dtype": dtype,
+        **family.to_hf(dataclasses.asdict(cfg)),
         **reward,
     }
 
@@ -234,8 +262,9 @@ def _unwrap(x):
 
 def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "float32",
                     adapter=None) -> Transformer:
-    """Load a Hugging Face LlamaForCausalLM directory (config.json + safetensors) as a jaxllm Transformer (a
-    LlamaForSequenceClassification one with one label as a jaxllm.model.reward.RewardModel).
+    """Load a Hugging Face directory (config.json + safetensors) of a family jaxllm builds (LlamaForCausalLM,
+    Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM) as a jaxllm Transformer (the family's
+    *ForSequenceClassification with one label as a jaxllm.model.reward.RewardModel).
 
     Parameters are stored and computed in `dtype` (logits in float32). With `mesh`, parameters are sharded
     per `jaxllm.parallel.sharding.RULES` and loaded shard by shard; without, they are plain single-device arrays.
@@ -254,7 +283,7 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "f
         raise ValueError(f"{path / CONFIG_FILE}: a sequence-classification model with more than one label is not a "
                          "reward model")
     model_class = RewardModel if reward else Transformer
-    sources = [(_Weights(path), REWARD_TABLE if reward else TABLE)]
+    sources = [(_Weights(path), table(cfg, reward))]
     if lora is not None:
         sources.append((_Weights(Path(adapter), hf_peft.WEIGHTS_FILE), hf_peft.adapter_rows(lora.target_list)))
 
@@ -298,9 +327,9 @@ def _hf_tensors(model: Transformer, rows):
 
 def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = None, adapter_only: bool = False,
                     base_model: str = "", pad_token_id: int = 0) -> None:
-    """Write `model` as a Hugging Face LlamaForCausalLM directory loadable by `AutoModelForCausalLM` (a reward
-    model as LlamaForSequenceClassification with `pad_token_id`, loadable by
-    `AutoModelForSequenceClassification`).
+    """Write `model` as a Hugging Face directory of its family's causal LM (LlamaForCausalLM, Qwen2ForCausalLM,
+    ...) loadable by `AutoModelForCausalLM` (a reward model as the family's *ForSequenceClassification with
+    `pad_token_id`, loadable by `AutoModelForSequenceClassification`).
 
     Tensors keep the model's parameter dtype. Above `max_shard_bytes` the weights are split over
     `model-0000k-of-0000n.safetensors` files with a `model.safetensors.index.json`. A model with LoRA adapters

@@ -49,6 +49,15 @@ SPLIT_IN_HEADS = Transform(
     lambda w: w.reshape(-1, w.shape[-1]).T,
 )
 
+# q/k/v biases: HF [N*H] <-> jaxllm [N, H].
+SPLIT_HEADS = Transform(
+    "[N*H] -> [N, H]",
+    lambda shape: (shape[0] * shape[1],),
+    lambda sl, shape: (_heads(sl[0], shape[0], shape[1]),),
+    lambda w, sl, shape: w.reshape(-1, shape[1])[:, sl[1]],
+    lambda w: w.reshape(-1),
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:

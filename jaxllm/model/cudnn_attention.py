@@ -23,8 +23,9 @@ def private_cudnn_attention():
     return MaskType, dot_product_attention
 
 
-def cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segments: PackedSegments) -> jax.Array:
-    """Causal attention within each packed document by cuDNN (bf16/fp16 inputs, grouped-query heads allowed).
+def cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segments: PackedSegments, window: int = 0) -> jax.Array:
+    """Causal attention within each packed document by cuDNN (bf16/fp16 inputs, grouped-query heads allowed),
+    over the last `window` positions only when it is not 0 (a sliding window, the token's own included).
 
     Uses the packed layout when every row fits its bound, else the masked kernel: both are compiled, and the
     batch picks one at run time, so a row of unusually many short documents is slower, never wrong.
@@ -37,10 +38,11 @@ def cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segments: PackedSegments) -> jax.Arr
     def packed(q, k, v):
         return dot_product_attention(
             q, k, v, q_seqlen=segments.lengths, kv_seqlen=segments.lengths, q_offsets=segments.offsets,
-            kv_offsets=segments.offsets, scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL)
+            kv_offsets=segments.offsets, scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
+            sliding_window_length=window or None)
 
     def masked(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segments.segment_ids)[:, None],
+        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segments.segment_ids, window)[:, None],
                                             implementation="cudnn")
 
     return jax.lax.cond(segments.fits.all(), packed, masked, q_BTNH, k_BSKH, v_BSKH)

@@ -142,7 +142,9 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
 
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions (q_proj, k_proj, v_proj, o_proj), each projection with
-    an optional LoRA adapter (`lora`: a `jaxllm.model.lora.LoRAConfig`)."""
+    an optional LoRA adapter (`lora`: a `jaxllm.model.lora.LoRAConfig`). The family's blocks (`cfg.blocks`) may
+    add biases to q, k and v (q_bias, k_bias, v_bias), an RMSNorm over each head of q and k before the rotation
+    (q_norm, k_norm), and a sliding window (`cfg.sliding_window` positions, the mask's; static)."""
 
     def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None, quant: str = "none"):
         D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -157,6 +159,15 @@ class Attention(nnx.Module):
         self.k_proj_lora = adapter(lora, "k_proj", (D,), (K, H), ("embed",), ("kv_heads", "head_dim"), **kw)
         self.v_proj_lora = adapter(lora, "v_proj", (D,), (K, H), ("embed",), ("kv_heads", "head_dim"), **kw)
         self.o_proj_lora = adapter(lora, "o_proj", (N, H), (D,), ("heads", "head_dim"), ("embed",), **kw)
+        blocks, zero = cfg.blocks, 0.0  # biases start at zero (std 0)
+        bias = lambda heads, axis: param(rngs, stack + (heads, H), lead + (axis, "head_dim"), dtype, zero)
+        self.q_bias = bias(N, "heads") if blocks.qkv_bias else None
+        self.k_bias = bias(K, "kv_heads") if blocks.qkv_bias else None
+        self.v_bias = bias(K, "kv_heads") if blocks.qkv_bias else None
+        head_norm = lambda: RMSNorm(H, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
+        self.q_norm = head_norm() if blocks.qk_norm else None
+        self.k_norm = head_norm() if blocks.qk_norm else None
+        self.window = cfg.sliding_window
         self.impl = cfg.attention
         self.quant = quant  # precision.quant of the projections (static; q.k and p.v stay unquantised)
 
@@ -168,6 +179,9 @@ class Attention(nnx.Module):
                          quant=self.quant)
         v_BSKH = project("BSD,DKH->BSKH", x_BTD, self.v_proj, self.v_proj_lora, _fold(rng, 2),
                          quant=self.quant)
+        q_BTNH = _per_head(q_BTNH, self.q_bias, self.q_norm)
+        k_BSKH = _per_head(k_BSKH, self.k_bias, self.k_norm)
+        v_BSKH = _per_head(v_BSKH, self.v_bias, None)
         q_BTNH = constrain(apply_rope(q_BTNH, sin_BTh, cos_BTh), ("batch", "seq", "heads", "head_dim"))
         k_BSKH = constrain(apply_rope(k_BSKH, sin_BTh, cos_BTh), ("batch", "seq", "kv_heads", "head_dim"))
         v_BSKH = constrain(v_BSKH, ("batch", "seq", "kv_heads", "head_dim"))
@@ -184,7 +198,7 @@ class Attention(nnx.Module):
         if self.impl == "xla":
             out_BTNH = xla_attention(q_BTNH, k_BSKH, v_BSKH, visible)
         elif self.impl == "cudnn":
-            out_BTNH = cudnn_attention(q_BTNH, k_BSKH, v_BSKH, visible)
+            out_BTNH = cudnn_attention(q_BTNH, k_BSKH, v_BSKH, visible, self.window)
         else:  # jax.nn's XLA implementation (it handles grouped-query heads itself)
             out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible[:, None])
         out_BTNH = checkpoint_name(constrain(out_BTNH, ("batch", "seq", "heads", "head_dim")), "context")
@@ -239,6 +253,13 @@ class MLP(nnx.Module):
         out_BTD = project("BTF,FD->BTD", h_BTF, self.down_proj, self.down_proj_lora, _fold(rng, 6),
                          quant=self.quant)
         return checkpoint_name(out_BTD, "mlp_out")
+
+
+def _per_head(x_BTNH, bias, norm):
+    """Projected heads plus their bias and through their norm, where the family has them (None: not)."""
+    if bias is not None:
+        x_BTNH = x_BTNH + bias[...].astype(x_BTNH.dtype)
+    return x_BTNH if norm is None else norm(x_BTNH)
 
 
 def _fold(rng, i: int):

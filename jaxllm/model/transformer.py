@@ -303,7 +303,7 @@ class Transformer(nnx.Module):
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
-        visible = attention_visibility(self.cfg.attention, segment_ids_BT)
+        visible = attention_visibility(self.cfg.attention, segment_ids_BT, self.cfg.sliding_window)
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
         keys_L = layer_keys(rng if self.lora is not None else None, self.cfg.num_layers)
         layer_loop = scan_layers if self.cfg.scan_layers else unroll_layers
@@ -357,6 +357,8 @@ class Transformer(nnx.Module):
         sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
         slots_11S = jnp.arange(S, dtype=jnp.int32)[None, None, :]
         mask_BTS = (slots_11S <= slots_T[None, :, None]) & (slots_11S >= start_B[:, None, None])
+        if self.cfg.sliding_window:  # a row's slots are its positions shifted, so the window counts slots
+            mask_BTS &= slots_11S > slots_T[None, :, None] - self.cfg.sliding_window
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
         if self.cfg.scan_layers:
             x_BTD, cache = scan_layers_decode(self.layers, x_BTD, cache, index, mask_BTS, sin_BTh, cos_BTh)
@@ -377,10 +379,13 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def total_params(cfg: ModelConfig) -> int:
-    """All parameters: embedding table, projections, head (unless tied) and norms."""
+    """All parameters: embedding table, projections, head (unless tied), norms, and the family's q/k/v biases
+    and q/k norms."""
     head = 0 if cfg.tie_embeddings else cfg.dim * cfg.vocab_size
     norms = (2 * cfg.num_layers + 1) * cfg.dim
-    return _layer_matmul_params(cfg) + cfg.vocab_size * cfg.dim + head + norms
+    blocks, L, H = cfg.blocks, cfg.num_layers, cfg.head_dim
+    extras = L * H * ((cfg.num_heads + 2 * cfg.num_kv_heads) * blocks.qkv_bias + 2 * blocks.qk_norm)
+    return _layer_matmul_params(cfg) + cfg.vocab_size * cfg.dim + head + norms + extras
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:

@@ -19,10 +19,12 @@ import jax.numpy as jnp
 PACKED_DOCUMENTS = 64
 
 
-def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
-    """[B, T, S] boolean: causal, and only within the same packed document (segment)."""
+def attention_mask(segment_ids_BT: jax.Array, window: int = 0) -> jax.Array:
+    """[B, T, S] boolean: causal, and only within the same packed document (segment); with a `window`, only the
+    last `window` positions, the token's own included (Hugging Face's sliding window: key > query - window)."""
     T = segment_ids_BT.shape[1]
-    causal_TS = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    behind_TS = jnp.arange(T)[:, None] - jnp.arange(T)[None, :]
+    causal_TS = (behind_TS >= 0) & (behind_TS < window) if window else behind_TS >= 0
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
     return causal_TS[None] & same_BTS
 
@@ -74,9 +76,10 @@ def resolve_attention(impl: str, compute_dtype) -> str:
     return "xla"
 
 
-def attention_visibility(impl: str, segment_ids_BT: jax.Array):
-    """Visibility in the form attention `impl` takes: the [B, T, S] mask, or for cuDNN the packed layout (built
-    once per batch and shared by every layer)."""
+def attention_visibility(impl: str, segment_ids_BT: jax.Array, window: int = 0):
+    """Visibility in the form attention `impl` takes: the [B, T, S] mask (limited to a sliding `window` when it
+    is not 0), or for cuDNN the packed layout, which takes its window in the kernel call (both built once per
+    batch and shared by every layer)."""
     if impl == "cudnn":
         return packed_segments(segment_ids_BT)
-    return attention_mask(segment_ids_BT)
+    return attention_mask(segment_ids_BT, window)

@@ -27,13 +27,13 @@ import jax.numpy as jnp
 
 from jaxllm.model.lora import ADAPTER_SUFFIX
 from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, locate_checkpoints
-from jaxllm.config.schema import Config, ConfigError, check_across
+from jaxllm.config.schema import Config, ConfigError, ModelConfig, check_across
 from jaxllm.interop import hf
 
 # ModelConfig fields that describe the network itself (adopted from the base); the others (remat, attention,
 # init_std, preset) are choices of this run.
 ARCHITECTURE = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
-                "norm_eps", "tie_embeddings")
+                "norm_eps", "tie_embeddings", "family", "sliding_window")
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _KEY = "checkpoint.restore_from"
 
@@ -94,7 +94,9 @@ def locate(restore_from: str) -> Base:
         if not record.get("path"):
             raise ConfigError(_KEY, f"{directory / str(step)} holds LoRA adapters and records no base model")
         kind, rope_scaling = "jaxllm-lora", locate(record["path"]).rope_scaling
-    return Base(kind, Path(directory) / str(step), step, {k: config["model"][k] for k in ARCHITECTURE},
+    # runs from before model families record no family (Llama) and no window
+    defaults = dataclasses.asdict(ModelConfig())
+    return Base(kind, Path(directory) / str(step), step, {k: config["model"].get(k, defaults[k]) for k in ARCHITECTURE},
                 _store_tokenizer((config.get("data") or {}).get("path")), rope_scaling, config)
 
 
