@@ -1,4 +1,5 @@
-"""Convert between Hugging Face directories (Llama, Qwen2, Qwen3, Mistral: docs/models.md) and jaxllm checkpoints.
+"""Convert between Hugging Face directories (Llama, Qwen2, Qwen3, Mistral, Gemma 3:
+docs/models.md) and jaxllm checkpoints.
 
   python scripts/convert_hf.py import --hf DIR --out CKPT_DIR [--dtype float32]
       Writes step 0 of a jaxllm checkpoint (parameters from DIR, a fresh AdamW state) that a run can start

@@ -246,7 +246,7 @@ def test_a_reward_model_has_the_decoder_s_statistics_and_no_logits(plain):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
 
 
-def _packed_layout_attention(q_BTNH, k_BSKH, v_BSKH, segments, window=0):
+def _packed_layout_attention(q_BTNH, k_BSKH, v_BSKH, segments, window=0, scale=None):
     """CPU stand-in for cuDNN's kernel (as tests/test_pipeline.py): attention under the mask its packed layout
     describes (this Llama has no sliding window). The probe's bound reads the real projections around it."""
     assert window == 0

@@ -1,6 +1,7 @@
-"""Model families beside Llama (jaxllm/config/families/): each against transformers on a random tiny model
-built from its config (logits on plain and packed rows, one step's gradients, greedy KV-cache decoding past
-Mistral's window), export to transformers and back bit for bit, and losses equal across mesh layouts."""
+"""Model families beside Llama (jaxllm/config/families/: Qwen2, Qwen3, Mistral, Gemma 3): each against
+transformers on a random tiny model built from its config (logits on plain and packed rows, one step's gradients,
+greedy KV-cache decoding past the sliding windows), export to transformers and back bit for bit, PEFT adapters,
+reward models, sharded loads, SFT's step across mesh layouts and a GRPO step, and the presets' sizes."""
 
 import copy
 import dataclasses
@@ -22,7 +23,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxllm.config.families import FAMILIES  # noqa: E402
 from jaxllm.config.cli import build_config, split_overrides  # noqa: E402
-from jaxllm.config.schema import ConfigError, GRPOConfig, LoRAConfig, MeshConfig, PrecisionConfig, validate  # noqa: E402
+from jaxllm.config.schema import (ConfigError, GRPOConfig, LoRAConfig, MeshConfig, PrecisionConfig,  # noqa: E402
+                                  validate)
 from jaxllm.data.synthetic import synthetic_batch  # noqa: E402
 from jaxllm.interop import hf  # noqa: E402
 from jaxllm.model.build import build_model  # noqa: E402
@@ -52,6 +54,12 @@ FAMILY_CONFIGS = {
                                              tie_word_embeddings=False)),
     "mistral": (transformers.MistralConfig, dict(COMMON, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
                                                  sliding_window=5, tie_word_embeddings=False)),
+    # a local (window 5, its own RoPE base) then a global layer, and a score scale apart from head_dim
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 700.0}})),
 }
 NAMES = list(FAMILY_CONFIGS)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
@@ -155,7 +163,7 @@ def test_one_step_gradients_match_torch_autograd(saved, ids, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_decoding_matches_transformers_generate(saved, name):
     """Token for token, 14 new tokens after prompts of 4 and 6: well past Mistral's window of 5."""
-    model, _, jm = saved[name]
+    model, path, jm = saved[name]
     prompts = [[5, 17, 42, 8], [3, 9, 77, 21, 60, 11]]
     ours = generate(jm, prompts, max_new_tokens=14)
     for prompt, new in zip(prompts, ours):
@@ -163,6 +171,10 @@ def test_greedy_decoding_matches_transformers_generate(saved, name):
             out = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, min_new_tokens=14,
                                  pad_token_id=0)
         assert new == out[0, len(prompt):].tolist()
+    if jm.cfg.sliding_window:  # the unrolled decode (per-layer caches, each layer's kind picked statically) too
+        unrolled = hf.from_pretrained(path)
+        unrolled.cfg = dataclasses.replace(unrolled.cfg, scan_layers=False)
+        assert generate(unrolled, prompts, max_new_tokens=14) == ours
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -170,7 +182,7 @@ def test_export_loads_in_transformers_and_round_trips_bit_for_bit(saved, ids, tm
     model, _, jm = saved[name]
     hf.save_pretrained(jm, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert (config["model_type"], config["architectures"]) == (name, [FAMILIES[name].causal_lm])
+    assert (config["model_type"], config["architectures"]) == (FAMILIES[name].model_type, [FAMILIES[name].causal_lm])
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert type(reloaded) is type(model)
     assert np.abs(torch_logits(reloaded, ids) - torch_logits(model, ids)).max() < TOL
@@ -259,11 +271,12 @@ def test_reward_model_is_the_family_sequence_classification_both_ways(saved, tmp
     assert isinstance(hf.from_pretrained(tmp_path), RewardModel)
 
 
-def test_peft_adapters_on_qwen3_travel_both_ways(saved, ids, tmp_path):
-    """A PEFT LoRA adapter (every target, by its Hugging Face name) on the Qwen3 base: imported it gives PEFT's
-    logits; exported adapter-only it loads in PEFT with the same logits."""
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_peft_adapters_travel_both_ways(saved, ids, tmp_path, name):
+    """A PEFT LoRA adapter (every target, by its Hugging Face name) on the family's base: imported it gives
+    PEFT's logits; exported adapter-only it loads in PEFT with the same logits."""
     peft = pytest.importorskip("peft")
-    model, base_path, _ = saved["qwen3"]
+    model, base_path, _ = saved[name]
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                              "down_proj"])
@@ -285,7 +298,7 @@ def test_peft_adapters_on_qwen3_travel_both_ways(saved, ids, tmp_path):
 
 # The parameter counts Hugging Face reports for these models (embeddings included, tied ones once).
 PUBLISHED = {"qwen2_5_1_5b": 1_543_714_304, "qwen2_5_7b": 7_615_616_512, "qwen3_0_6b": 596_049_920,
-             "qwen3_8b": 8_190_735_360, "mistral_7b": 7_248_023_552}
+             "qwen3_8b": 8_190_735_360, "mistral_7b": 7_248_023_552, "gemma3_1b": 999_885_952}
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))

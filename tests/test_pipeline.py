@@ -117,14 +117,14 @@ def test_nan_in_bubbles_changes_nothing(params, reference):
     _assert_same(_grads(params, *NAN_CASE, nan_bubbles=True), reference, "NaN bubbles")
 
 
-def _packed_layout_attention(q_BTNH, k_BSKH, v_BSKH, segments, window=0):
+def _packed_layout_attention(q_BTNH, k_BSKH, v_BSKH, segments, window=0, scale=None):
     """CPU stand-in for cuDNN's kernel: attention under the mask its packed layout describes (the masked
     fallback when a row overflows the layout), so everything around the kernel can be checked here."""
     packed_BTS = mask_from_packed_layout(segments.offsets, segments.lengths, q_BTNH.shape[1])
     if window:  # the kernel's sliding window: the last `window` positions
         packed_BTS &= attention_mask(jnp.ones_like(segments.segment_ids), window)
     mask_BTS = jnp.where(segments.fits.all(), packed_BTS, attention_mask(segments.segment_ids, window))
-    return xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+    return xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale)
 
 
 def test_cudnn_packed_layout_travels_through_pipeline_and_sharding(params, reference, monkeypatch):

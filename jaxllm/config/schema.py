@@ -120,6 +120,12 @@ class ModelConfig:
     # Attention sees at most this many positions back, itself included (0: the whole context); only families
     # whose blocks have it (Mistral).
     sliding_window: int = 0
+    # With blocks.local_global: every global_every-th layer attends to the whole context, the others to the
+    # sliding window, rotating with local_rope_theta (0: rope_theta); 0: every layer alike.
+    global_every: int = 0
+    local_rope_theta: float = 0.0
+    # Attention scores scale by query_pre_attn_scalar ** -0.5 (Gemma's); 0: head_dim ** -0.5.
+    query_pre_attn_scalar: int = 0
     init_std: float = 0.02
     remat: str = "none"  # or "auto": chosen before training by jaxllm/plan/auto_fit.py
     # "host": what `remat` saves for the backward pass (save_dots, minimal_with_context, save_qkv_proj) goes to
@@ -140,6 +146,13 @@ class ModelConfig:
         """The optional parts of this family's decoder layer."""
         return FAMILIES[self.family].blocks
 
+    def local_layers(self) -> tuple[bool, ...] | None:
+        """Which layers are local (sliding window, local RoPE base), with global ones every `global_every`-th
+        (Gemma 3: layers 6, 12, ... global); None when every layer is alike."""
+        if not self.global_every:
+            return None
+        return tuple((i + 1) % self.global_every != 0 for i in range(self.num_layers))
+
     def check(self) -> None:
         """This section's fields, alone and together (the mesh, precision and pipeline: `check_across`)."""
         _choice("model.family", self.family, tuple(FAMILIES))
@@ -149,6 +162,14 @@ class ModelConfig:
             windowed = [name for name, f in FAMILIES.items() if f.blocks.sliding_window]
             raise ConfigError("model.sliding_window", f"family {self.family!r} has no sliding-window attention "
                                                       f"(families that have: {windowed})")
+        if self.global_every < 0 or (self.global_every and not self.blocks.local_global):
+            raise ConfigError("model.global_every", f"must be 0, or > 0 for a family with local and global layers "
+                                                    f"(family {self.family!r}), got {self.global_every}")
+        if self.global_every and not self.sliding_window:
+            raise ConfigError("model.global_every", "local layers need a model.sliding_window > 0")
+        for key in ("local_rope_theta", "query_pre_attn_scalar"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key}", f"must be >= 0 (0: as Llama), got {getattr(self, key)}")
         for key in ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
             _positive(f"model.{key}", getattr(self, key))
         if self.vocab_size != AUTO_VOCAB:

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints of the families jaxllm builds (jaxllm/config/families/: Llama, Qwen2, Qwen3,
-Mistral) <-> jaxllm `Transformer`, through one declarative table; reward models <-> the family's
+Mistral, Gemma 3) <-> jaxllm `Transformer`, through one declarative table; reward models <-> the family's
 `*ForSequenceClassification` (num_labels=1) through the same table with its `score` head for the lm_head.
 
 `table(cfg)` has one row per tensor kind: the Hugging Face name (with `{i}` for the layer), the jaxllm parameter
@@ -61,6 +61,8 @@ BLOCK_ROWS: dict[str, tuple[Row, ...]] = {
                           SPLIT_HEADS) for p in "qkv"),
     "qk_norm": tuple(Row(f"model.layers.{{i}}.self_attn.{p}_norm.weight", ("layers", "self_attn", f"{p}_norm", "scale"),
                          IDENTITY) for p in "qk"),
+    "sandwich_norms": tuple(Row(f"model.layers.{{i}}.{name}.weight", ("layers", name, "scale"), IDENTITY)
+                            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm")),
 }
 # A reward model (jaxllm.model.reward.RewardModel): the same body, `score` [D, 1] <-> HF score.weight [1, D].
 SCORE_ROW = Row("score.weight", ("score",), TRANSPOSE)
@@ -100,7 +102,8 @@ def is_reward_config(hf: dict) -> bool:
 def _rope_parameters(hf: dict) -> dict:
     """transformers 5 keeps rope_theta and scaling in `rope_parameters`; older files in top-level keys."""
     params = dict(hf.get("rope_scaling") or {})
-    params.update(hf.get("rope_parameters") or {})
+    rope = hf.get("rope_parameters") or {}
+    params.update(rope.get("full_attention", rope))  # Gemma 3 keys its parameters by layer type: the global ones
     if "rope_theta" not in params and "rope_theta" in hf:
         params["rope_theta"] = hf["rope_theta"]
     if "type" in params and "rope_type" not in params:
@@ -112,14 +115,14 @@ def config_from_hf(hf: dict) -> ModelConfig:
     """A jaxllm ModelConfig from a Hugging Face `config.json` dict of a family jaxllm builds (a causal LM or its
     sequence-classification model): the shapes every family shares, then the family's own keys."""
     family = family_of(hf)
-    if hf.get("hidden_act", "silu") != "silu":
+    if family.blocks.activation == "silu" and hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{CONFIG_FILE}: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     try:
         own = family.from_hf(hf)
     except FamilyConfigError as exc:
         raise ValueError(f"{CONFIG_FILE}: {exc}") from None
     heads = hf["num_attention_heads"]
-    return ModelConfig(
+    shared = dict(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
@@ -132,8 +135,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
         family=family.name,
-        **own,
     )
+    return ModelConfig(**{**shared, **own})
 
 
 def rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
@@ -171,7 +174,7 @@ def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtyp
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        **({"hidden_act": "silu"} if cfg.blocks.activation == "silu" else {}),
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,  # transformers 4.x reads these two; 5.x reads rope_parameters
         "rope_scaling": None if rope_scaling is None else rope,
@@ -182,7 +185,7 @@ def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtyp
         "use_cache": True,
         "torch_dtype": dtype,
         "dtype": dtype,
-        **family.to_hf(dataclasses.asdict(cfg)),
+        **family.to_hf(dataclasses.asdict(cfg), rope),
         **reward,
     }
 
@@ -263,7 +266,7 @@ def _unwrap(x):
 def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "float32",
                     adapter=None) -> Transformer:
     """Load a Hugging Face directory (config.json + safetensors) of a family jaxllm builds (LlamaForCausalLM,
-    Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM) as a jaxllm Transformer (the family's
+    Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Gemma3ForCausalLM) as a jaxllm Transformer (the family's
     *ForSequenceClassification with one label as a jaxllm.model.reward.RewardModel).
 
     Parameters are stored and computed in `dtype` (logits in float32). With `mesh`, parameters are sharded

@@ -23,9 +23,11 @@ def private_cudnn_attention():
     return MaskType, dot_product_attention
 
 
-def cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segments: PackedSegments, window: int = 0) -> jax.Array:
+def cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segments: PackedSegments, window: int = 0,
+                    scale: float | None = None) -> jax.Array:
     """Causal attention within each packed document by cuDNN (bf16/fp16 inputs, grouped-query heads allowed),
-    over the last `window` positions only when it is not 0 (a sliding window, the token's own included).
+    over the last `window` positions only when it is not 0 (a sliding window, the token's own included), scores
+    scaled by `scale` (None: head_dim ** -0.5).
 
     Uses the packed layout when every row fits its bound, else the masked kernel: both are compiled, and the
     batch picks one at run time, so a row of unusually many short documents is slower, never wrong.
@@ -34,15 +36,16 @@ def cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segments: PackedSegments, window: in
         raise ConfigError("model.attention", f"'cudnn' needs GPUs; this run has {jax.default_backend()} devices "
                                              "(use 'xla' or 'dot_product')")
     MaskType, dot_product_attention = private_cudnn_attention()
+    scale = q_BTNH.shape[-1] ** -0.5 if scale is None else scale
 
     def packed(q, k, v):
         return dot_product_attention(
             q, k, v, q_seqlen=segments.lengths, kv_seqlen=segments.lengths, q_offsets=segments.offsets,
-            kv_offsets=segments.offsets, scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
+            kv_offsets=segments.offsets, scale=scale, mask_type=MaskType.PADDING_CAUSAL,
             sliding_window_length=window or None)
 
     def masked(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segments.segment_ids, window)[:, None],
-                                            implementation="cudnn")
+                                            scale=scale, implementation="cudnn")
 
     return jax.lax.cond(segments.fits.all(), packed, masked, q_BTNH, k_BSKH, v_BSKH)

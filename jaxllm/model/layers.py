@@ -17,6 +17,7 @@ output before o_proj), out_proj, mlp_gate, mlp_up, mlp_out. Outside `jax.checkpo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -42,10 +43,12 @@ def param(rngs: nnx.Rngs, shape, names, dtype, std: float | None) -> nnx.Param:
 
 
 class Embed(nnx.Module):
-    """Token embedding table [V, D]; also the output projection when embeddings are tied."""
+    """Token embedding table [V, D]; also the output projection when embeddings are tied. With `scaled`
+    (Gemma's blocks.embed_scale) looked-up embeddings are multiplied by sqrt(D); the output projection is not."""
 
-    def __init__(self, vocab_size: int, dim: int, *, std: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, dim: int, *, std: float, dtype, rngs: nnx.Rngs, scaled: bool = False):
         self.embedding = param(rngs, (vocab_size, dim), ("vocab", "embed"), dtype, std)
+        self.scale = dim**0.5 if scaled else None  # static
 
     def __call__(self, tokens_BT: jax.Array, dtype, seq_axis: str = "seq") -> jax.Array:
         """Embeddings [B, T, D] of `tokens_BT` laid out as the residual stream whose sequence axis is the logical
@@ -55,6 +58,8 @@ class Embed(nnx.Module):
         # sequence split over `tensor` that sum becomes a reduce-scatter.
         table_VD = constrain(self.embedding[...], ("vocab", "embed"))
         x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(dtype)
+        if self.scale is not None:
+            x_BTD = x_BTD * jnp.asarray(self.scale, dtype)
         return constrain(x_BTD, ("batch", seq_axis, "embed"))
 
     def attend(self, x_BTD: jax.Array) -> jax.Array:
@@ -62,16 +67,19 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm, computed in float32 whatever the compute dtype."""
+    """Root-mean-square norm, computed in float32 whatever the compute dtype. `plus_one` (Gemma's
+    blocks.norm_plus_one): it scales by (1 + w) with w starting at zero, else by w starting at one."""
 
-    def __init__(self, dim: int, *, eps: float, dtype, stack: tuple = (), rngs: nnx.Rngs):
-        self.scale = param(rngs, stack + (dim,), ("layers",) * len(stack) + ("norm",), dtype, None)
+    def __init__(self, dim: int, *, eps: float, dtype, stack: tuple = (), rngs: nnx.Rngs, plus_one: bool = False):
+        self.scale = param(rngs, stack + (dim,), ("layers",) * len(stack) + ("norm",), dtype,
+                           0.0 if plus_one else None)
         self.eps = eps
+        self.plus_one = plus_one  # static
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (x32 * (self.scale[...].astype(jnp.float32) + float(self.plus_one))).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +136,14 @@ def apply_rope(x_BTNH: jax.Array, sin_BTh: jax.Array, cos_BTh: jax.Array) -> jax
     return out.astype(x_BTNH.dtype)
 
 
-def xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
-    """Grouped-query attention in plain einsums (softmax in float32); `mask_BTS` says who may see whom."""
+def xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = None):
+    """Grouped-query attention in plain einsums (softmax in float32); `mask_BTS` says who may see whom; scores
+    scale by `scale` (None: head_dim ** -0.5)."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32) * H**-0.5
+    scale = H**-0.5 if scale is None else scale
+    scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32) * scale
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
@@ -164,10 +174,12 @@ class Attention(nnx.Module):
         self.q_bias = bias(N, "heads") if blocks.qkv_bias else None
         self.k_bias = bias(K, "kv_heads") if blocks.qkv_bias else None
         self.v_bias = bias(K, "kv_heads") if blocks.qkv_bias else None
-        head_norm = lambda: RMSNorm(H, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
+        head_norm = lambda: RMSNorm(H, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs,
+                                    plus_one=blocks.norm_plus_one)
         self.q_norm = head_norm() if blocks.qk_norm else None
         self.k_norm = head_norm() if blocks.qk_norm else None
         self.window = cfg.sliding_window
+        self.scale = (cfg.query_pre_attn_scalar or H) ** -0.5  # static
         self.impl = cfg.attention
         self.quant = quant  # precision.quant of the projections (static; q.k and p.v stay unquantised)
 
@@ -188,19 +200,22 @@ class Attention(nnx.Module):
         return (checkpoint_name(q_BTNH, "query_proj"), checkpoint_name(k_BSKH, "key_proj"),
                 checkpoint_name(v_BSKH, "value_proj"))
 
-    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None, taps: dict | None = None):
+    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None, taps: dict | None = None, local=None):
         """Self-attention of `x_BTD`; `visible` comes from `attention_visibility(self.impl, segment_ids)`; `rng`
         drives the adapters' dropout (None: none). A `taps` dict (diagnostics) receives the rotated queries and
-        keys as "q" and "k"."""
+        keys as "q" and "k". `local` (a traced bool, with local and global layers) says whether this layer is
+        windowed: masks carry it already, cuDNN's kernel takes it as its window."""
         q_BTNH, k_BSKH, v_BSKH = self._project(x_BTD, sin_BTh, cos_BTh, rng)
         if taps is not None:
             taps.update(q=q_BTNH, k=k_BSKH)
         if self.impl == "xla":
-            out_BTNH = xla_attention(q_BTNH, k_BSKH, v_BSKH, visible)
+            out_BTNH = xla_attention(q_BTNH, k_BSKH, v_BSKH, visible, self.scale)
         elif self.impl == "cudnn":
-            out_BTNH = cudnn_attention(q_BTNH, k_BSKH, v_BSKH, visible, self.window)
+            kernel = lambda window: cudnn_attention(q_BTNH, k_BSKH, v_BSKH, visible, window, self.scale)
+            out_BTNH = kernel(self.window) if local is None else jax.lax.cond(
+                local, lambda: kernel(self.window), lambda: kernel(0))
         else:  # jax.nn's XLA implementation (it handles grouped-query heads itself)
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible[:, None])
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible[:, None], scale=self.scale)
         out_BTNH = checkpoint_name(constrain(out_BTNH, ("batch", "seq", "heads", "head_dim")), "context")
         out_BTD = project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora, _fold(rng, 3),
                           quant=self.quant)
@@ -218,14 +233,20 @@ class Attention(nnx.Module):
         k_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, index, 0, 0))
         v_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, index, 0, 0))
         # Always the XLA path: T is 1 per step, where fused kernels bring nothing and cuDNN needs T == S.
-        out_BTNH = xla_attention(q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), mask_BTS)
+        out_BTNH = xla_attention(q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), mask_BTS, self.scale)
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))
         out_BTD = project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora, quant=self.quant)
         return out_BTD, k_BTKH, v_BTKH
 
 
+# The MLP's gate activations (blocks.activation): SwiGLU's, and GeGLU's with the tanh approximation (Hugging Face's
+# gelu_pytorch_tanh).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), each projection with an optional LoRA adapter."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)) with the family's activation (SwiGLU, GeGLU), each
+    projection with an optional LoRA adapter."""
 
     def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None, quant: str = "none"):
         D, F = cfg.dim, cfg.mlp_dim
@@ -239,6 +260,7 @@ class MLP(nnx.Module):
         self.up_proj_lora = adapter(lora, "up_proj", (D,), (F,), ("embed",), ("mlp",), **kw)
         self.down_proj_lora = adapter(lora, "down_proj", (F,), (D,), ("mlp",), ("embed",), **kw)
         self.quant = quant  # precision.quant of the three projections (static)
+        self.activation = cfg.blocks.activation  # static
 
     def __call__(self, x_BTD, rng=None, taps: dict | None = None):
         """The feed-forward of `x_BTD`; a `taps` dict (diagnostics) receives the gate's pre-activations as "gate"."""
@@ -249,7 +271,7 @@ class MLP(nnx.Module):
         up_BTF = project("BTD,DF->BTF", x_BTD, self.up_proj, self.up_proj_lora, _fold(rng, 5),
                          quant=self.quant)
         gate_BTF, up_BTF = checkpoint_name(gate_BTF, "mlp_gate"), checkpoint_name(up_BTF, "mlp_up")
-        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
+        h_BTF = constrain(ACTIVATIONS[self.activation](gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
         out_BTD = project("BTF,FD->BTD", h_BTF, self.down_proj, self.down_proj_lora, _fold(rng, 6),
                          quant=self.quant)
         return checkpoint_name(out_BTD, "mlp_out")

@@ -67,20 +67,33 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None,
                  seq_axis: str = "seq", quant: str = "none"):
         self.seq_axis = seq_axis  # static: in the graphdef, not a parameter
-        self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
+        norm = lambda: RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs,
+                               plus_one=cfg.blocks.norm_plus_one)
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs)
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
+        # Sandwich norms (Gemma): post_attention_layernorm then normalises attention's output, and these two go
+        # around the MLP; without them post_attention_layernorm is the MLP's input norm (Llama).
+        self.pre_feedforward_layernorm = norm() if cfg.blocks.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if cfg.blocks.sandwich_norms else None
 
-    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None, taps: dict | None = None):
+    def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None, taps: dict | None = None, local=None):
         """The block's output; a `taps` dict (diagnostics, jaxllm/observe/activations.py) receives the
-        intermediates attention and the MLP put there."""
+        intermediates attention and the MLP put there; `local` as `Attention`."""
         attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
         residual = ("batch", self.seq_axis, "embed")
-        h_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), visible, sin_BTh, cos_BTh, attn_rng, taps)
-        h_BTD = constrain(h_BTD, residual)
-        out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD), mlp_rng, taps)
-        return constrain(out_BTD, residual)
+        attn_BTD = self.self_attn(self.input_layernorm(x_BTD), visible, sin_BTh, cos_BTh, attn_rng, taps, local)
+        h_BTD = constrain(x_BTD + self._attention_out(attn_BTD), residual)
+        return constrain(h_BTD + self._feed_forward(h_BTD, mlp_rng, taps), residual)
+
+    def _attention_out(self, attn_BTD):
+        return attn_BTD if self.pre_feedforward_layernorm is None else self.post_attention_layernorm(attn_BTD)
+
+    def _feed_forward(self, h_BTD, rng=None, taps: dict | None = None):
+        if self.pre_feedforward_layernorm is None:
+            return self.mlp(self.post_attention_layernorm(h_BTD), rng, taps)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h_BTD), rng, taps))
 
     def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
         """The block on T new tokens against one layer's KV cache; returns (out_BTD, k_BTKH, v_BTKH)."""
@@ -88,9 +101,8 @@ class DecoderLayer(nnx.Module):
             self.input_layernorm(x_BTD), k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh)
         # A prefill splits its prompt like training; one new token (T = 1) cannot be split and stays replicated.
         residual = ("batch", self.seq_axis, "embed")
-        h_BTD = constrain(x_BTD + attn_BTD, residual)
-        out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
-        return constrain(out_BTD, residual), k_BTKH, v_BTKH
+        h_BTD = constrain(x_BTD + self._attention_out(attn_BTD), residual)
+        return constrain(h_BTD + self._feed_forward(h_BTD), residual), k_BTKH, v_BTKH
 
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
@@ -114,27 +126,41 @@ class KVCache(NamedTuple):
         return cls(stacked(), stacked())
 
 
-def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_BTS, sin_BTh, cos_BTh):
-    """Run stacked `layers` on T new tokens, writing their keys/values into `cache` at slot `index`.
+def for_layer(local, per_kind):
+    """The batch's attention inputs for one layer: with local and global layers (`local`, this layer's kind, not
+    None) `per_kind` is a (global, local) pair of them and this picks one; else it is the inputs themselves."""
+    if local is None:
+        return per_kind
+    return jax.tree.map(lambda g, l: jnp.where(local, l, g), *per_kind)
+
+
+def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_BTS, sin_BTh, cos_BTh,
+                       local_L=None):
+    """Run stacked `layers` on T new tokens, writing their keys/values into `cache` at slot `index` (mask and
+    rotary tables per layer kind with `local_L`, as `for_layer`).
 
     The whole cache is the scan carry and each layer updates its own [B, T] rows in place with
     dynamic_update_slice, so a decode step copies no more than one layer's cache slice.
     """
     graphdef, stacked = nnx.split(layers)
 
-    def body(carry, layer_state):
+    def body(carry, xs):
         x, cache_k, cache_v, i = carry
+        layer_state, local = xs
         layer = nnx.merge(graphdef, layer_state)
-        x, k_BTKH, v_BTKH = layer.decode(x, cache_k[i], cache_v[i], index, mask_BTS, sin_BTh, cos_BTh)
+        x, k_BTKH, v_BTKH = layer.decode(x, cache_k[i], cache_v[i], index,
+                                         *for_layer(local, (mask_BTS, sin_BTh, cos_BTh) if local is None else
+                                                    tuple(zip(mask_BTS, sin_BTh, cos_BTh))))
         cache_k = jax.lax.dynamic_update_slice(cache_k, k_BTKH[None], (i, 0, index, 0, 0))
         cache_v = jax.lax.dynamic_update_slice(cache_v, v_BTKH[None], (i, 0, index, 0, 0))
         return (x, constrain(cache_k, CACHE_AXES), constrain(cache_v, CACHE_AXES), i + 1), None
 
-    (x_BTD, k, v, _), _ = jax.lax.scan(body, (x_BTD, cache.k, cache.v, jnp.int32(0)), stacked)
+    (x_BTD, k, v, _), _ = jax.lax.scan(body, (x_BTD, cache.k, cache.v, jnp.int32(0)), (stacked, local_L))
     return x_BTD, KVCache(k, v)
 
 
-def unroll_layers_decode(layers: tuple, x_BTD, cache: KVCache, index, mask_BTS, sin_BTh, cos_BTh):
+def unroll_layers_decode(layers: tuple, x_BTD, cache: KVCache, index, mask_BTS, sin_BTh, cos_BTh,
+                         local_L=None):
     """`scan_layers_decode` as a Python loop over `Transformer.decode_layers`' per-layer modules, on a per-layer
     cache (`model.scan_layers=False`).
 
@@ -144,8 +170,11 @@ def unroll_layers_decode(layers: tuple, x_BTD, cache: KVCache, index, mask_BTS, 
     values are arrays of their own.
     """
     keys, values = [], []
-    for layer, k_BSKH, v_BSKH in zip(layers, cache.k, cache.v):
-        x_BTD, k_BTKH, v_BTKH = layer.decode(x_BTD, k_BSKH, v_BSKH, index, mask_BTS, sin_BTh, cos_BTh)
+    for i, (layer, k_BSKH, v_BSKH) in enumerate(zip(layers, cache.k, cache.v)):
+        inputs = (mask_BTS, sin_BTh, cos_BTh)
+        if local_L is not None:  # the layer's kind is known here: pick its inputs without a select
+            inputs = tuple(pair[int(local_L[i])] for pair in inputs)
+        x_BTD, k_BTKH, v_BTKH = layer.decode(x_BTD, k_BSKH, v_BSKH, index, *inputs)
         keys.append(constrain(jax.lax.dynamic_update_slice(k_BSKH, k_BTKH, (0, index, 0, 0)), CACHE_AXES[1:]))
         values.append(constrain(jax.lax.dynamic_update_slice(v_BSKH, v_BTKH, (0, index, 0, 0)), CACHE_AXES[1:]))
     return x_BTD, KVCache(tuple(keys), tuple(values))
@@ -178,17 +207,20 @@ def _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat: str, remat_offload: 
     saves offloaded to host memory per `remat_offload`). A scan body needs no CSE barrier (the loop already keeps
     XLA from merging the recompute into the forward pass); an unrolled loop does.
 
-    `stats` is None, or with a `probe` (diagnostics: `probe(layer, x_BTD, visible, sin_BTh, cos_BTh, key) ->
-    (out_BTD, stats)` runs the layer in its place) the probe's per-layer statistics. Without a probe the traced
-    program is exactly the plain layer's: the switch is static."""
+    `stats` is None, or with a `probe` (diagnostics: `probe(layer, x_BTD, visible, sin_BTh, cos_BTh, key,
+    local) -> (out_BTD, stats)` runs the layer in its place) the probe's per-layer statistics. Without a probe
+    the traced program is exactly the plain layer's: the switch is static. With local and global layers the xs
+    carry each layer's kind and `visible`, `sin_BTh`, `cos_BTh` are (global, local) pairs (`for_layer`)."""
 
     def step(x_BTD, xs):
-        layer_state, key = xs
+        layer_state, key, local = xs
         layer = nnx.merge(graphdef, layer_state)
         key = None if key is None else jax.random.wrap_key_data(key)
+        inputs = (visible, sin_BTh, cos_BTh) if local is None else for_layer(
+            local, tuple(zip(visible, sin_BTh, cos_BTh)))
         if probe is not None:
-            return probe(layer, x_BTD, visible, sin_BTh, cos_BTh, key)
-        return layer(x_BTD, visible, sin_BTh, cos_BTh, key), None
+            return probe(layer, x_BTD, *inputs, key, local)
+        return layer(x_BTD, *inputs, key, local=local), None
 
     if remat != "none":
         step = jax.checkpoint(step, policy=remat_policy(remat, remat_offload), prevent_cse=prevent_cse)
@@ -196,7 +228,7 @@ def _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat: str, remat_offload: 
 
 
 def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", keys_L=None,
-                remat_offload: str = "none", probe=None):
+                remat_offload: str = "none", probe=None, local_L=None):
     """Run stacked `layers` over `x_BTD` with `lax.scan`, rematerialising each layer per `remat` (what it saves
     offloaded to host memory per `remat_offload`); layer l draws its randomness (LoRA dropout) from `keys_L[l]`
     (None: deterministic). Returns (x_BTD, stats): the `probe`'s statistics stacked [L, ...] as the scan's
@@ -205,11 +237,11 @@ def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: s
     stacked = in_compute_dtype(stacked, x_BTD.dtype)
     step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=False, probe=probe)
     with jax.named_scope("layers"):  # profiler traces: the scan's layer index is not static, so one name
-        return jax.lax.scan(step, x_BTD, (stacked, keys_L))
+        return jax.lax.scan(step, x_BTD, (stacked, keys_L, local_L))
 
 
 def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", keys_L=None,
-                  remat_offload: str = "none", probe=None):
+                  remat_offload: str = "none", probe=None, local_L=None):
     """`scan_layers` as a Python loop (`model.scan_layers=False`): no while loop in the program, so XLA may
     schedule and fuse across layer boundaries, at the price of compile time growing with depth. Layer l's
     parameters are sliced from the same stacked arrays, so the parameter tree, checkpoints, adapters, per-layer
@@ -220,14 +252,14 @@ def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat:
     per_layer = []
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
         with jax.named_scope(f"layer_{i}"):  # profiler traces name each unrolled layer
-            x_BTD, stats = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L)))
+            x_BTD, stats = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L, local_L)))
         per_layer.append(stats)
     return x_BTD, None if probe is None else jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
 
 
 def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", *,
                     microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False, keys_L=None,
-                    remat_offload: str = "none", layer_loop=scan_layers, probe=None):
+                    remat_offload: str = "none", layer_loop=scan_layers, probe=None, local_L=None):
     """`scan_layers` as a pipeline over the active mesh's `stage` axis (see `jaxllm.parallel.pipeline`): each stage
     runs its own chunks of the stacked layers with `layer_loop` (`scan_layers`, or `unroll_layers` to unroll
     within a chunk); visibility (mask or packed documents) and rotary tables travel with their micro-batch.
@@ -237,11 +269,12 @@ def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, rema
     graphdef, stacked = nnx.split(layers)
 
     def stage_fn(chunk, x_BTD, aux):
-        chunk_state, chunk_keys = chunk
-        out = layer_loop(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys, remat_offload, probe)
+        chunk_state, chunk_keys, chunk_local = chunk
+        out = layer_loop(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys, remat_offload, probe,
+                         chunk_local)
         return out if probe is not None else out[0]
 
-    out = pipeline(stage_fn, (stacked, keys_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
+    out = pipeline(stage_fn, (stacked, keys_L, local_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
                    repeats=repeats, debug_nan_bubbles=debug_nan_bubbles, seq_axis=layers.seq_axis,
                    stage_stats=probe is not None)
     return out if probe is not None else (out, None)
@@ -276,10 +309,11 @@ class Transformer(nnx.Module):
         self.output_dtype = jnp.dtype(precision.output)
         # Adapters (jaxllm.model.lora) on the stacked projections; None or rank 0: none. Static, in the graphdef.
         self.lora = lora if lora is not None and lora.rank else None
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.dim, std=cfg.init_std, dtype=dtype, rngs=rngs,
+                                  scaled=cfg.blocks.embed_scale)
         self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs, lora=self.lora,
                                    seq_axis=self.seq_axis, quant=precision.quant)
-        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, rngs=rngs, plus_one=cfg.blocks.norm_plus_one)
         if lm_head and not cfg.tie_embeddings:  # a reward model (jaxllm/model/reward.py) has a score head instead
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, cfg.init_std)
 
@@ -291,7 +325,7 @@ class Transformer(nnx.Module):
     def probed_hidden_states(self, tokens_BT, segment_ids_BT, positions_BT, probe):
         """(`hidden_states` without dropout, the statistics `probe` took of every layer, stacked [L, ...]): the
         diagnostic forward of jaxllm/observe/activations.py. `probe(layer, x_BTD, visible, sin_BTh, cos_BTh,
-        key) -> (out_BTD, stats)` runs each layer in place of its plain call, inside the same layer loop
+        key, local) -> (out_BTD, stats)` runs each layer in place of its plain call, inside the same layer loop
         (scanned, unrolled or pipelined); stats must be per row ([B, ...] leaves) for the pipeline."""
         return self._run_layers(tokens_BT, segment_ids_BT, positions_BT, None, probe)
 
@@ -302,8 +336,11 @@ class Transformer(nnx.Module):
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
-        visible = attention_visibility(self.cfg.attention, segment_ids_BT, self.cfg.sliding_window)
+        sin_BTh, cos_BTh = self._rotations(positions_BT)
+        windowed = lambda window: attention_visibility(self.cfg.attention, segment_ids_BT, window)
+        local_L = self._local_layers()
+        visible = windowed(self.cfg.sliding_window) if local_L is None else (windowed(0),
+                                                                             windowed(self.cfg.sliding_window))
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
         keys_L = layer_keys(rng if self.lora is not None else None, self.cfg.num_layers)
         layer_loop = scan_layers if self.cfg.scan_layers else unroll_layers
@@ -312,12 +349,27 @@ class Transformer(nnx.Module):
                                            microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
                                            debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L,
                                            remat_offload=self.cfg.remat_offload, layer_loop=layer_loop,
-                                           probe=probe)
+                                           probe=probe, local_L=local_L)
         else:
             x_BTD, stats = layer_loop(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,
-                                      self.cfg.remat_offload, probe)
+                                      self.cfg.remat_offload, probe, local_L)
         # The final norm runs on the split sequence too; the head's vocabulary-parallel matmul gathers it (`logits`).
         return self.norm(x_BTD), stats
+
+    def _local_layers(self):
+        """Each layer's kind as a bool array [L] (True: local) with local and global layers, else None."""
+        local = self.cfg.local_layers()
+        return None if local is None else jnp.asarray(local)
+
+    def _rotations(self, positions_BT):
+        """Rotary (sin, cos) tables of `positions_BT`; with local and global layers each is a (global, local) pair,
+        the local layers' at their own base without the global layers' scaling (Gemma 3)."""
+        cfg = self.cfg
+        sin_BTh, cos_BTh = rope_tables(positions_BT, cfg.head_dim, cfg.rope_theta, self.rope_scaling)
+        if cfg.local_layers() is None:
+            return sin_BTh, cos_BTh
+        local_sin, local_cos = rope_tables(positions_BT, cfg.head_dim, cfg.local_rope_theta or cfg.rope_theta)
+        return (sin_BTh, local_sin), (cos_BTh, local_cos)
 
     def logits(self, x_BTD):
         """Project hidden states to vocabulary logits [B, T, V] in the output dtype."""
@@ -354,17 +406,23 @@ class Transformer(nnx.Module):
         T, S = tokens_BT.shape[1], jax.tree.leaves(cache.k)[0].shape[-3]
         slots_T = index + jnp.arange(T, dtype=jnp.int32)
         positions_BT = jnp.maximum(slots_T[None, :] - start_B[:, None], 0)
-        sin_BTh, cos_BTh = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
+        sin_BTh, cos_BTh = self._rotations(positions_BT)
         slots_11S = jnp.arange(S, dtype=jnp.int32)[None, None, :]
         mask_BTS = (slots_11S <= slots_T[None, :, None]) & (slots_11S >= start_B[:, None, None])
-        if self.cfg.sliding_window:  # a row's slots are its positions shifted, so the window counts slots
-            mask_BTS &= slots_11S > slots_T[None, :, None] - self.cfg.sliding_window
+        # a row's slots are its positions shifted, so the window counts slots
+        windowed_BTS = mask_BTS & (slots_11S > slots_T[None, :, None] - self.cfg.sliding_window)
+        local_L = self.cfg.local_layers()
+        if local_L is not None:
+            mask_BTS = (mask_BTS, windowed_BTS)
+        elif self.cfg.sliding_window:
+            mask_BTS = windowed_BTS
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
         if self.cfg.scan_layers:
-            x_BTD, cache = scan_layers_decode(self.layers, x_BTD, cache, index, mask_BTS, sin_BTh, cos_BTh)
+            x_BTD, cache = scan_layers_decode(self.layers, x_BTD, cache, index, mask_BTS, sin_BTh, cos_BTh,
+                                              self._local_layers())
         else:
             x_BTD, cache = unroll_layers_decode(layers or self.decode_layers(), x_BTD, cache, index, mask_BTS,
-                                                sin_BTh, cos_BTh)
+                                                sin_BTh, cos_BTh, local_L)
         return self.logits(self.norm(x_BTD[:, -1:]))[:, 0], cache
 
 
@@ -385,6 +443,7 @@ def total_params(cfg: ModelConfig) -> int:
     norms = (2 * cfg.num_layers + 1) * cfg.dim
     blocks, L, H = cfg.blocks, cfg.num_layers, cfg.head_dim
     extras = L * H * ((cfg.num_heads + 2 * cfg.num_kv_heads) * blocks.qkv_bias + 2 * blocks.qk_norm)
+    extras += 2 * L * cfg.dim * blocks.sandwich_norms
     return _layer_matmul_params(cfg) + cfg.vocab_size * cfg.dim + head + norms + extras
 
 

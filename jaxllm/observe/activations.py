@@ -46,12 +46,12 @@ GATE_SATURATION = -6.0
 PER_LAYER = ("act_rms", "act_max", "gate_saturation", "attn_logit_max")
 
 
-def probe_layer(layer, x_BTD, visible, sin_BTh, cos_BTh, key):
+def probe_layer(layer, x_BTD, visible, sin_BTh, cos_BTh, key, local=None):
     """Run one DecoderLayer on `x_BTD` and take per-token statistics ([B, T] arrays) of its output, its gate
     pre-activations and its attention logits: the probe of `Transformer.probed_hidden_states`. Per token (not
     yet reduced) so the pipeline can put micro-batches back together and the reduction can skip padding."""
     taps = {}
-    out_BTD = layer(x_BTD, visible, sin_BTh, cos_BTh, key, taps=taps)
+    out_BTD = layer(x_BTD, visible, sin_BTh, cos_BTh, key, taps=taps, local=local)
     out_BTD32, gate_BTF = out_BTD.astype(jnp.float32), taps["gate"].astype(jnp.float32)
     stats = {
         "sq_sum": jnp.sum(out_BTD32 * out_BTD32, axis=-1),

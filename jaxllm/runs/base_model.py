@@ -33,7 +33,8 @@ from jaxllm.interop import hf
 # ModelConfig fields that describe the network itself (adopted from the base); the others (remat, attention,
 # init_std, preset) are choices of this run.
 ARCHITECTURE = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
-                "norm_eps", "tie_embeddings", "family", "sliding_window")
+                "norm_eps", "tie_embeddings", "family", "sliding_window", "global_every", "local_rope_theta",
+                "query_pre_attn_scalar")
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _KEY = "checkpoint.restore_from"
 

@@ -17,6 +17,14 @@ class Blocks:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2), none on o
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before the rotation (Qwen3, Gemma 3)
     sliding_window: bool = False  # attention may be limited to the last `model.sliding_window` positions (Mistral)
+    # local (windowed) layers beside global ones, every `model.global_every`-th layer global, the local ones with
+    # their own RoPE base `model.local_rope_theta` (Gemma 3's 5:1)
+    local_global: bool = False
+    norm_plus_one: bool = False  # RMSNorms scale by (1 + w), w starting at zero (Gemma)
+    # norms on the attention's and the MLP's outputs too, before each residual add (Gemma 2/3's four per layer)
+    sandwich_norms: bool = False
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh approximation)
+    embed_scale: bool = False  # embeddings times sqrt(model.dim) on the way in (not in the tied output head)
 
 
 class FamilyConfigError(ValueError):
@@ -30,7 +38,8 @@ class Family:
     `model_type`, `causal_lm` and `sequence_classification` are its Hugging Face names (the last None where
     transformers has no such class). `from_hf(hf)` reads the family's own config.json keys into ModelConfig
     fields (the shapes every family shares are read by jaxllm/interop/hf.py) and raises FamilyConfigError on a
-    value it cannot express; `to_hf(fields)` writes them back. `presets` are named ModelConfig shapes
+    value it cannot express; `to_hf(fields, rope)` writes them back (`rope`: the rope_parameters of the global
+    layers). `presets` are named ModelConfig shapes
     (`model.preset`); `chat_template` is its tokenizers' Jinja chat template, for fixtures and docs."""
 
     name: str
@@ -39,7 +48,7 @@ class Family:
     sequence_classification: str | None
     blocks: Blocks = Blocks()
     from_hf: Callable[[dict], dict] = lambda hf: {}
-    to_hf: Callable[[dict], dict] = lambda fields: {}
+    to_hf: Callable[[dict, dict], dict] = lambda fields, rope: {}
     presets: dict[str, dict] = dataclasses.field(default_factory=dict)
     chat_template: str = ""
 

@@ -8,7 +8,7 @@ FAMILY = Family(
     causal_lm="LlamaForCausalLM",
     sequence_classification="LlamaForSequenceClassification",
     from_hf=lambda hf: refuse_true(hf, "attention_bias", "mlp_bias", why="Llama projections here have no bias") or {},
-    to_hf=lambda fields: {"attention_bias": False, "mlp_bias": False},
+    to_hf=lambda fields, rope: {"attention_bias": False, "mlp_bias": False},
     presets={
         # GPT-2 small sized Llama (~125M parameters with a 32k vocabulary).
         "llama_125m": dict(vocab_size=32000, dim=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64,

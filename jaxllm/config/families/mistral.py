@@ -10,7 +10,7 @@ FAMILY = Family(
     sequence_classification="MistralForSequenceClassification",
     blocks=Blocks(sliding_window=True),
     from_hf=lambda hf: {"sliding_window": int(hf.get("sliding_window") or 0)},
-    to_hf=lambda fields: {"sliding_window": fields["sliding_window"] or None},
+    to_hf=lambda fields, rope: {"sliding_window": fields["sliding_window"] or None},
     presets={
         # Mistral 7B v0.3 (no sliding window).
         "mistral_7b": dict(vocab_size=32768, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,

@@ -10,7 +10,7 @@ FAMILY = Family(
     sequence_classification="Qwen2ForSequenceClassification",
     blocks=Blocks(qkv_bias=True),
     from_hf=full_attention_only,
-    to_hf=lambda fields: {"use_sliding_window": False, "max_window_layers": fields["num_layers"]},
+    to_hf=lambda fields, rope: {"use_sliding_window": False, "max_window_layers": fields["num_layers"]},
     presets={
         # Qwen2.5 1.5B.
         "qwen2_5_1_5b": dict(vocab_size=151936, dim=1536, num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,

@@ -11,7 +11,7 @@ FAMILY = Family(
     blocks=Blocks(qk_norm=True),
     from_hf=lambda hf: refuse_true(hf, "attention_bias", why="Qwen3 projections here have no bias")
     or full_attention_only(hf),
-    to_hf=lambda fields: {"attention_bias": False, "use_sliding_window": False,
+    to_hf=lambda fields, rope: {"attention_bias": False, "use_sliding_window": False,
                           "max_window_layers": fields["num_layers"]},
     presets={
         # Qwen3 0.6B.
