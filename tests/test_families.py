@@ -29,6 +29,8 @@ from jaxllm.data.synthetic import synthetic_batch  # noqa: E402
 from jaxllm.interop import hf  # noqa: E402
 from jaxllm.model.build import build_model  # noqa: E402
 from jaxllm.model.head import next_token_loss  # noqa: E402
+from jaxllm.model.layers import windowed_attention, xla_attention  # noqa: E402
+from jaxllm.model.visibility import attention_mask  # noqa: E402
 from jaxllm.model.reward import RewardModel  # noqa: E402
 from jaxllm.model.sample import generate  # noqa: E402
 from jaxllm.objectives.grpo import grpo_loss_fn  # noqa: E402
@@ -52,8 +54,9 @@ FAMILY_CONFIGS = {
                                              tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                              tie_word_embeddings=False)),
+    # a window of 4 divides the inputs' 12 and 16 positions: training takes the blocked windowed attention
     "mistral": (transformers.MistralConfig, dict(COMMON, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
-                                                 sliding_window=5, tie_word_embeddings=False)),
+                                                 sliding_window=4, tie_word_embeddings=False)),
     # a local (window 5, its own RoPE base) then a global layer, and a score scale apart from head_dim
     "gemma3": (transformers.Gemma3TextConfig, dict(
         COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
@@ -90,7 +93,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ids():
-    return np.random.RandomState(0).randint(0, 97, (2, 12))  # longer than Mistral's window of 5
+    return np.random.RandomState(0).randint(0, 97, (2, 12))  # longer than the windows (Mistral 4, Gemma 3 5)
 
 
 def torch_logits(model, ids):
@@ -168,7 +171,8 @@ def test_greedy_decoding_matches_transformers_generate(saved, name):
     ours = generate(jm, prompts, max_new_tokens=14)
     for prompt, new in zip(prompts, ours):
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, min_new_tokens=14,
+            # no end-of-sequence id on either side (ours has no stop ids): both decode 14 tokens, whatever they are
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
         assert new == out[0, len(prompt):].tolist()
     if jm.cfg.sliding_window:  # the unrolled decode (per-layer caches, each layer's kind picked statically) too
@@ -319,7 +323,7 @@ def test_presets_have_the_published_sizes_and_plan(preset):
 def test_a_hugging_face_base_of_a_family_gives_its_architecture_to_a_fine_tuning_run(saved):
     """`checkpoint.restore_from` a family's directory: the run adopts the family and its window."""
     base = locate(str(saved["mistral"][1]))
-    assert (base.architecture["family"], base.architecture["sliding_window"]) == ("mistral", 5)
+    assert (base.architecture["family"], base.architecture["sliding_window"]) == ("mistral", 4)
     assert locate(str(saved["qwen3"][1])).architecture["family"] == "qwen3"
 
 
@@ -334,3 +338,21 @@ def test_sharded_load_places_the_blocks_parameters(saved, name):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if name == "qwen2":
         assert sharded.layers.self_attn.k_bias[...].sharding.spec == P(None, "tensor", None)
+
+
+def test_windowed_attention_by_blocks_equals_the_masked_dense_one():
+    """The blocked sliding-window path (each block of queries against its own and the previous block's keys)
+    gives the dense path's outputs and gradients on packed rows with padding."""
+    rng = np.random.default_rng(0)
+    B, T, N, K, H, W = 2, 24, 4, 2, 8, 6
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(B, T, N, H), (B, T, K, H),
+                                                                              (B, T, K, H)])
+    segments = np.ones((B, T), np.int32)
+    segments[0, 10:], segments[1, 20:] = 2, 0
+    mask = attention_mask(jnp.asarray(segments), W)
+    dense = lambda q, k, v: xla_attention(q, k, v, mask, 0.3)
+    blocked = lambda q, k, v: windowed_attention(q, k, v, mask, W, 0.3)
+    np.testing.assert_allclose(blocked(q, k, v), dense(q, k, v), atol=1e-6)
+    loss = lambda f: lambda *x: jnp.sum(f(*x) ** 2)
+    for a, b in zip(jax.grad(loss(blocked), (0, 1, 2))(q, k, v), jax.grad(loss(dense), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=1e-5)

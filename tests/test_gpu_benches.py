@@ -14,10 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_decode  # noqa: E402
+import bench_families  # noqa: E402
 import bench_grid  # noqa: E402
 import profile_breakdown  # noqa: E402
 from jaxllm.config.cli import UsageError  # noqa: E402
-from jaxllm.config.schema import ModelConfig  # noqa: E402
+from jaxllm.config.families import FAMILIES  # noqa: E402
+from jaxllm.config.schema import ModelConfig, check_across  # noqa: E402
 
 
 def _kernel(name, ts, dur, tid=1):
@@ -76,3 +78,20 @@ def test_grid_file_is_checked(tmp_path):
 def test_decode_bound_counts_every_layer_slot_and_head():
     cfg = ModelConfig(num_layers=16, num_kv_heads=8, head_dim=64)
     assert bench_decode.kv_bytes_per_row(cfg, 1024, 2) == 2 * 16 * 1024 * 8 * 64 * 2  # 33.5 MB: llama_1b's
+
+
+def test_family_variants_keep_the_shape_and_pass_the_checks():
+    """bench_families compares like with like: every family at the config's width and depth, each a valid
+    config (its windows and layer pattern included), and the window comparison differs only in the window."""
+    cfg = bench_families.bench_config(str(ROOT / "configs" / "pretrain.py"), [])
+    for name in FAMILIES:
+        variant = bench_families.family_variant(cfg, name, 64)
+        variant.model.check()
+        check_across(variant)
+        shape = ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size")
+        assert [getattr(variant.model, k) for k in shape] == [getattr(cfg.model, k) for k in shape]
+        assert variant.model.family == name
+    full, windowed = bench_families.window_variants(cfg, 4096, 512)
+    assert (full.model.sliding_window, windowed.model.sliding_window) == (0, 512)
+    assert full.train == windowed.train and full.train.seq_len == 4096
+    check_across(windowed)

@@ -79,7 +79,8 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * (self.scale[...].astype(jnp.float32) + float(self.plus_one))).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (x32 * (scale + 1.0 if self.plus_one else scale)).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +151,30 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = None):
     return out_BTKGH.reshape(B, T, N, H)
 
 
+def windowed_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, window: int, scale: float | None = None):
+    """`xla_attention` for a sliding `window` that divides T: queries in blocks of `window`, each against its own
+    block's keys and the block's before (all a window can reach), so 2 * T * window scores instead of T * T. The
+    dense `mask_BTS` still says who sees whom (documents, the window itself); the result is the same."""
+    B, T, N, H = q_BTNH.shape
+    K, W = k_BSKH.shape[2], window
+    blocks = T // W
+    scale = H**-0.5 if scale is None else scale
+
+    def two_blocks(x_BSKH):  # [B, blocks, 2W, K, H]: the block before (zeros before the first) and its own
+        padded = jnp.pad(x_BSKH, ((0, 0), (W, 0), (0, 0), (0, 0))).reshape(B, blocks + 1, W, K, H)
+        return jnp.concatenate([padded[:, :-1], padded[:, 1:]], axis=2)
+
+    q_BnWKGH = q_BTNH.reshape(B, blocks, W, K, N // K, H)
+    columns_nC = jnp.arange(blocks)[:, None] * W + jnp.arange(2 * W)[None, :]  # in the mask padded by W in front
+    padded_BTS = jnp.pad(mask_BTS, ((0, 0), (0, 0), (W, 0))).reshape(B, blocks, W, T + W)
+    mask_BnWC = jnp.take_along_axis(padded_BTS, columns_nC[None, :, None, :], axis=3)
+    scores = jnp.einsum("BnWKGH,BnCKH->BnKGWC", q_BnWKGH, two_blocks(k_BSKH)).astype(jnp.float32) * scale
+    scores = jnp.where(mask_BnWC[:, :, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
+    out_BnWKGH = jnp.einsum("BnKGWC,BnCKH->BnWKGH", probs, two_blocks(v_BSKH))
+    return out_BnWKGH.reshape(B, T, N, H)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions (q_proj, k_proj, v_proj, o_proj), each projection with
     an optional LoRA adapter (`lora`: a `jaxllm.model.lora.LoRAConfig`). The family's blocks (`cfg.blocks`) may
@@ -208,7 +233,10 @@ class Attention(nnx.Module):
         q_BTNH, k_BSKH, v_BSKH = self._project(x_BTD, sin_BTh, cos_BTh, rng)
         if taps is not None:
             taps.update(q=q_BTNH, k=k_BSKH)
-        if self.impl == "xla":
+        T = q_BTNH.shape[1]
+        if self.impl == "xla" and local is None and self.window and T % self.window == 0 and T > self.window:
+            out_BTNH = windowed_attention(q_BTNH, k_BSKH, v_BSKH, visible, self.window, self.scale)
+        elif self.impl == "xla":
             out_BTNH = xla_attention(q_BTNH, k_BSKH, v_BSKH, visible, self.scale)
         elif self.impl == "cudnn":
             kernel = lambda window: cudnn_attention(q_BTNH, k_BSKH, v_BSKH, visible, window, self.scale)
