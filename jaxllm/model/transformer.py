@@ -126,12 +126,12 @@ class KVCache(NamedTuple):
         return cls(stacked(), stacked())
 
 
-def for_layer(local, per_kind):
-    """The batch's attention inputs for one layer: with local and global layers (`local`, this layer's kind, not
-    None) `per_kind` is a (global, local) pair of them and this picks one; else it is the inputs themselves."""
+def for_layer(local, *inputs):
+    """One layer's attention inputs (mask or visibility, sin, cos): with local and global layers (`local`, this
+    layer's kind, not None) each input is a (global, local) pair and this picks the layer's; else `inputs`."""
     if local is None:
-        return per_kind
-    return jax.tree.map(lambda g, l: jnp.where(local, l, g), *per_kind)
+        return inputs
+    return tuple(jax.tree.map(lambda g, l: jnp.where(local, l, g), *pair) for pair in inputs)
 
 
 def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_BTS, sin_BTh, cos_BTh,
@@ -149,8 +149,7 @@ def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_
         layer_state, local = xs
         layer = nnx.merge(graphdef, layer_state)
         x, k_BTKH, v_BTKH = layer.decode(x, cache_k[i], cache_v[i], index,
-                                         *for_layer(local, (mask_BTS, sin_BTh, cos_BTh) if local is None else
-                                                    tuple(zip(mask_BTS, sin_BTh, cos_BTh))))
+                                         *for_layer(local, mask_BTS, sin_BTh, cos_BTh))
         cache_k = jax.lax.dynamic_update_slice(cache_k, k_BTKH[None], (i, 0, index, 0, 0))
         cache_v = jax.lax.dynamic_update_slice(cache_v, v_BTKH[None], (i, 0, index, 0, 0))
         return (x, constrain(cache_k, CACHE_AXES), constrain(cache_v, CACHE_AXES), i + 1), None
@@ -216,8 +215,7 @@ def _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat: str, remat_offload: 
         layer_state, key, local = xs
         layer = nnx.merge(graphdef, layer_state)
         key = None if key is None else jax.random.wrap_key_data(key)
-        inputs = (visible, sin_BTh, cos_BTh) if local is None else for_layer(
-            local, tuple(zip(visible, sin_BTh, cos_BTh)))
+        inputs = for_layer(local, visible, sin_BTh, cos_BTh)
         if probe is not None:
             return probe(layer, x_BTD, *inputs, key, local)
         return layer(x_BTD, *inputs, key, local=local), None
@@ -409,13 +407,10 @@ class Transformer(nnx.Module):
         sin_BTh, cos_BTh = self._rotations(positions_BT)
         slots_11S = jnp.arange(S, dtype=jnp.int32)[None, None, :]
         mask_BTS = (slots_11S <= slots_T[None, :, None]) & (slots_11S >= start_B[:, None, None])
-        # a row's slots are its positions shifted, so the window counts slots
-        windowed_BTS = mask_BTS & (slots_11S > slots_T[None, :, None] - self.cfg.sliding_window)
         local_L = self.cfg.local_layers()
-        if local_L is not None:
-            mask_BTS = (mask_BTS, windowed_BTS)
-        elif self.cfg.sliding_window:
-            mask_BTS = windowed_BTS
+        if self.cfg.sliding_window:  # a row's slots are its positions shifted, so the window counts slots
+            windowed_BTS = mask_BTS & (slots_11S > slots_T[None, :, None] - self.cfg.sliding_window)
+            mask_BTS = windowed_BTS if local_L is None else (mask_BTS, windowed_BTS)
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
         if self.cfg.scan_layers:
             x_BTD, cache = scan_layers_decode(self.layers, x_BTD, cache, index, mask_BTS, sin_BTh, cos_BTh,
