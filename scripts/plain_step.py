@@ -68,7 +68,7 @@ def loss_fn(params, batch, m, compute=jnp.float32):
     layers = {k: params[k] for k in ("ln1", "wq", "wk", "wv", "wo", "ln2", "wg", "wu", "wd")}
     x, _ = jax.lax.scan(layer, params["embed"][batch["tokens"]], layers)
     logits = (_rms(x, params["norm"], m.norm_eps) @ params["head"]).astype(jnp.float32)
-    logps = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), batch["targets"][..., None], -1)[..., 0]
+    logps = jnp.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
     weight = batch["loss_mask"].astype(jnp.float32)
     return -jnp.sum(logps * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 

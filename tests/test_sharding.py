@@ -14,7 +14,7 @@ from jaxllm.config.cli import build_config
 from jaxllm.config.schema import MeshConfig, validate
 from jaxllm.parallel.mesh import abstract_mesh, make_mesh
 from jaxllm.parallel.sharding import (bytes_per_device, format_replicated, format_report, logical_to_spec, replicated_rows,
-                             report_rows, sharding_tree)
+                             report_rows, sharding_tree, sum_over_devices)
 from jaxllm.model.build import abstract_model, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,3 +115,29 @@ def test_parameters_left_whole_by_an_undivided_axis_are_listed(default_cfg):
     assert replicated_rows(nnx.state(abstract_model(default_cfg.model, default_cfg.precision)),
                            make_mesh(default_cfg.mesh)) == []
     assert format_replicated([]) == ""
+
+
+@pytest.mark.parametrize("shape, spec", [((64, 48), P()), ((8, 64), P(None, "tensor")), ((6, 5), P("fsdp")),
+                                         ((4, 16, 8), P(None, "fsdp", "tensor"))],
+                         ids=["replicated", "split-over-tensor", "nothing-divides", "split-twice"])
+def test_a_sum_over_devices_counts_every_element_once(shape, spec):
+    """sum_over_devices on a (2, 2, 2) mesh equals the plain sum of squares, whatever the array's layout: every
+    element is reduced by exactly one device (a replicated block split among its replicas, one that no dimension
+    divides reduced whole by its first replica)."""
+    mesh = make_mesh(MeshConfig(2, 2, 2, 1))
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) / 7.0
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+        total = jax.jit(lambda a: sum_over_devices(lambda b: (b * b).sum(), [a], [spec], mesh))(placed)
+    np.testing.assert_allclose(float(total), float((x.astype(np.float64) ** 2).sum()), rtol=1e-6)
+
+
+def test_each_replica_reduces_only_its_share_of_a_replicated_array():
+    """The point of sum_over_devices: on 8 data-parallel devices each reduces an eighth of a replicated [64, 48]
+    array (a dynamic slice of 8 rows), not all of it as a plain sum would."""
+    mesh = make_mesh(MeshConfig(8, 1, 1, 1))
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(np.ones((64, 48), np.float32), jax.sharding.NamedSharding(mesh, P()))
+        hlo = jax.jit(lambda a: sum_over_devices(lambda b: (b * b).sum(), [a], [P()], mesh)).lower(
+            placed).compile().as_text()
+    assert "f32[8,48]" in hlo and "dynamic-slice" in hlo

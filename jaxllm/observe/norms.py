@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxllm.parallel.sharding import active_mesh, spec_tree, sum_over_devices
 
 # Parameter groups by a Hugging Face name anywhere in a parameter's path (the first match from the leaf up).
 # LoRA adapters (`<target>_lora`) are their own group, checked first.
@@ -88,6 +91,16 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(_sum_sq(x) for x in arrays(tree)))
 
 
+def global_norm_over_devices(tree, params) -> jax.Array:
+    """`global_norm` of `tree` (shaped like `params`) with every device reducing its own part of each array under
+    the active mesh (jaxllm.parallel.sharding.sum_over_devices), rather than each replica all of it."""
+    mesh = active_mesh()
+    if mesh is None or mesh.manual_axes:
+        return global_norm(tree)
+    specs = jax.tree.leaves(spec_tree(params, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jnp.sqrt(sum_over_devices(_sum_sq, arrays(tree), specs, mesh))
+
+
 def _ratio(num, den):
     return num / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)
 
@@ -99,9 +112,10 @@ def step_norms(params, updates, grad_norm, clip_norm: jax.Array) -> dict[str, ja
 
     The clipped norm is min(norm, threshold): what `optax.clip_by_global_norm` leaves (it rescales by
     threshold / norm when the norm exceeds the threshold), without re-running the clipping on every gradient.
+    Each device reduces its own part of the parameters and updates (`global_norm_over_devices`).
     """
     clipped = jnp.where(clip_norm > 0, jnp.minimum(grad_norm, clip_norm), grad_norm)
-    param_norm, update_norm = global_norm(params), global_norm(updates)
+    param_norm, update_norm = global_norm_over_devices(params, params), global_norm_over_devices(updates, params)
     return {"grad_norm_clipped": clipped, "param_norm": param_norm, "update_norm": update_norm,
             "update_ratio": _ratio(update_norm, param_norm)}
 

@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from jaxllm.config.schema import OptimConfig
+from jaxllm.optim.veto import scale_by_adam, vetoable
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -91,7 +92,9 @@ def clip_by_global_norm(max_norm) -> optax.GradientTransformation:
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """Clipping followed by the configured optimizer, driven by `learning_rate_schedule`.
+    """Clipping followed by the configured optimizer, driven by `learning_rate_schedule`. AdamW and LAMB are
+    optax's, built on `jaxllm.optim.veto.scale_by_adam` so that the train step's veto costs no pass over their
+    moments (a `VetoableTransformation`); Adafactor is vetoed by the step's select.
 
     The returned transformation is wrapped in `optax.inject_hyperparams` so the current learning rate and the
     clipping threshold (`optim.clip_norm`, 0: off) are part of the optimizer state: the rate is read back for
@@ -100,17 +103,19 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     schedule = learning_rate_schedule(cfg, total_steps)
 
     def build(learning_rate, clip_norm):
+        # optax.adamw and optax.lamb, link for link, on the Adam whose moments the train step can veto
+        adam = scale_by_adam(cfg.b1, cfg.b2, cfg.eps)
+        decay = optax.add_decayed_weights(cfg.weight_decay, decay_mask)
         if cfg.name == "adamw":
-            opt = optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                              weight_decay=cfg.weight_decay, mask=decay_mask)
+            opt = optax.chain(adam, decay, optax.scale_by_learning_rate(learning_rate))
         elif cfg.name == "lamb":
-            opt = optax.lamb(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=decay_mask)
+            opt = optax.chain(adam, decay, optax.scale_by_trust_ratio(), optax.scale_by_learning_rate(learning_rate))
         else:
             opt = adafactor(cfg, learning_rate)
         return optax.chain(clip_by_global_norm(clip_norm), opt)
 
-    return optax.inject_hyperparams(build)(learning_rate=schedule, clip_norm=cfg.clip_norm)
+    tx = optax.inject_hyperparams(build)(learning_rate=schedule, clip_norm=cfg.clip_norm)
+    return vetoable(tx) if cfg.name in ("adamw", "lamb") else tx
 
 
 def current_lr(opt_state) -> jax.Array:

@@ -23,6 +23,7 @@ from jaxllm.optim.loss_scale import NO_LOSS_SCALING, LossScaling, excuse_overflo
 from jaxllm.parallel.offload import on_host, stream_opt_state
 from jaxllm.optim.chain import current_clip_norm, current_lr
 from jaxllm.optim.powersgd import PowerSGD, compressed_grads_and_loss
+from jaxllm.optim.veto import VetoableTransformation, keep_if
 from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, spec_tree
 from jaxllm.train.anomaly import detect, push
 from jaxllm.train.state import TrainState
@@ -132,10 +133,24 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn, fro
     return jax.tree.map(lambda g: g / unscale, grads), loss_sum / denom, count, metrics
 
 
+def vetoed_update(tx: optax.GradientTransformation, grads, opt_state, params, keep):
+    """(updates, new optimizer state) of `tx`; where the scalar `keep` is true the state is the old one (and the
+    updates are to be dropped). A `VetoableTransformation` (jaxllm's AdamW and LAMB) vetoes inside its moment
+    updates at no extra cost; any other transformation is vetoed by a select over its whole state, a pass more
+    over every moment (jaxllm/optim/veto.py)."""
+    if keep is None:
+        return tx.update(grads, opt_state, params)
+    if isinstance(tx, VetoableTransformation):
+        return tx.update(grads, opt_state, params, veto=keep)
+    updates, new_state = tx.update(grads, opt_state, params)
+    return updates, keep_if(keep, opt_state, new_state)
+
+
 class StepTrace(NamedTuple):
     """What one train step saw and did, for an `observe` callable of `make_train_step`: the state it started
     from, its batch and frozen variables, the gradients (before clipping), the update it computed (scaled by
-    `lr_scale`; an update the step vetoed was still computed) and the state it returns."""
+    `lr_scale`; an update the step vetoed was still computed, from the kept moments with jaxllm's AdamW and
+    LAMB) and the state it returns."""
 
     state: TrainState
     batch: dict
@@ -187,25 +202,22 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
         flags = detect(loss, excuse_overflow(grad_norm, overflow), state.loss_window, state.grad_window, anomaly)
         is_anomaly = flags["anomaly"]
 
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        updates = jax.tree.map(lambda u: u * state.lr_scale, updates)
-        norms = step_norms(state.params, updates, grad_norm, current_clip_norm(state.opt_state))
-        # A never-true test (norms are not negative) that makes the writes of the new state wait for the norms,
-        # so they go over the old state in place after every read of it. Without it XLA copies the whole state
-        # (the parameters, and with a veto both Adam moments) on entry: about a tenth of the step of a
-        # data-parallel 42M model on 8 CPU devices (scripts/bench_step.py; tests/test_in_place_update.py).
-        wait = (norms["param_norm"] < 0) | (norms["update_norm"] < 0)
         veto = [is_anomaly] if skip_anomalies else []
         veto += [overflow] if loss_scaling.enabled else []
         veto += [extra[SKIP_UPDATE] > 0] if SKIP_UPDATE in extra else []
-        if veto:  # a vetoed step keeps the old parameters, moments and compression state
-            keep = functools.reduce(jnp.logical_or, veto, wait)
-            keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(keep, o, n), new, old)
-            params = keep_old(optax.apply_updates(state.params, updates), state.params)
-            opt_state = keep_old(opt_state, state.opt_state)
-            compressor = keep_old(compressor, state.powersgd)
-        else:  # nothing can veto: only the parameters wait, and the moments are written once, not selected
-            params = optax.apply_updates(state.params, jax.tree.map(lambda u: jnp.where(wait, 0.0, u), updates))
+        keep = functools.reduce(jnp.logical_or, veto) if veto else None  # a vetoed step keeps the old state
+        updates, opt_state = vetoed_update(tx, grads, state.opt_state, state.params, keep)
+        updates = jax.tree.map(lambda u: u * state.lr_scale, updates)
+        norms = step_norms(state.params, updates, grad_norm, current_clip_norm(state.opt_state))
+        # A never-true test (norms are not negative) that makes the writes of the new parameters wait for the
+        # norms, so they go over the old ones in place after every read of them. Without it XLA copies the
+        # parameters on entry: about a tenth of the step of a data-parallel 42M model on 8 CPU devices
+        # (scripts/bench_step.py; tests/test_in_place_update.py).
+        drop = (norms["param_norm"] < 0) | (norms["update_norm"] < 0)
+        drop = drop if keep is None else drop | keep
+        params = keep_if(drop, state.params, optax.apply_updates(state.params, updates))
+        if keep is not None:
+            compressor = keep_if(keep, state.powersgd, compressor)
         metrics = {
             **extra,
             "loss": loss,
