@@ -19,7 +19,7 @@ SFT_TASK := build/data/sft_task
 PAIRS := build/data/preference
 CPU_DEVICES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=180" JAX_PLATFORMS=cpu
 
-.PHONY: install data train sft reward dpo grpo ppo pipeline test test-smoke bench docs docs-check clean \
+.PHONY: install data train sft reward dpo grpo ppo pipeline test test-smoke bench bench-peers docs docs-check clean \
 	check-sft check-reward check-dpo check-grpo check-ppo
 
 # `make install` installs what training needs (the package and its dependencies); `make test` adds the test extra
@@ -91,6 +91,26 @@ test-smoke: $(VENV)/.installed-test
 
 bench: data
 	$(CPU_DEVICES) $(BIN)/python scripts/bench_step.py --config configs/pretrain.py $(ARGS)
+
+# `make bench-peers`: jaxllm's step against a bare JAX step and MaxText 0.2.5 on the same Llama, all on jax 0.12 in
+# two Python 3.12 environments built here once (~1.5 GB; PYTHON312 names the interpreter), then
+# scripts/bench_peers.py (ARGS=--configs small --devices 8 --rounds 1 for a short run; hours for the whole table).
+PYTHON312 ?= python3.12
+PEERS := build/peers
+
+$(PEERS)/jaxllm/.ready: pyproject.toml
+	rm -rf $(PEERS)/jaxllm && $(PYTHON312) -m venv $(PEERS)/jaxllm
+	$(PEERS)/jaxllm/bin/python -m pip install -q -e .
+	touch $@
+
+$(PEERS)/maxtext/.ready: scripts/peers/maxtext-requirements.txt
+	rm -rf $(PEERS)/maxtext && $(PYTHON312) -m venv $(PEERS)/maxtext
+	$(PEERS)/maxtext/bin/python -m pip install -q --no-deps maxtext==0.2.5
+	$(PEERS)/maxtext/bin/python -m pip install -q -r scripts/peers/maxtext-requirements.txt
+	touch $@
+
+bench-peers: data $(PEERS)/jaxllm/.ready $(PEERS)/maxtext/.ready
+	$(PYTHON) scripts/bench_peers.py $(ARGS)
 
 # The documentation site. The docs extra goes into the same venv; mkdocstrings reads jaxllm/ statically (griffe).
 docs: $(VENV)/.installed
