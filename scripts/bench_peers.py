@@ -48,11 +48,17 @@ def parse_args(argv):
     a = p.parse_args(argv)
     for name in a.configs.split(","):
         if name not in CONFIGS:
-            p.error(f"--configs: unknown config {name!r}, expected some of {sorted(CONFIGS)}")
-    for python in (a.jaxllm_python, a.maxtext_python):
+            fail(f"--configs: unknown config {name!r}, expected some of {sorted(CONFIGS)}")
+    for option, python in (("--jaxllm_python", a.jaxllm_python), ("--maxtext_python", a.maxtext_python)):
         if not Path(python).exists():
-            p.error(f"no Python at {python}: `make bench-peers` builds the environments")
+            fail(f"{option}: no Python at {python} (`make bench-peers` builds the environments)")
     return a
+
+
+def fail(message: str) -> None:
+    """One line on stderr and exit 2 (this script runs on any Python, without jaxllm installed)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def run(a, impl: str, config: str, dtype: str, devices: int) -> dict:
