@@ -36,9 +36,9 @@ def bench_config(path: str, overrides: list[str]):
     return validate(cd, jax.device_count())
 
 
-def prepared_step(cfg, lora=None):
+def prepared_step(cfg, lora=None, compiler_options=None):
     """(StepRunner compiled for the batch, state, batch, frozen, compile seconds): the very step the loop runs,
-    on one device-resident synthetic batch."""
+    on one device-resident synthetic batch (`compiler_options`: XLA options of its compile, as StepRunner's)."""
     import jax
 
     from jaxllm.data.synthetic import synthetic_batch
@@ -60,7 +60,8 @@ def prepared_step(cfg, lora=None):
             objective, tx, mesh, tc.seed, cfg.anomaly.window, cfg.optim.offload, loss_scaling(cfg.precision).init_scale)
         batch = to_global(synthetic_batch(0, tc.batch_size, tc.seq_len, cfg.model.vocab_size), batch_sharding(mesh),
                           tc.batch_size)
-    runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh, log=lambda _: None)
+    runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh, log=lambda _: None,
+                        compiler_options=compiler_options)
     compile_s = runner.compile(state, batch, frozen)
     return runner, state, batch, frozen, compile_s
 

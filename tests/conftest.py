@@ -4,6 +4,8 @@ import os
 import shutil
 import tempfile
 
+from compile_flags import TEST_PROCESS_FLAGS
+
 # Every cache a test could fill lives in one temporary directory per session, never in the real ~/.cache
 # (jaxllm's CPU peak FLOP/s measurement, Hugging Face, torch, matplotlib, anything following XDG). Set before
 # anything is imported, and inherited by the training subprocesses of tests/train_runs.py.
@@ -31,14 +33,12 @@ CPU_FLAGS = (
 )
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite's own programs are tiny and run a few steps each, so its time is XLA's compiler, much of it LLVM's
-# optimisation passes: at backend optimisation level 0 they compile in about half the time and run no slower at
-# these sizes. Only the test processes use it: XLA reads XLA_FLAGS once, when the backend starts, so the flag
-# leaves the environment right after, and every subprocess a test starts (training runs, scripts) compiles at
-# the default level as users' runs do (at level 0 a DPO resume run wedged in a CPU all-reduce in 2 of 7 runs).
-TEST_PROCESS_FLAGS = " --xla_backend_optimization_level=0"
+# The suite's own processes compile with tests/compile_flags.py's flags (half the compile time). Only the test
+# processes: XLA reads XLA_FLAGS once, when the backend starts, so the flags leave the environment right after,
+# and every subprocess a test starts (training runs, scripts) compiles with the defaults as users' runs do (at
+# level 0 a DPO resume run wedged in a CPU all-reduce in 2 of 7 runs).
 _inherited_flags = os.environ["XLA_FLAGS"]
-os.environ["XLA_FLAGS"] += TEST_PROCESS_FLAGS
+os.environ["XLA_FLAGS"] += " " + TEST_PROCESS_FLAGS
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 

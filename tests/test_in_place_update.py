@@ -24,6 +24,7 @@ from jaxllm.observe.hlo_text import HloModule, array_shapes, shape_bytes
 sys.path.insert(0, str(ROOT / "scripts"))
 import plain_step  # noqa: E402
 from bench_step import prepared_step  # noqa: E402
+from compile_flags import PRODUCTION_COMPILE  # noqa: E402
 
 SMALL = ("--config.model.num_layers=2", "--config.model.dim=64", "--config.model.num_heads=4",
          "--config.model.num_kv_heads=2", "--config.model.head_dim=16", "--config.model.mlp_dim=128",
@@ -53,7 +54,7 @@ def _compiled_step(mesh: tuple, on_anomaly: str):
     overrides = [*SMALL, f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}",
                  f"--config.mesh.tensor={tensor}", f"--config.train.on_anomaly={on_anomaly}"]
     cfg = validate(build_config(str(ROOT / "configs" / "pretrain.py"), split_overrides(overrides)[1]), 8)
-    runner, _, batch, _, _ = prepared_step(cfg)
+    runner, _, batch, _, _ = prepared_step(cfg, compiler_options=PRODUCTION_COMPILE)
     return cfg, runner.compiled_for(batch).as_text()
 
 
@@ -88,7 +89,8 @@ def _plain_step_bytes_written(cfg) -> int:
     params = jax.device_put(plain_step.init_params(jax.random.key(0), cfg.model), replicated)
     batch = jax.device_put({k: jnp.zeros((cfg.train.batch_size, cfg.train.seq_len), jnp.int32)
                             for k in ("tokens", "targets", "segment_ids", "positions", "loss_mask")}, rows)
-    return _bytes_written(step.lower(params, jax.device_put(tx.init(params), replicated), batch).compile().as_text())
+    lowered = step.lower(params, jax.device_put(tx.init(params), replicated), batch)
+    return _bytes_written(lowered.compile(PRODUCTION_COMPILE).as_text())
 
 
 def _parameter_bytes(cfg) -> int:

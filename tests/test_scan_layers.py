@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from compile_flags import PRODUCTION_COMPILE
 from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.parallel.mesh import make_mesh
@@ -44,7 +45,7 @@ def _compiled_loss_and_grads(cfg: ModelConfig, mesh, pipeline: PipelineConfig, l
         loss_sum, count, _ = next_token_loss(nnx.merge(graphdef, p), b, jax.random.key(1))
         return loss_sum / count
 
-    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, batch).compile()
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, batch).compile(PRODUCTION_COMPILE)  # users' loops
     value, grads = compiled(params, batch)
     return value, grads, _float_while_loops(compiled.as_text())
 

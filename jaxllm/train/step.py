@@ -252,15 +252,17 @@ def make_eval_step(graphdef, loss_fn) -> Callable:
     return eval_step
 
 
-def jit_train_step(step_fn, state_shardings, mesh, frozen_shardings=None):
+def jit_train_step(step_fn, state_shardings, mesh, frozen_shardings=None, compiler_options=None):
     """Compile-once wrapper: state donated (frozen variables never), shardings pinned so every step reuses one
     executable. Without `frozen_shardings` the step takes (state, batch) only. An optimizer state whose
-    shardings are in host memory (`jaxllm.train.state.state_shardings`) streams to the device for the update."""
+    shardings are in host memory (`jaxllm.train.state.state_shardings`) streams to the device for the update.
+    `compiler_options`: XLA options of this compile only (jax.jit's), over those of XLA_FLAGS."""
     replicated = NamedSharding(mesh, PartitionSpec())
     if on_host(state_shardings.opt_state):
         step_fn = stream_opt_state(step_fn, state_shardings)
     ins = (state_shardings, batch_sharding(mesh)) + (() if frozen_shardings is None else (frozen_shardings,))
-    return jax.jit(step_fn, in_shardings=ins, out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+    return jax.jit(step_fn, in_shardings=ins, out_shardings=(state_shardings, replicated), donate_argnums=(0,),
+                   compiler_options=compiler_options)
 
 
 def jit_eval_step(eval_fn, param_shardings, mesh, frozen_shardings=None):

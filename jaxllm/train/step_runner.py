@@ -22,15 +22,18 @@ from jaxllm.train.step import jit_train_step, make_train_step
 class StepRunner:
     """The compiled train step, one per batch shape (RL rows are as long as their iteration's prompt bucket;
     every other objective has one shape), and for drills (debug.inject_*) a variant with a scaled loss that
-    runs once at its step, compiled when first needed."""
+    runs once at its step, compiled when first needed. `compiler_options`: XLA options of the train steps'
+    compiles (jax.jit's), over those of XLA_FLAGS."""
 
-    def __init__(self, objective: Objective, tx, cfg: Config, shardings, frozen_shardings, mesh, log=print):
+    def __init__(self, objective: Objective, tx, cfg: Config, shardings, frozen_shardings, mesh, log=print,
+                 compiler_options=None):
         self.skips = cfg.train.on_anomaly in ("skip", "rollback")
         # Under `rollback` too an anomalous update is skipped inside the step: the next step, already dispatched
         # when the anomaly is seen, then starts from a healthy state, which is the fallback with no checkpoint.
         step_args = dict(grad_accum=cfg.optim.grad_accum, anomaly=cfg.anomaly, skip_anomalies=self.skips,
                          loss_scaling=loss_scaling(cfg.precision), compression=powersgd.from_config(cfg.optim))
-        self._jit = lambda obj: jit_train_step(make_train_step(obj, tx, **step_args), shardings, mesh, frozen_shardings)
+        self._jit = lambda obj: jit_train_step(make_train_step(obj, tx, **step_args), shardings, mesh, frozen_shardings,
+                                               compiler_options)
         self.objective, self.mesh, self.log = objective, mesh, log
         self.compiled: dict = {}  # batch shapes -> compiled step
         self.faults = planned_faults(cfg.debug)
