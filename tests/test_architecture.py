@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.config.schema import OBJECTIVE_CHECKS, OBJECTIVES
+from jaxllm.config.fine_tuning import OBJECTIVE_CHECKS, OBJECTIVES
 from jaxllm.objectives.registry import OBJECTIVES as REGISTERED
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxllm.config.families import FAMILIES  # noqa: E402
 from jaxllm.config.cli import build_config, split_overrides  # noqa: E402
-from jaxllm.config.schema import (ConfigError, GRPOConfig, LoRAConfig, MeshConfig, PrecisionConfig,  # noqa: E402
-                                  validate)
+from jaxllm.config.fine_tuning import GRPOConfig  # noqa: E402
+from jaxllm.config.schema import ConfigError, LoRAConfig, MeshConfig, PrecisionConfig, validate  # noqa: E402
 from jaxllm.data.synthetic import synthetic_batch  # noqa: E402
 from jaxllm.interop import hf  # noqa: E402
 from jaxllm.model.build import build_model  # noqa: E402

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from golden_reference import REFERENCE, arrays, trl_cases
-from jaxllm.config.schema import GRPO_LOSS_AGGS
+from jaxllm.config.fine_tuning import GRPO_LOSS_AGGS
 from jaxllm.objectives.losses import bradley_terry_loss, dpo_loss, grpo_loss, kl_penalty
 
 pytestmark = pytest.mark.smoke

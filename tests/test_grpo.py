@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config.schema import GRPOConfig, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.config.fine_tuning import GRPOConfig
+from jaxllm.config.schema import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.objectives.losses import grpo_loss
 from jaxllm.objectives.rollout import response_logps, sequence_layout
 from jaxllm.model.reference import reference_model

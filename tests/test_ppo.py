@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, PPOConfig, PrecisionConfig
+from jaxllm.config.fine_tuning import PPOConfig
+from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, PrecisionConfig
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.model.actor_critic import VALUE
 from jaxllm.model.reward import RewardModel

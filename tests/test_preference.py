@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 from jaxllm.interop import hf
-from jaxllm.config.schema import DPOConfig, LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.config.fine_tuning import DPOConfig
+from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.data.preference import encode_pairs, pack_pairs, prepare_preference, read_pairs
 from jaxllm.data.row_prep import PreparedDataError, PreparedRows
 from jaxllm.data.tokenizer import load_tokenizer

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jaxllm.config.schema import PPOConfig
+from jaxllm.config.fine_tuning import PPOConfig
 from jaxllm.objectives import ppo as ppo_module
 from jaxllm.objectives.grpo import GRPOBatches
 from jaxllm.objectives.ppo import PPOBatches

@@ -1,7 +1,7 @@
 """Typed configuration: the ConfigDict from `configs/*.py` is validated once into frozen dataclasses.
 
 Each section checks its own fields in its `check()`, next to them; `check_across` holds the checks that tie
-sections together (the model and the batch against the mesh, ...), `OBJECTIVE_CHECKS` the sections of the
+sections together (the model and the batch against the mesh, ...), `fine_tuning.OBJECTIVE_CHECKS` the sections of the
 objective that trains, and `probe_environment` what lies outside the config (files, packages, the backend).
 Every check names the key it rejects (`mesh.tensor: ...`), so scripts can print one line and exit 2.
 Functions downstream take only their own sub-config (`ModelConfig`, `OptimConfig`, ...).
@@ -22,7 +22,9 @@ import ml_collections
 from jaxllm.config.families import FAMILIES
 from jaxllm.config.families.blocks import Blocks
 from jaxllm.config.presets import GPU_PRESETS, PRESETS
-from jaxllm.config.typed_config import ConfigError, build
+from jaxllm.config.fine_tuning import (OBJECTIVE_CHECKS, OBJECTIVES, DPOConfig, GRPOConfig, PPOConfig,
+                                       PreferenceConfig, RewardConfig, SFTConfig)
+from jaxllm.config.typed_config import ConfigError, build, check_choice, check_positive
 from jaxllm.config.auto_precision import resolve_compute
 
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
@@ -35,13 +37,6 @@ OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
 QUANT_MODES = ("none", "int8", "fp8")  # precision.quant (jaxllm/model/quant.py)
 LOSS_SCALE_MODES = ("none", "static", "dynamic")  # precision.loss_scale, besides "auto" (jaxllm/optim/loss_scale.py)
-OBJECTIVES = ("pretrain", "sft", "reward", "dpo", "grpo", "ppo")
-DPO_LOSSES = ("sigmoid", "ipo", "robust")
-DPO_REFERENCES = ("shared", "precomputed")
-GRPO_LOSS_AGGS = ("dapo", "grpo", "bnpo", "dr_grpo")  # GRPO's loss aggregations (jaxllm.objectives.losses)
-KL_ESTIMATORS = ("k1", "k2", "k3")  # per-token KL estimators (jaxllm.objectives.losses.kl_penalty)
-SFT_TEMPLATES = ("alpaca", "chatml", "model")
-OVERLONG_RULES = ("truncate", "drop")
 AUTO_VOCAB = 0  # model.vocab_size "auto": the tokenizer's size, padded (resolve_vocab_size)
 VOCAB_MULTIPLE = 128  # "auto" pads to a multiple of this times mesh.tensor (Megatron's make-vocab-size-divisible-by)
 AUTO_GRAD_ACCUM = 0  # optim.grad_accum "auto": the fewest micro-batches that fit (jaxllm/plan/auto_fit.py)
@@ -155,7 +150,7 @@ class ModelConfig:
 
     def check(self) -> None:
         """This section's fields, alone and together (the mesh, precision and pipeline: `check_across`)."""
-        _choice("model.family", self.family, tuple(FAMILIES))
+        check_choice("model.family", self.family, tuple(FAMILIES))
         if self.sliding_window < 0:
             raise ConfigError("model.sliding_window", f"must be >= 0 (0: the whole context), got {self.sliding_window}")
         if self.sliding_window and not self.blocks.sliding_window:
@@ -171,13 +166,13 @@ class ModelConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}", f"must be >= 0 (0: as Llama), got {getattr(self, key)}")
         for key in ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
-            _positive(f"model.{key}", getattr(self, key))
+            check_positive(f"model.{key}", getattr(self, key))
         if self.vocab_size != AUTO_VOCAB:
-            _positive("model.vocab_size", self.vocab_size)
-        _positive("model.rope_theta", self.rope_theta)
-        _positive("model.norm_eps", self.norm_eps)
-        _choice("model.remat", self.remat, REMAT_POLICIES + (AUTO_REMAT,))
-        _choice("model.remat_offload", self.remat_offload, OFFLOADS)
+            check_positive("model.vocab_size", self.vocab_size)
+        check_positive("model.rope_theta", self.rope_theta)
+        check_positive("model.norm_eps", self.norm_eps)
+        check_choice("model.remat", self.remat, REMAT_POLICIES + (AUTO_REMAT,))
+        check_choice("model.remat_offload", self.remat_offload, OFFLOADS)
         if self.remat_offload == "host" and self.remat == AUTO_REMAT:
             raise ConfigError("model.remat_offload", "'host' offloads what a named model.remat policy saves, and "
                                                      "model.remat=auto may choose none or full: name the policy")
@@ -187,7 +182,7 @@ class ModelConfig:
                                                      f"save_dots, minimal_with_context or save_qkv_proj)")
         if self.loss_chunk < 0:
             raise ConfigError("model.loss_chunk", f"must be >= 0 (0: no chunking), got {self.loss_chunk}")
-        _choice("model.attention", self.attention, ATTENTION_IMPLS)
+        check_choice("model.attention", self.attention, ATTENTION_IMPLS)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("model.num_kv_heads", f"{self.num_kv_heads} must divide model.num_heads="
                                                     f"{self.num_heads} (grouped-query attention)")
@@ -214,8 +209,8 @@ class PrecisionConfig:
         """The dtypes and the quantisation mode, and that they work together (the loss scale: `check_loss_scale`;
         fp8's backend: `check_quant_backend`)."""
         for key in ("params", "compute", "output"):
-            _choice(f"precision.{key}", getattr(self, key), DTYPES)
-        _choice("precision.quant", self.quant, QUANT_MODES)
+            check_choice(f"precision.{key}", getattr(self, key), DTYPES)
+        check_choice("precision.quant", self.quant, QUANT_MODES)
         if self.quant != "none" and self.compute == "float16":
             # Measured (qwix 0.1.8, CPU, the default job's first step, loss scaling off): with float16 operands
             # the int8 backward dots give a gradient norm of 0.73 where float32, int8 in float32 and plain float16
@@ -256,12 +251,12 @@ class OptimConfig:
 
     def check(self) -> None:
         """This section's fields (PowerSGD against the mesh: `check_across`)."""
-        _choice("optim.name", self.name, OPTIMIZERS)
-        _choice("optim.schedule", self.schedule, SCHEDULES)
-        _choice("optim.offload", self.offload, OFFLOADS)
-        _positive("optim.lr", self.lr)
+        check_choice("optim.name", self.name, OPTIMIZERS)
+        check_choice("optim.schedule", self.schedule, SCHEDULES)
+        check_choice("optim.offload", self.offload, OFFLOADS)
+        check_positive("optim.lr", self.lr)
         if self.grad_accum != AUTO_GRAD_ACCUM:
-            _positive("optim.grad_accum", self.grad_accum)
+            check_positive("optim.grad_accum", self.grad_accum)
         if self.warmup_steps < 0:
             raise ConfigError("optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -270,8 +265,8 @@ class OptimConfig:
             raise ConfigError("optim.decay_fraction", f"must be in [0, 1], got {self.decay_fraction}")
         if self.clip_norm < 0:
             raise ConfigError("optim.clip_norm", f"must be >= 0 (0 disables clipping), got {self.clip_norm}")
-        _choice("optim.grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
-        _positive("optim.powersgd_rank", self.powersgd_rank)
+        check_choice("optim.grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
+        check_positive("optim.powersgd_rank", self.powersgd_rank)
         if self.powersgd_start_step < 0:
             raise ConfigError("optim.powersgd_start_step", f"must be >= 0, got {self.powersgd_start_step}")
 
@@ -316,14 +311,14 @@ class TrainConfig:
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError("train.memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
         for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every"):
-            _positive(f"train.{key}", getattr(self, key))
+            check_positive(f"train.{key}", getattr(self, key))
         if self.eval_batches < 0:
             raise ConfigError("train.eval_batches", f"must be >= 0, got {self.eval_batches}")
-        _choice("train.on_anomaly", self.on_anomaly, ANOMALY_POLICIES)
+        check_choice("train.on_anomaly", self.on_anomaly, ANOMALY_POLICIES)
         if not self.hang_timeout_s >= 0:
             raise ConfigError("train.hang_timeout_s", f"must be >= 0 (0: no hang watchdog), got "
                                                       f"{self.hang_timeout_s}")
-        _choice("train.objective", self.objective, OBJECTIVES)
+        check_choice("train.objective", self.objective, OBJECTIVES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,8 +348,8 @@ class CheckpointConfig:
 
     def check(self) -> None:
         """This section's fields (whether `restore_from` exists: `probe_environment`)."""
-        _positive("checkpoint.every", self.every)
-        _positive("checkpoint.keep", self.keep)
+        check_positive("checkpoint.every", self.every)
+        check_positive("checkpoint.keep", self.keep)
         if self.keep_every < 0:
             raise ConfigError("checkpoint.keep_every", f"must be >= 0, got {self.keep_every}")
 
@@ -381,9 +376,9 @@ class AnomalyConfig:
     max_rollbacks: int = 3
 
     def check(self) -> None:
-        _positive("anomaly.window", self.window)
-        _positive("anomaly.z", self.z)
-        _positive("anomaly.grad_z", self.grad_z)
+        check_positive("anomaly.window", self.window)
+        check_positive("anomaly.z", self.z)
+        check_positive("anomaly.grad_z", self.grad_z)
         for key in ("loss_ratio", "grad_ratio"):
             if not getattr(self, key) >= 1.0:
                 raise ConfigError(f"anomaly.{key}", f"must be >= 1, got {getattr(self, key)}")
@@ -420,7 +415,7 @@ class DebugConfig:
     def check(self) -> None:
         """This section's fields (`zero_layer` against the model, `hold_at_step` against the processes:
         `check_across`)."""
-        _positive("debug.stall_s", self.stall_s)
+        check_positive("debug.stall_s", self.stall_s)
         if not self.data_sleep_s >= 0:
             raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {self.data_sleep_s}")
 
@@ -463,7 +458,7 @@ class ProfileConfig:
     def check(self) -> None:
         if self.start_step < 0:
             raise ConfigError("profile.start_step", f"must be >= 0 (0: no trace), got {self.start_step}")
-        _positive("profile.steps", self.steps)
+        check_positive("profile.steps", self.steps)
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -506,231 +501,6 @@ ANOMALY_POLICIES = ("rollback", "skip", "abort")
 
 
 @dataclasses.dataclass(frozen=True)
-class FineTuningData:
-    """The data fields SFT and preference learning share (see each): JSON-lines files, the held-out fraction,
-    the template, the overlong rule and the tokenizer."""
-
-    train_file: str = ""
-    eval_file: str = ""
-    eval_fraction: float = 0.05
-    template: str = "alpaca"
-    overlong: str = "truncate"
-    tokenizer: str = ""
-
-    def check_data(self, section: str, what: str) -> None:
-        """The data fields, for the config section `section` of `what` (examples, preference pairs)."""
-        if not self.train_file:  # the files themselves are opened when the run starts (a dry run needs none)
-            raise ConfigError(f"{section}.train_file", f"must name a JSON-lines file of {what}")
-        if not self.eval_file and not 0.0 < self.eval_fraction < 1.0:
-            raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
-        _choice(f"{section}.template", self.template, SFT_TEMPLATES)
-        _choice(f"{section}.overlong", self.overlong, OVERLONG_RULES)
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTConfig(FineTuningData):
-    """Supervised fine-tuning data (train.objective="sft"), prepared into `data.path` at the start of the run
-    (skipped when it is up to date).
-
-    `train_file` / `eval_file`: JSON lines of {"prompt", "response"} or {"messages": [{"role", "content"}...]}
-    (an optional "task" names the group an example's metrics are reported in); no `eval_file`: a seeded
-    `eval_fraction` of the train file is held out. `template` renders examples as tokens (jaxllm/data/sft.py):
-    "alpaca", "chatml" or "model" (the base tokenizer's own chat_template, rendered by transformers). An
-    example longer than train.seq_len + 1 tokens is cut (`overlong`="truncate") or left out ("drop"); either
-    is counted. `tokenizer`: the base model's tokenizer file ("" = found from checkpoint.restore_from).
-    `eval_examples` held-out examples are generated (greedy, up to `max_new_tokens`) for exact-match accuracy and
-    BLEU, before and after training."""
-
-    eval_examples: int = 200
-    max_new_tokens: int = 32
-
-    def check(self) -> None:
-        self.check_data("sft", "examples")
-        if self.eval_examples < 0:
-            raise ConfigError("sft.eval_examples", f"must be >= 0, got {self.eval_examples}")
-        _positive("sft.max_new_tokens", self.max_new_tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class PreferenceConfig(FineTuningData):
-    """Preference pairs (train.objective "reward" or "dpo"), prepared into `data.path` at the start of the run
-    (jaxllm/data/preference.py; skipped when up to date).
-
-    `train_file` / `eval_file`: JSON lines of {"prompt", "chosen", "rejected"} (strings), or the chat form with a
-    `prompt` list of messages and `chosen` / `rejected` as assistant messages; an optional "kind" (str) names the
-    group a pair's accuracy is reported in. No `eval_file`: a seeded `eval_fraction` is held out. `template`,
-    `tokenizer` as in SFTConfig. A pair's two sequences share one row of train.seq_len positions (up to
-    `pairs_per_row` pairs a row); a sequence longer than half a row is cut (`overlong`="truncate") or its pair
-    left out ("drop"). `eval_pairs` held-out pairs (0: all) are scored per kind before and after training."""
-
-    pairs_per_row: int = 4
-    eval_pairs: int = 0
-
-    def check(self) -> None:
-        self.check_data("preference", "preference pairs")
-        _positive("preference.pairs_per_row", self.pairs_per_row)
-        if self.eval_pairs < 0:
-            raise ConfigError("preference.eval_pairs", f"must be >= 0 (0: all), got {self.eval_pairs}")
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardConfig:
-    """The reward model's Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin) + center_coef *
-    (r_chosen + r_rejected)^2 per pair (TRL's RewardTrainer; `margin` is a constant here)."""
-
-    margin: float = 0.0
-    center_coef: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class DPOConfig:
-    """Direct preference optimisation (jaxllm.objectives.losses.dpo_loss): `loss` "sigmoid", "ipo" or "robust",
-    `beta`, `label_smoothing` (robust; with sigmoid it gives conservative DPO, which TRL 1.13.0's sigmoid
-    ignores). `reference` "shared": the reference is the base with the adapters off (the same arrays, no copy;
-    needs lora.rank > 0); "precomputed": the base scores every pair once before training and the sums are stored
-    with the data (jaxllm/objectives/reference.py): no reference model in memory, for full fine-tuning too.
-    `rpo_alpha` > 0 adds that weight times the chosen responses' negative log-likelihood per token (RPO; TRL
-    1.13.0's loss_type ["sigmoid", "sft"] with loss_weights [1, rpo_alpha]): a guard against DPO lowering the
-    likelihood of the very responses it prefers."""
-
-    beta: float = 0.1
-    loss: str = "sigmoid"
-    label_smoothing: float = 0.0
-    reference: str = "shared"
-    rpo_alpha: float = 0.0
-
-    def check(self, lora: LoRAConfig) -> None:
-        """This section's fields, and the reference against the adapters `lora` trains."""
-        _positive("dpo.beta", self.beta)
-        _choice("dpo.loss", self.loss, DPO_LOSSES)
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ConfigError("dpo.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
-        _choice("dpo.reference", self.reference, DPO_REFERENCES)
-        if self.rpo_alpha < 0:
-            raise ConfigError("dpo.rpo_alpha", f"must be >= 0, got {self.rpo_alpha}")
-        if self.reference == "shared" and not lora.rank:
-            raise ConfigError("dpo.reference", "'shared' (the base with adapters off) needs LoRA adapters "
-                                               "(lora.rank > 0)")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """What PPO and GRPO share: prompts, sampling, and the held-out report.
-
-    Prompts: `train_file` / `eval_file` JSON lines of {"prompt"} or {"messages"} ending with a user turn
-    (jaxllm/data/prompts.py; no `eval_file`: a seeded `eval_fraction` is held out), rendered with `template`,
-    at most `max_prompt_tokens` tokens (longer ones are left out and counted); `tokenizer` as in SFTConfig.
-    Each iteration takes `prompts_per_iteration` prompts and samples responses to them with the current policy
-    (up to `max_new_tokens`, at `temperature`, stopping at EOS), scored by `reward` ("fn:<name>",
-    jaxllm/objectives/reward_fns.py; "rm:<checkpoint>" of a reward-model run); it then trains `epochs` passes over them
-    in minibatches of train.batch_size rows, one optimizer step each. `clip` is the policy ratio's clip range.
-    `eval_prompts` held-out prompts are answered (same sampling, fixed seed) and scored before and after
-    training. Every `samples_every` iterations (0: never) `samples` of the iteration's prompts with their
-    responses and rewards are appended to <workdir>/samples.jsonl."""
-
-    train_file: str = ""
-    eval_file: str = ""
-    eval_fraction: float = 0.05
-    template: str = "alpaca"
-    tokenizer: str = ""
-    reward: str = ""
-    max_prompt_tokens: int = 64
-    max_new_tokens: int = 32
-    prompts_per_iteration: int = 8
-    epochs: int = 1
-    temperature: float = 1.0
-    clip: float = 0.2
-    eval_prompts: int = 32
-    samples_every: int = 10
-    samples: int = 3
-
-    def check_rollout(self, section: str, lora: LoRAConfig, batch_size: int, rows: int) -> None:
-        """The checks PPO and GRPO share, for config section `section`; `rows` are an iteration's responses,
-        trained in minibatches of `batch_size`, with the adapters of `lora` (whether an rm: reward exists:
-        `probe_environment`)."""
-        if not self.train_file:
-            raise ConfigError(f"{section}.train_file", "must name a JSON-lines file of prompts")
-        if not self.eval_file and not 0.0 < self.eval_fraction < 1.0:
-            raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
-        _choice(f"{section}.template", self.template, SFT_TEMPLATES)
-        kind, _, name = self.reward.partition(":")
-        if kind not in ("fn", "rm") or not name:
-            raise ConfigError(f"{section}.reward", f"expected fn:<name> (jaxllm/objectives/reward_fns.py) or "
-                                                   f"rm:<reward-model checkpoint>, got {self.reward!r}")
-        for key in ("max_prompt_tokens", "max_new_tokens", "prompts_per_iteration", "epochs", "temperature", "clip"):
-            _positive(f"{section}.{key}", getattr(self, key))
-        if rows % batch_size:
-            raise ConfigError("train.batch_size", f"{batch_size} does not divide an iteration's {rows} responses")
-        if not lora.rank:
-            raise ConfigError("lora.rank", f"{section.upper()} trains LoRA adapters (its reference is the base with "
-                                           "adapters off); full fine-tuning is not supported yet")
-        for key in ("eval_prompts", "samples_every", "samples"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{section}.{key}", f"must be >= 0, got {getattr(self, key)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig(RolloutConfig):
-    """Group relative policy optimisation (train.objective="grpo", jaxllm/objectives/grpo.py), with the rollout
-    settings of RolloutConfig: `num_generations` responses to each prompt, so an iteration is
-    epochs * prompts_per_iteration * num_generations / train.batch_size optimizer steps. Loss:
-    jaxllm.objectives.losses.grpo_loss with `beta` (the k3 KL to the reference, the base with the adapters off), `clip`
-    and `loss_agg`."""
-
-    num_generations: int = 4
-    beta: float = 0.04
-    loss_agg: str = "dapo"
-
-    def check(self, lora: LoRAConfig, batch_size: int) -> None:
-        if self.num_generations < 2:
-            raise ConfigError("grpo.num_generations", f"must be >= 2 (advantages compare a group), got "
-                                                      f"{self.num_generations}")
-        self.check_rollout("grpo", lora, batch_size, self.prompts_per_iteration * self.num_generations)
-        if self.beta < 0:
-            raise ConfigError("grpo.beta", f"must be >= 0, got {self.beta}")
-        _choice("grpo.loss_agg", self.loss_agg, GRPO_LOSS_AGGS)
-
-
-@dataclasses.dataclass(frozen=True)
-class PPOConfig(RolloutConfig):
-    """Proximal policy optimisation with a critic (train.objective="ppo", jaxllm/objectives/ppo.py), with the rollout
-    settings of RolloutConfig: one response to each prompt, so an iteration is
-    epochs * prompts_per_iteration / train.batch_size optimizer steps.
-
-    Per-token rewards: -kl_coef * kl_t (`kl_estimator` k1, k2 or k3 of the sampler's against the reference's
-    log-probs), plus the score at the response's last token, less `missing_eos_penalty` when it has no EOS.
-    `target_kl` > 0 adapts kl_coef toward that per-response KL (Ziegler et al.'s proportional controller, over
-    `kl_horizon` responses); 0 keeps it fixed. Advantages: GAE with `gamma` and `lam`, whitened over valid
-    tokens. Loss: the clipped policy loss (`clip`), `vf_coef` x the clipped value loss (`value_clip`), less
-    `entropy_coef` x the mean entropy. An update whose minibatch's approximate KL to the sampling policy passes
-    `max_approx_kl` (0: never) is skipped, which stops the iteration's updates while the policy is that far."""
-
-    kl_coef: float = 0.05
-    kl_estimator: str = "k1"
-    target_kl: float = 0.0
-    kl_horizon: int = 10000
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_clip: float = 0.2
-    vf_coef: float = 0.1
-    entropy_coef: float = 0.0
-    missing_eos_penalty: float = 0.0
-    max_approx_kl: float = 0.0
-
-    def check(self, lora: LoRAConfig, batch_size: int) -> None:
-        self.check_rollout("ppo", lora, batch_size, self.prompts_per_iteration)
-        _choice("ppo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        for key in ("kl_coef", "target_kl", "vf_coef", "entropy_coef", "missing_eos_penalty", "max_approx_kl"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"ppo.{key}", f"must be >= 0, got {getattr(self, key)}")
-        for key in ("kl_horizon", "value_clip"):
-            _positive(f"ppo.{key}", getattr(self, key))
-        for key in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ConfigError(f"ppo.{key}", f"must be in [0, 1], got {getattr(self, key)}")
-
-
-@dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline schedule over the `stage` mesh axis: p = mesh.stage stages, m micro-batches, r repeats.
 
@@ -742,8 +512,8 @@ class PipelineConfig:
 
     def check(self) -> None:
         """This section's fields (the schedule against the mesh and the model: `check_across`)."""
-        _positive("pipeline.microbatches", self.microbatches)
-        _positive("pipeline.repeats", self.repeats)
+        check_positive("pipeline.microbatches", self.microbatches)
+        check_positive("pipeline.repeats", self.repeats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -793,16 +563,6 @@ def apply_preset(cd: ml_collections.ConfigDict, name: str) -> None:
         cd.model.preset = name
         if name in GPU_PRESETS:
             cd.precision.compute = "bfloat16"
-
-
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(key, f"{value!r} is not one of {list(allowed)}")
-
-
-def _positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(key, f"must be positive, got {value}")
 
 
 def resolve_vocab_size(cfg: Config, tokenizer_size: int, tokenizer: str) -> Config:
@@ -885,18 +645,6 @@ def resolve_dcn(mesh: MeshConfig, num_processes: int) -> MeshConfig:
 
 SECTIONS_CHECKED_ALONE = ("model", "optim", "train", "data", "pipeline", "checkpoint", "anomaly", "debug",
                           "diagnostics", "profile", "lora")  # each section's own check(); precision's is validate's
-# The sections each objective reads besides the core ones, checked only when it trains (they need the LoRA
-# section and the batch size). jaxllm.objectives.registry names the objectives; tests hold the two to agree.
-OBJECTIVE_CHECKS = {
-    "pretrain": lambda cfg: None,
-    "sft": lambda cfg: cfg.sft.check(),
-    "reward": lambda cfg: cfg.preference.check(),
-    "dpo": lambda cfg: (cfg.preference.check(), cfg.dpo.check(cfg.lora)),
-    "grpo": lambda cfg: cfg.grpo.check(cfg.lora, cfg.train.batch_size),
-    "ppo": lambda cfg: cfg.ppo.check(cfg.lora, cfg.train.batch_size),
-}
-
-
 def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool = True,
              num_processes: int | None = 1) -> Config:
     """Turn a ConfigDict into a typed `Config`, raising `ConfigError` on the first problem: each section's own

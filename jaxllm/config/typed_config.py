@@ -45,6 +45,18 @@ class ConfigError(ValueError):
         self.key, self.reason = key, reason
 
 
+def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Refuse `value` of config key `key` unless it is one of `allowed`."""
+    if value not in allowed:
+        raise ConfigError(key, f"{value!r} is not one of {list(allowed)}")
+
+
+def check_positive(key: str, value: float) -> None:
+    """Refuse `value` of config key `key` unless it is above zero."""
+    if value <= 0:
+        raise ConfigError(key, f"must be positive, got {value}")
+
+
 def _bool(value):
     if isinstance(value, bool):
         return value

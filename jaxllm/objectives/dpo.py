@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config.schema import Config, ConfigError, DPOConfig
+from jaxllm.config.fine_tuning import DPOConfig
+from jaxllm.config.schema import Config, ConfigError
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.model.head import head_stats
 from jaxllm.model.reference import reference_model

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config.schema import Config, GRPOConfig
+from jaxllm.config.fine_tuning import GRPOConfig
+from jaxllm.config.schema import Config
 from jaxllm.objectives.losses import group_advantages, grpo_loss, kl_penalty, ppo_policy_loss
 from jaxllm.objectives.pairs import masked_mean
 from jaxllm.objectives.rollout import response_stats

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config.schema import GRPO_LOSS_AGGS, KL_ESTIMATORS  # the names the config accepts, defined once there
+from jaxllm.config.fine_tuning import GRPO_LOSS_AGGS, KL_ESTIMATORS  # the names the config accepts, defined once there
 from jaxllm.objectives.pairs import masked_mean
 
 DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo")

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.config.schema import Config, LoRAConfig, ModelConfig, PipelineConfig, PPOConfig, PrecisionConfig
+from jaxllm.config.fine_tuning import PPOConfig
+from jaxllm.config.schema import Config, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.model.actor_critic import VALUE, ActorCritic
 from jaxllm.objectives.losses import gae, kl_penalty, ppo_policy_loss, ppo_value_loss, whiten
 from jaxllm.objectives.pairs import masked_mean

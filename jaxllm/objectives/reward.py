@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.config.schema import Config, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig, RewardConfig
+from jaxllm.config.fine_tuning import RewardConfig
+from jaxllm.config.schema import Config, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.data.preference import eval_pairs, prepare_preference
 from jaxllm.data.row_prep import PreparedRows
 from jaxllm.data.tokenizer import load_tokenizer

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.config.schema import Config, ConfigError, RolloutConfig
+from jaxllm.config.fine_tuning import RolloutConfig
+from jaxllm.config.schema import Config, ConfigError
 from jaxllm.data.prompts import read_prompts
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.parallel.mesh import make_mesh
