@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import PartitionSpec
 
-from jaxllm.parallel.sharding import active_mesh, spec_tree, sum_over_devices
+from jaxllm.parallel.sharding import active_mesh, spec_leaves, sum_over_devices
 
 # Parameter groups by a Hugging Face name anywhere in a parameter's path (the first match from the leaf up).
 # LoRA adapters (`<target>_lora`) are their own group, checked first.
@@ -97,7 +96,7 @@ def global_norm_over_devices(tree, params) -> jax.Array:
     mesh = active_mesh()
     if mesh is None or mesh.manual_axes:
         return global_norm(tree)
-    specs = jax.tree.leaves(spec_tree(params, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    specs = spec_leaves(params, mesh)
     return jnp.sqrt(sum_over_devices(_sum_sq, arrays(tree), specs, mesh))
 
 

@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config.schema import OptimConfig
 from jaxllm.optim.loss_scale import non_finite
-from jaxllm.parallel.sharding import spec_tree
+from jaxllm.parallel.sharding import spec_leaves
 
 DATA = "data"
 BATCH_DIMS = ("layers", "stage")  # leading logical dimensions that stack matrices (one factor pair each)
@@ -162,7 +162,7 @@ def state_shardings(abstract: PowerSGDState, params, mesh) -> PowerSGDState:
     """Shardings of a PowerSGD state on `mesh`: error buffers P('data', *the parameter's spec); Q split on its
     leading and n dimensions like the parameter's (the n side's first dimension, when the rest of it is whole)."""
     leaves = {path: (shape, names) for path, shape, names in _leaves(params)}
-    specs = dict(zip(leaves, jax.tree.leaves(spec_tree(params, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))))
+    specs = dict(zip(leaves, spec_leaves(params, mesh)))
 
     def q_spec(path, q):
         shape, names = leaves[path]

@@ -168,6 +168,11 @@ def spec_tree(tree: Any, mesh) -> Any:
     return jax.tree.map(one, tree, is_leaf=_is_variable)
 
 
+def spec_leaves(tree: Any, mesh) -> list[PartitionSpec]:
+    """The PartitionSpecs of `spec_tree(tree, mesh)` in the order of `jax.tree.leaves(tree)`."""
+    return jax.tree.leaves(spec_tree(tree, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
 def sharding_tree(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """Like `spec_tree`, with `NamedSharding`s on `mesh` (usable as jit in/out shardings)."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), spec_tree(tree, mesh),
@@ -268,7 +273,7 @@ def format_report(rows: Iterable[dict]) -> str:
 def bytes_per_device(tree: Any, mesh) -> int:
     """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `spec_tree` placement."""
     sizes = mesh_sizes(mesh)
-    specs = jax.tree.leaves(spec_tree(tree, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    specs = spec_leaves(tree, mesh)
     leaves = jax.tree.leaves(tree)
     return sum(
         math.prod(shard_shape(leaf.shape, spec, sizes)) * np.dtype(leaf.dtype).itemsize

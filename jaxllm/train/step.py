@@ -24,7 +24,7 @@ from jaxllm.parallel.offload import on_host, stream_opt_state
 from jaxllm.optim.chain import current_clip_norm, current_lr
 from jaxllm.optim.powersgd import PowerSGD, compressed_grads_and_loss
 from jaxllm.optim.veto import VetoableTransformation, keep_if
-from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, spec_tree
+from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, spec_leaves
 from jaxllm.train.anomaly import detect, push
 from jaxllm.train.state import TrainState
 
@@ -80,7 +80,7 @@ def _like_params(tree, params):
     mesh = active_mesh()
     if mesh is None:
         return tree
-    specs = jax.tree.leaves(spec_tree(params, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    specs = spec_leaves(params, mesh)
     leaves, treedef = jax.tree.flatten(tree)
     return treedef.unflatten([jax.lax.with_sharding_constraint(x, spec)
                               for x, spec in zip(leaves, specs, strict=True)])
