@@ -20,7 +20,7 @@ import json
 import sys
 import time
 
-from jaxllm.config.cli import UsageError, fail, parser, split_overrides
+from jaxllm.config.cli import UsageError, fail
 from jaxllm.config.schema import ConfigError
 
 SHORT = 16  # tokens of the call whose time (prefill + 16 steps) is subtracted
@@ -82,20 +82,19 @@ def trace_decode(graphdef, params, cfg, batch: int, prompt: int, new: int, out_d
     print(f"trace of one {new}-token call at batch {batch} in {out_dir}", flush=True)
 
 
-def main(argv):
-    args_list, overrides = split_overrides(argv)
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
+def _arguments(p) -> None:
     p.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens per row")
     p.add_argument("--new", type=int, default=512, help="generated tokens of the long call (> 16)")
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="memory bytes/s of the bound (H200: 4.8e12)")
     p.add_argument("--profile", default=None, help="directory for a jax.profiler trace of one long call")
-    args = p.parse_args(args_list)
-    try:
-        from bench_step import bench_config
 
-        cfg = bench_config(args.config, overrides)
+
+def main(argv):
+    from bench_step import bench_arguments
+
+    args, cfg = bench_arguments(argv, __doc__, steps=None, add=_arguments)
+    try:
         batches = [int(b) for b in args.batches.split(",")]
         if args.new <= SHORT or min(batches) < 1:
             raise UsageError(f"--new must exceed {SHORT} and every batch be >= 1")

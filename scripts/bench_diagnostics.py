@@ -19,9 +19,6 @@ import statistics
 import sys
 import time
 
-from jaxllm.config.cli import UsageError, fail, parser, split_overrides
-from jaxllm.config.schema import ConfigError
-
 
 def hot_step_s(cfg, steps: int) -> float:
     from bench_step import prepared_step, timed_steps
@@ -57,18 +54,10 @@ def variant_step_s(cfg, steps: int) -> float:
 
 
 def main(argv):
-    args_list, overrides = split_overrides(argv)
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
-    p.add_argument("--every", type=int, default=50, help="diagnostics.every of the throughput figure")
-    args = p.parse_args(args_list)
-    from bench_step import bench_config
+    from bench_step import bench_arguments
 
-    try:
-        cfg = bench_config(args.config, overrides)
-    except (ConfigError, UsageError) as exc:
-        fail(str(exc))
+    args, cfg = bench_arguments(argv, __doc__, add=lambda p: p.add_argument(
+        "--every", type=int, default=50, help="diagnostics.every of the throughput figure"))
     import jax
 
     runs = {"hot": [], "no_norms": [], "variant": []}

@@ -12,11 +12,9 @@ import dataclasses
 import json
 import sys
 
-from bench_step import bare_step_throughput, bench_config
+from bench_step import bare_step_throughput, bench_arguments
 
-from jaxllm.config.cli import UsageError, fail, parser, split_overrides
 from jaxllm.config.families import FAMILIES
-from jaxllm.config.schema import ConfigError
 
 
 def family_variant(cfg, family: str, window: int):
@@ -45,16 +43,8 @@ def interleaved(configs: dict, steps: int, rounds: int = 3) -> dict:
 
 
 def main(argv) -> int:
-    args_list, overrides = split_overrides(argv)
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
-    p.add_argument("--window_seq_len", type=int, default=4096, help="sequence length of the window comparison")
-    args = p.parse_args(args_list)
-    try:
-        cfg = bench_config(args.config, overrides)
-    except (ConfigError, UsageError) as exc:
-        fail(str(exc))
+    args, cfg = bench_arguments(argv, __doc__, add=lambda p: p.add_argument(
+        "--window_seq_len", type=int, default=4096, help="sequence length of the window comparison"))
     families = interleaved({name: family_variant(cfg, name, cfg.train.seq_len // 4) for name in FAMILIES},
                            args.steps)
     base = families["llama"]["tokens_per_sec"]

@@ -36,6 +36,23 @@ def bench_config(path: str, overrides: list[str]):
     return validate(cd, jax.device_count())
 
 
+def bench_arguments(argv, doc: str, steps: int | None = 10, add=lambda parser: None):
+    """(arguments, validated config) of a bench script's command line: `--config FILE`, `--steps N` (timed steps
+    per measurement, default `steps`; None: no such flag), what `add(parser)` adds, and `--config.x=v` overrides.
+    A bad config is one line, exit 2."""
+    args_list, overrides = split_overrides(argv)
+    p = parser(doc.splitlines()[0])
+    p.add_argument("--config", required=True)
+    if steps is not None:
+        p.add_argument("--steps", type=int, default=steps, help="timed steps per measurement")
+    add(p)
+    args = p.parse_args(args_list)
+    try:
+        return args, bench_config(args.config, overrides)
+    except (ConfigError, UsageError) as exc:
+        fail(str(exc))
+
+
 def prepared_step(cfg, lora=None, compiler_options=None):
     """(StepRunner compiled for the batch, state, batch, frozen, compile seconds): the very step the loop runs,
     on one device-resident synthetic batch (`compiler_options`: XLA options of its compile, as StepRunner's)."""
@@ -188,14 +205,10 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def main(argv):
-    args_list, overrides = split_overrides(argv)
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
-    args = p.parse_args(args_list)
+    args, cfg = bench_arguments(argv, __doc__, steps=20)
+    import jax
+
     try:
-        cfg = bench_config(args.config, overrides)
-        import jax
 
         if cfg.train.objective == "sft" and cfg.lora.rank:
             from jaxllm.runs import base_model

@@ -83,7 +83,9 @@ def test_decode_bound_counts_every_layer_slot_and_head():
 def test_family_variants_keep_the_shape_and_pass_the_checks():
     """bench_families compares like with like: every family at the config's width and depth, each a valid
     config (its windows and layer pattern included), and the window comparison differs only in the window."""
-    cfg = bench_families.bench_config(str(ROOT / "configs" / "pretrain.py"), [])
+    args, cfg = bench_families.bench_arguments(["--config", str(ROOT / "configs" / "pretrain.py"), "--steps", "3"],
+                                               bench_families.__doc__)
+    assert args.steps == 3
     for name in FAMILIES:
         variant = bench_families.family_variant(cfg, name, 64)
         variant.model.check()
@@ -95,3 +97,14 @@ def test_family_variants_keep_the_shape_and_pass_the_checks():
     assert (full.model.sliding_window, windowed.model.sliding_window) == (0, 512)
     assert full.train == windowed.train and full.train.seq_len == 4096
     check_across(windowed)
+
+
+def test_a_bench_scripts_bad_config_is_one_line_exit_2(capsys):
+    """Every bench script reads its command line through bench_step.bench_arguments: a bad override is one line
+    naming the key, exit 2, no traceback."""
+    with pytest.raises(SystemExit) as stopped:
+        bench_families.bench_arguments(["--config", str(ROOT / "configs" / "pretrain.py"), "--config.mesh.tensor=3"],
+                                       bench_families.__doc__)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: mesh"), err
