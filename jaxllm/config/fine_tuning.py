@@ -10,6 +10,7 @@ The LoRA section is the model's (jaxllm.config.schema.LoRAConfig): these checks 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from jaxllm.config.typed_config import ConfigError, check_choice, check_positive
 
@@ -184,6 +185,14 @@ class RolloutConfig:
         for key in ("eval_prompts", "samples_every", "samples"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{section}.{key}", f"must be >= 0, got {getattr(self, key)}")
+
+
+    def probe_reward_model(self, section: str) -> None:
+        """An rm: reward names a checkpoint that exists (jaxllm.config.schema.probe_environment: it lies outside
+        the config)."""
+        kind, _, name = self.reward.partition(":")
+        if kind == "rm" and not Path(name).exists():
+            raise ConfigError(f"{section}.reward", f"no reward-model checkpoint at {name}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from jaxllm.config.families import FAMILIES
 from jaxllm.config.families.blocks import Blocks
 from jaxllm.config.presets import GPU_PRESETS, PRESETS
 from jaxllm.config.fine_tuning import (OBJECTIVE_CHECKS, OBJECTIVES, DPOConfig, GRPOConfig, PPOConfig,
-                                       PreferenceConfig, RewardConfig, SFTConfig)
+                                       PreferenceConfig, RewardConfig, RolloutConfig, SFTConfig)
 from jaxllm.config.typed_config import ConfigError, build, check_choice, check_positive
 from jaxllm.config.auto_precision import resolve_compute
 
@@ -748,10 +748,9 @@ def probe_environment(cfg: Config) -> None:
     backend that runs fp8."""
     if cfg.checkpoint.restore_from and not Path(cfg.checkpoint.restore_from).exists():
         raise ConfigError("checkpoint.restore_from", f"no checkpoint at {cfg.checkpoint.restore_from}")
-    for section in ("grpo", "ppo"):
-        kind, _, name = getattr(cfg, section).reward.partition(":")
-        if cfg.train.objective == section and kind == "rm" and not Path(name).exists():
-            raise ConfigError(f"{section}.reward", f"no reward-model checkpoint at {name}")
+    rollouts = getattr(cfg, cfg.train.objective, None)  # an RL objective's section is named after it
+    if isinstance(rollouts, RolloutConfig):
+        rollouts.probe_reward_model(cfg.train.objective)
     if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.wandb", "needs the wandb package: pip install 'jaxllm[wandb]' (or set it false)")
     check_quant_backend(cfg.precision, cfg.debug.emulate_fp8)
