@@ -110,7 +110,7 @@ def main(argv):
 
 def _task(args, graphdef, params, mesh, tokenizer_file, recorded_sft: dict, seq_len: int) -> dict:
     from jaxllm.data.sft import task_examples
-    from jaxllm.data.sft_template import TemplateError
+    from jaxllm.data.sft_template import TemplateError, stop_ids
     from jaxllm.data.tokenizer import load_tokenizer
     from jaxllm.eval.task_eval import evaluate_task
 
@@ -119,8 +119,10 @@ def _task(args, graphdef, params, mesh, tokenizer_file, recorded_sft: dict, seq_
     if not Path(args.task).is_file():
         fail(f"--task: no such file {args.task}")
     tokenizer = load_tokenizer(tokenizer_file)
+    template = args.template or recorded_sft.get("template", "alpaca")
     try:
-        examples, skipped = task_examples(args.task, tokenizer, args.template or recorded_sft.get("template", "alpaca"))
+        examples, skipped = task_examples(args.task, tokenizer, template)
+        stops = stop_ids(template, tokenizer)
     except TemplateError as exc:
         fail(str(exc))
     for line in skipped:
@@ -128,7 +130,8 @@ def _task(args, graphdef, params, mesh, tokenizer_file, recorded_sft: dict, seq_
     if not examples:
         fail(f"--task: no usable examples in {args.task}")
     max_new = args.max_new_tokens or recorded_sft.get("max_new_tokens", 32)
-    return evaluate_task(graphdef, params, mesh, tokenizer, examples, max_new_tokens=max_new, max_len=seq_len)
+    return evaluate_task(graphdef, params, mesh, tokenizer, examples, max_new_tokens=max_new, max_len=seq_len,
+                         stop_ids=stops)
 
 
 def _reward(args, graphdef, params, mesh, tokenizer_file, recorded: dict, seq_len: int) -> dict:

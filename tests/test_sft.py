@@ -2,6 +2,7 @@
 of bad lines and over-long examples, re-runs, and the base-model fingerprint."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -9,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxllm.config.families import FAMILIES
 from jaxllm.config.schema import MeshConfig, ModelConfig, PrecisionConfig
 from jaxllm.data.row_prep import PreparedDataError, PreparedRows
 from jaxllm.data.sft import encode_examples, pack, prepare_sft
-from jaxllm.data.sft_template import TemplateError, encode, prompt_pieces, render
+from jaxllm.data.sft_template import TemplateError, encode, prompt_pieces, render, stop_ids
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.sharding import sharding_tree
@@ -22,6 +24,7 @@ from jaxllm.model.build import build_model
 
 MODEL = ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
+ROOT = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Romeo?"},
         {"role": "assistant", "content": "A Montague."}, {"role": "user", "content": "And Juliet?"},
         {"role": "assistant", "content": "A Capulet."}]
@@ -236,3 +239,47 @@ def test_a_concurrent_preparation_of_the_same_data_is_accepted(tmp_path, shakesp
     with pytest.raises(PreparedDataError, match="another process with different data"):
         _prepare(tmp_path, train, tok, seq_len=96)
     assert real(tmp_path / "prepared", "jaxllm.sft") == first  # untouched
+
+
+CHAT_TEMPLATES = ROOT / "tests" / "data" / "chat_templates"  # each family's tokenizer_config.json (special tokens)
+
+
+def _family_tokenizer(directory, name):
+    """A byte-level BPE tokenizer.json with the special tokens of family `name`'s tokenizer_config.json fixture
+    (tests/data/chat_templates/<name>/), which sits beside it."""
+    from test_hf_tokenizer import _train_bpe
+
+    config = json.loads((CHAT_TEMPLATES / name / "tokenizer_config.json").read_text())
+    named = [config[k] for k in ("pad_token", "bos_token", "eos_token", "unk_token") if config.get(k)]
+    specials = list(dict.fromkeys(named + config["additional_special_tokens"]))
+    return _train_bpe(directory / "tokenizer.json", specials=specials, config=config), config
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_each_family_s_chat_template_renders_as_transformers_and_ends_a_turn_where_sampling_stops(tmp_path, name):
+    """SFT with the `model` template on a tokenizer that carries family `name`'s chat template and special tokens
+    (as its tokenizer_config.json ships them): the conversation renders as transformers renders it, the prompt
+    is its generation prompt, each response is trained up to and including the template's end-of-turn token,
+    and generation (SFT evaluation, RL rollouts) stops at that token as well as at the EOS."""
+    transformers = pytest.importorskip("transformers")
+    path, config = _family_tokenizer(tmp_path, name)
+    assert config["chat_template"] == FAMILIES[name].chat_template  # the fixture holds the template jaxllm ships
+    tok = load_tokenizer(path)
+    reference = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    pieces = render("model", CHAT, tok)
+    assert "".join(p.text for p in pieces) == reference.apply_chat_template(CHAT, tokenize=False)
+    assert "".join(p.text for p in prompt_pieces(pieces)) == reference.apply_chat_template(
+        CHAT[:-1], tokenize=False, add_generation_prompt=True)
+    ids, mask = encode(pieces, tok)
+    assert tok.decode([i for i, m in zip(ids, mask) if m]).replace("\n", "") == "A Montague.A Capulet."
+    stops = stop_ids("model", tok)
+    turn_end = reference.convert_ids_to_tokens(list(stops))[-1]
+    assert stops[0] == tok.eos_id and turn_end == TURN_ENDS[name], (stops, turn_end)
+    trained = [i for i, m in zip(ids, mask) if m]
+    assert sum(i == stops[-1] for i in trained) == 2  # each response ends with it: what the model learns to emit
+    assert stop_ids("chatml", tok) == (tok.eos_id,)  # a built-in template ends its responses with the EOS
+
+
+# Where an assistant turn ends in each family's chat template.
+TURN_ENDS = {"llama": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>", "mistral": "</s>",
+             "gemma3": "<end_of_turn>"}

@@ -96,6 +96,25 @@ def _render_model(messages: list[dict], tokenizer) -> list[Piece]:
     return [p for p in pieces if p.text]
 
 
+# A one-turn conversation whose response's closing tokens `stop_ids` reads (one character, so that what follows
+# it in the template cannot merge with it).
+_PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+
+
+def stop_ids(template: str, tokenizer) -> tuple[int, ...]:
+    """The ids generation stops at under `template`: the tokenizer's EOS, and for a model template the special
+    token its chat_template closes an assistant turn with when that is another one (Gemma's <end_of_turn> beside
+    an <eos>, ChatML's <|im_end|> beside an <|endoftext|>, Llama 3's <|eot_id|> beside an <|end_of_text|>), as
+    those models' own generation_config.json lists both. A model fine-tuned on the template ends its responses
+    with that token, so sampling that stopped at the EOS alone would run past the turn."""
+    eos = (tokenizer.eos_id,)
+    if template != "model":
+        return eos
+    ids, _ = encode([p for p in _render_model(_PROBE, tokenizer) if p.response], tokenizer)
+    closing = [i for i in ids[len(tokenizer.encode(_PROBE[-1]["content"])):] if tokenizer.decode([i]) == ""]
+    return eos if not closing or closing[0] == tokenizer.eos_id else eos + (closing[0],)
+
+
 def encode(pieces: list[Piece], tokenizer) -> tuple[list[int], list[int]]:
     """(token ids, response mask: 1 where the token is part of a response)."""
     ids: list[int] = []

@@ -22,15 +22,16 @@ ALL = "all"
 
 
 def responses(graphdef, variables, mesh, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-              max_len: int) -> list[str]:
-    """Greedy responses (stopping at EOS) to token-id prompts, each cut to its last `max_len - max_new_tokens`
-    tokens so that prompt and response fit the model's trained length."""
+              max_len: int, stop_ids: Sequence[int]) -> list[str]:
+    """Greedy responses (stopping at any of `stop_ids`: jaxllm.data.sft_template.stop_ids of the prompts'
+    template) to token-id prompts, each cut to its last `max_len - max_new_tokens` tokens so that prompt and
+    response fit the model's trained length."""
     window = max(1, max_len - max_new_tokens)
     out: list[str] = []
     with jax.set_mesh(mesh):
         for start in range(0, len(prompts), GENERATE_BATCH):
             chunk = [list(p)[-window:] for p in prompts[start:start + GENERATE_BATCH]]
-            new = generate((graphdef, variables), chunk, max_new_tokens=max_new_tokens, stop_ids=(tokenizer.eos_id,),
+            new = generate((graphdef, variables), chunk, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                            vocab_limit=tokenizer.vocab_size)
             out += [tokenizer.decode(ids) for ids in new]
     return out
@@ -55,11 +56,11 @@ def score(hypotheses: Sequence[str], examples: Sequence[dict]) -> dict:
 
 
 def evaluate_task(graphdef, variables, mesh, tokenizer, examples: Sequence[dict], *, max_new_tokens: int,
-                  max_len: int) -> dict:
+                  max_len: int, stop_ids: Sequence[int]) -> dict:
     """Scores (see `score`) of the model on examples {"prompt_ids", "reference", "task"}, plus the first
-    responses (under "samples") for a look at what the model says."""
+    responses (under "samples") for a look at what the model says; generation stops at `stop_ids`."""
     hyps = responses(graphdef, variables, mesh, tokenizer, [e["prompt_ids"] for e in examples],
-                     max_new_tokens=max_new_tokens, max_len=max_len)
+                     max_new_tokens=max_new_tokens, max_len=max_len, stop_ids=stop_ids)
     samples = [{"task": e.get("task", "default"), "reference": e["reference"], "response": h}
                for e, h in zip(examples[:3], hyps)]
     return {"scores": score(hyps, examples), "samples": samples}

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxllm.data.row_prep import PreparedDataError, PreparedRows, existing_manifest
 from jaxllm.data.sft import FORMAT, eval_prompts
+from jaxllm.data.sft_template import stop_ids
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.eval.task_eval import ALL, evaluate_task
 from jaxllm.model.head import head_stats
@@ -52,9 +53,10 @@ def sft_task_report(base, batch_size: int, log=print) -> Callable | None:
     sft, seq_len = recorded.get("sft") or {}, manifest["seq_len"]
     examples = eval_prompts(directory)[: sft.get("eval_examples", 64)]
     rows = {f: a[:] for f, a in PreparedRows(directory, "eval", shuffle=False).arrays.items()}
+    stops = stop_ids(sft.get("template", "alpaca"), tokenizer)
 
     def report(graphdef, variables, mesh) -> dict:
-        scores = evaluate_task(graphdef, variables, mesh, tokenizer, examples,
+        scores = evaluate_task(graphdef, variables, mesh, tokenizer, examples, stop_ids=stops,
                                max_new_tokens=sft.get("max_new_tokens", 32), max_len=seq_len)["scores"]
         summed = score_rows(graphdef, variables, mesh, rows, batch_size, response_nll)
         scores.setdefault(ALL, {"examples": 0})["perplexity"] = math.exp(summed["nll"].sum() / summed["tokens"].sum())

@@ -34,6 +34,7 @@ from flax import nnx
 from jaxllm.config.fine_tuning import RolloutConfig
 from jaxllm.config.schema import Config, ConfigError
 from jaxllm.data.prompts import read_prompts
+from jaxllm.data.sft_template import stop_ids
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.observe.metrics import JsonlWriter
@@ -127,6 +128,7 @@ class Sampler:
     tokenizer: object
     reward_fn: object  # fn(prompt, response) -> float, or a RewardModelScorer
     settings: RolloutConfig
+    stop_ids: tuple[int, ...]  # where a response ends (jaxllm.data.sft_template.stop_ids of the prompts' template)
 
     def respond(self, variables, prompts: list[dict], key, timings: dict | None = None) -> dict[str, np.ndarray]:
         """One sampled response to each prompt, scored: host arrays of the rows (tokens, layout, mask, the
@@ -139,7 +141,7 @@ class Sampler:
         tokens_BP, start_B = left_pad([p["prompt_ids"] for p in prompts], len(prompts), P)
         with jax.set_mesh(self.mesh):
             out = rollout(self.graphdef, variables, tokens_BP, start_B, max_new_tokens=s.max_new_tokens,
-                          temperature=s.temperature, stop_ids=(self.tokenizer.eos_id,), key=key,
+                          temperature=s.temperature, stop_ids=self.stop_ids, key=key,
                           vocab_limit=self.tokenizer.vocab_size)
             N = s.max_new_tokens  # the sampler's cache bucket may hold more slots: never filled
             mask = np.asarray(out.mask[:, :N])  # waits for the sampler
@@ -163,9 +165,9 @@ class Sampler:
         return rows
 
     def response_text(self, row_tokens: np.ndarray, mask: np.ndarray) -> str:
-        """A rollout row's response as text, without its EOS."""
+        """A rollout row's response as text, without the token it stopped at."""
         ids = row_tokens[len(row_tokens) - len(mask):][: int(mask.sum())]
-        return self.tokenizer.decode([int(t) for t in ids if t != self.tokenizer.eos_id])
+        return self.tokenizer.decode([int(t) for t in ids if t not in self.stop_ids])
 
     def score(self, prompt: dict, row_tokens: np.ndarray, mask: np.ndarray) -> float:
         return float(self.reward_fn(prompt["prompt"], self.response_text(row_tokens, mask)))
@@ -324,7 +326,8 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSet
     sp = cfg.mesh.sequence_parallel
     plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
     policy = build_policy(cfg.model, cfg.precision, cfg.pipeline, cfg.lora, rope_scaling=rope, sequence_parallel=sp)
-    sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, settings)
+    sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, settings,
+                      stop_ids(settings.template, tokenizer))
     held_out = prompts["eval"][: settings.eval_prompts]
 
     def report(graphdef, variables, mesh):

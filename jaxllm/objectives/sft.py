@@ -13,6 +13,7 @@ from pathlib import Path
 
 from jaxllm.config.schema import Config
 from jaxllm.data.sft import eval_prompts, prepare_sft
+from jaxllm.data.sft_template import stop_ids
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.eval.task_eval import evaluate_task
 from jaxllm.objectives.finetune import check_vocab, data_errors, locate_base, row_batches, tokenizer_path
@@ -34,10 +35,11 @@ def sft_objective(cfg: Config, log=print) -> Objective:
     tokenizer = load_tokenizer(directory / manifest["tokenizer"])
     examples = eval_prompts(directory)[: sc.eval_examples]
     open_batches, eval_batches = row_batches(cfg, directory)
+    stops = stop_ids(sc.template, tokenizer)
 
     def report(graphdef, variables, mesh):
         return evaluate_task(graphdef, variables, mesh, tokenizer, examples, max_new_tokens=sc.max_new_tokens,
-                             max_len=tc.seq_len)
+                             max_len=tc.seq_len, stop_ids=stops)
 
     lora = cfg.lora if cfg.lora.rank else None
     lm = lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora, rope_scaling=base and base.rope_scaling,
