@@ -23,8 +23,8 @@ def get_config():
     config.mesh.update(data=1, fsdp=8, tensor=1, stage=1)
     config.precision.update(params="float32", compute="bfloat16", output="float32")
     # auto: cuDNN attention in bf16. remat minimal_with_context keeps the projections and attention context and
-    # recomputes only norms, rotations and the SwiGLU product: --dry_run says 47.3 GiB a device for 2 rows of 4096
-    # tokens (remat full: 24.3 GiB, at the cost of recomputing every matmul), within JAX's default 0.75 of 80 GB.
+    # recomputes only norms, rotations and the SwiGLU product: --dry_run says 43.5 GiB a device for 2 rows of 4096
+    # tokens (remat full: 20.5 GiB, at the cost of recomputing every matmul), within JAX's default 0.75 of 80 GB.
     # The head runs 1024 positions at a time so the [B, T, 128256] float32 logits never exist whole.
     # scan_layers: bench_gpu_flags.py times False too.
     config.model.update(attention="auto", remat="minimal_with_context", loss_chunk=1024, scan_layers=True)
