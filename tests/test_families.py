@@ -26,6 +26,7 @@ from jaxllm.config.cli import build_config, split_overrides  # noqa: E402
 from jaxllm.config.fine_tuning import GRPOConfig  # noqa: E402
 from jaxllm.config.schema import ConfigError, LoRAConfig, MeshConfig, PrecisionConfig, validate  # noqa: E402
 from jaxllm.data.synthetic import synthetic_batch  # noqa: E402
+from jaxllm.eval.evaluate import continuation_logprobs  # noqa: E402
 from jaxllm.interop import hf  # noqa: E402
 from jaxllm.model.build import build_model  # noqa: E402
 from jaxllm.model.head import next_token_loss  # noqa: E402
@@ -36,7 +37,7 @@ from jaxllm.model.sample import generate  # noqa: E402
 from jaxllm.objectives.grpo import grpo_loss_fn  # noqa: E402
 from jaxllm.objectives.pretrain import lm_objective  # noqa: E402
 from jaxllm.objectives.rollout import sequence_layout  # noqa: E402
-from jaxllm.parallel.mesh import make_mesh  # noqa: E402
+from jaxllm.parallel.mesh import make_mesh, single_device_mesh  # noqa: E402
 from jaxllm.model.transformer import total_params  # noqa: E402
 from jaxllm.plan.footprint import GPUS, memory_plan  # noqa: E402
 from jaxllm.runs.base_model import locate  # noqa: E402
@@ -161,6 +162,22 @@ def test_one_step_gradients_match_torch_autograd(saved, ids, name):
     for hf_name, g in grads.items():
         reference = torch_grads[hf_name]
         assert np.abs(g - reference).max() <= TOL * max(np.abs(reference).max(), 1e-6), hf_name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_evaluation_scores_continuations_as_transformers(saved, name):
+    """Evaluation on a family's model (the multiple-choice scoring of scripts/eval.py): each continuation's summed
+    log-likelihood given its context equals transformers' (log-softmax of its logits), past the windows."""
+    model, _, jm = saved[name]
+    graphdef, params = nnx.split(jm)
+    pairs = [([1, 5, 9], [3, 4]), ([2, 7, 11, 13, 17, 19, 23, 29], [31, 37, 41])]  # 11 > Mistral's 4, Gemma's 5
+    ours = continuation_logprobs(graphdef, params, single_device_mesh(), pairs)
+    theirs = []
+    for context, continuation in pairs:
+        with torch.no_grad():
+            logps = torch.log_softmax(model(torch.tensor([context + continuation])).logits[0].float(), -1).numpy()
+        theirs.append(sum(logps[len(context) - 1 + i, token] for i, token in enumerate(continuation)))
+    np.testing.assert_allclose(ours, theirs, atol=TOL)
 
 
 @pytest.mark.parametrize("name", NAMES)
