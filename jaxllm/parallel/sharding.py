@@ -40,6 +40,9 @@ RULES: dict[str, tuple[MeshAxes, MeshAxes]] = {
     "stage": ("stage", "stage"),
     "norm": (None, None),
     "lora_rank": (None, None),  # LoRA adapters' rank axis: small, replicated
+    # the experts of a mixture-of-experts layer (jaxllm/model/moe.py): whole on every device until an expert mesh
+    # axis splits them
+    "expert": (None, None),
 }
 
 

@@ -1,0 +1,145 @@
+"""The mixture-of-experts feed-forward (jaxllm/model/moe.py) against transformers 5.25's Mixtral and Qwen3-MoE
+sparse blocks on random weights: router logits, top-k choices and weights, outputs and gradients (torch autograd),
+the load-balancing loss (with and without padding), and the dropless grouped matmul against every expert run on
+every token."""
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from transformers.models.mixtral import modeling_mixtral  # noqa: E402
+from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
+
+from jaxllm.model.layers import ACTIVATIONS  # noqa: E402
+from jaxllm.model.moe import MoEMLP, Routing, dropless_experts, load_balancing_loss, route  # noqa: E402
+
+D, F, E, K = 32, 24, 6, 2
+
+
+def _mixtral():
+    config = transformers.MixtralConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
+                                        num_experts_per_tok=K)
+    return modeling_mixtral.MixtralSparseMoeBlock(config), True
+
+
+def _qwen3_moe(norm_topk_prob: bool):
+    config = transformers.Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E,
+                                         num_experts_per_tok=K, norm_topk_prob=norm_topk_prob)
+    return modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config), norm_topk_prob
+
+
+BLOCKS = {"mixtral": _mixtral, "qwen3_moe": lambda: _qwen3_moe(False), "qwen3_moe_norm_topk": lambda: _qwen3_moe(True)}
+
+
+def _randomised(make, seed: int = 0):
+    """A transformers sparse MoE block with random weights (its experts are allocated, not initialised) and
+    whether its router renormalises the top k."""
+    torch.manual_seed(seed)
+    block, renormalize = make()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    return block.eval(), renormalize
+
+
+def _ours(block):
+    """(router [D, E], gate [E, D, F], up [E, D, F], down [E, F, D]) of a transformers block, as numpy."""
+    gate_up = block.experts.gate_up_proj.detach().numpy()  # [E, 2F, D]: gate's rows, then up's
+    return (block.gate.weight.detach().numpy().T, gate_up[:, :F].transpose(0, 2, 1), gate_up[:, F:].transpose(0, 2, 1),
+            block.experts.down_proj.detach().numpy().transpose(0, 2, 1))
+
+
+def _moe(x, router, gate, up, down, renormalize):
+    routing = route(x, router, K, renormalize)
+    return dropless_experts(x, routing, gate, up, down, "silu"), routing
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_routing_and_outputs_match_transformers(name):
+    block, renormalize = _randomised(BLOCKS[name])
+    x = np.random.default_rng(1).normal(size=(2, 7, D)).astype(np.float32)
+    with torch.no_grad():
+        theirs = block(torch.tensor(x)).numpy().reshape(14, D)
+        logits, weights, experts = (t.numpy() for t in block.gate(torch.tensor(x)))
+    out, routing = _moe(jnp.asarray(x.reshape(14, D)), *_ours(block), renormalize)
+    np.testing.assert_allclose(routing.logits, logits, atol=1e-5)
+    np.testing.assert_array_equal(routing.experts, experts)
+    np.testing.assert_allclose(routing.weights, weights, atol=1e-6)
+    assert np.allclose(np.asarray(routing.weights).sum(-1), 1.0) == renormalize
+    np.testing.assert_allclose(out, theirs, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_gradients_match_torch_autograd(name):
+    """Gradients of a weighted sum of the outputs, for the input and every weight (the router's through the top-k
+    weights), within 1e-4 of each tensor's largest."""
+    block, renormalize = _randomised(BLOCKS[name], seed=2)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(9, D)).astype(np.float32)
+    cotangent = rng.normal(size=(9, D)).astype(np.float32)
+    x_torch = torch.tensor(x[None], requires_grad=True)
+    (block(x_torch)[0] * torch.tensor(cotangent)).sum().backward()
+    router_grad = block.gate.weight.grad.numpy().T
+    gate_up_grad = block.experts.gate_up_proj.grad.numpy()
+    theirs = (x_torch.grad.numpy()[0], router_grad, gate_up_grad[:, :F].transpose(0, 2, 1),
+              gate_up_grad[:, F:].transpose(0, 2, 1), block.experts.down_proj.grad.numpy().transpose(0, 2, 1))
+    ours = jax.grad(lambda *a: jnp.sum(_moe(*a, renormalize)[0] * cotangent), argnums=(0, 1, 2, 3, 4))(
+        jnp.asarray(x), *(jnp.asarray(w) for w in _ours(block)))
+    for got, want in zip(ours, theirs):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_load_balancing_loss_matches_transformers(padded):
+    """transformers' load_balancing_loss_func over two layers' router logits (it takes the softmax once, of the
+    logits the router returns), padding masked out or not."""
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(2, 2 * 5, E)).astype(np.float32) * 2
+    mask = np.ones((2, 5), np.int64)
+    if padded:
+        mask[1, 3:] = 0
+    theirs = modeling_mixtral.load_balancing_loss_func(tuple(torch.tensor(layer) for layer in logits), E, K,
+                                                       torch.tensor(mask) if padded else None)
+    ours = load_balancing_loss(jnp.asarray(logits), K, jnp.asarray(mask.reshape(-1)) if padded else None)
+    np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-5)
+    balanced = load_balancing_loss(jnp.zeros((1, 12, E)), K)  # uniform router: each term (k / E) * (1 / E)
+    np.testing.assert_allclose(float(balanced), K, rtol=1e-6)
+
+
+def test_dropless_groups_equal_every_expert_on_every_token():
+    """The ragged grouped matmul equals running all E experts on every token and keeping the routed ones, also
+    when some experts get no token at all (their groups are empty)."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(11, D)).astype(np.float32))
+    shapes = ((E, D, F), (E, D, F), (E, F, D))
+    gate, up, down = (jnp.asarray(rng.normal(0, 0.3, size=s).astype(np.float32)) for s in shapes)
+    experts = jnp.asarray(rng.choice([0, 2, 3], size=(11, K)).astype(np.int32))  # experts 1, 4, 5 get nothing
+    routing = Routing(jnp.zeros((11, E)), experts, jnp.asarray(rng.uniform(size=(11, K)).astype(np.float32)))
+    every_TED = jnp.einsum("TEF,EFD->TED", ACTIVATIONS["silu"](jnp.einsum("TD,EDF->TEF", x, gate))
+                           * jnp.einsum("TD,EDF->TEF", x, up), down)
+    dense = jnp.einsum("TKD,TK->TD", jnp.take_along_axis(every_TED, experts[..., None], axis=1), routing.weights)
+    np.testing.assert_allclose(dropless_experts(x, routing, gate, up, down, "silu"), dense, atol=1e-5)
+
+
+def test_the_module_routes_a_batch_of_rows():
+    """MoEMLP holds the router and stacked experts under the logical axes the sharding rules know, and its call on
+    [B, T, D] is the functions' on the flattened tokens."""
+    with nnx.use_eager_sharding(False):  # as jaxllm.model.build builds models: placement is jaxllm's own
+        moe = MoEMLP(D, F, E, K, renormalize=True, activation="silu", init_std=0.3, out_std=0.1, dtype=jnp.float32,
+                     rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 3, D)).astype(np.float32))
+    out, logits = moe(x)
+    want, routing = _moe(x.reshape(6, D), moe.router[...], moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...],
+                         True)
+    assert out.shape == (2, 3, D) and logits.shape == (6, E)
+    np.testing.assert_allclose(out.reshape(6, D), want, atol=1e-6)
+    np.testing.assert_allclose(logits, routing.logits, atol=1e-6)
+    assert moe.gate_proj.get_metadata()["out_sharding"] == ("expert", "embed", "mlp")
