@@ -139,7 +139,8 @@ class RolloutConfig:
     (jaxllm/data/prompts.py; no `eval_file`: a seeded `eval_fraction` is held out), rendered with `template`,
     at most `max_prompt_tokens` tokens (longer ones are left out and counted); `tokenizer` as in SFTConfig.
     Each iteration takes `prompts_per_iteration` prompts and samples responses to them with the current policy
-    (up to `max_new_tokens`, at `temperature`, stopping at EOS), scored by `reward` ("fn:<name>",
+    (up to `max_new_tokens`, at `temperature`, stopping where a turn ends: EOS, or the template's end-of-turn
+    token, jaxllm.data.sft_template.stop_ids), scored by `reward` ("fn:<name>",
     jaxllm/objectives/reward_fns.py; "rm:<checkpoint>" of a reward-model run); it then trains `epochs` passes over them
     in minibatches of train.batch_size rows, one optimizer step each. `clip` is the policy ratio's clip range.
     `eval_prompts` held-out prompts are answered (same sampling, fixed seed) and scored before and after
@@ -224,7 +225,8 @@ class PPOConfig(RolloutConfig):
     epochs * prompts_per_iteration / train.batch_size optimizer steps.
 
     Per-token rewards: -kl_coef * kl_t (`kl_estimator` k1, k2 or k3 of the sampler's against the reference's
-    log-probs), plus the score at the response's last token, less `missing_eos_penalty` when it has no EOS.
+    log-probs), plus the score at the response's last token, less `missing_eos_penalty` when it did not stop
+    (no EOS, nor the template's end-of-turn token).
     `target_kl` > 0 adapts kl_coef toward that per-response KL (Ziegler et al.'s proportional controller, over
     `kl_horizon` responses); 0 keeps it fixed. Advantages: GAE with `gamma` and `lam`, whitened over valid
     tokens. Loss: the clipped policy loss (`clip`), `vf_coef` x the clipped value loss (`value_clip`), less
