@@ -19,7 +19,8 @@ from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 from jaxllm.model.layers import ACTIVATIONS  # noqa: E402
-from jaxllm.model.moe import MoEMLP, Routing, dropless_experts, load_balancing_loss, route  # noqa: E402
+from jaxllm.model.moe import (MoEMLP, Routing, capacity, capacity_experts, dropless_experts,  # noqa: E402
+                              load_balancing_loss, route, router_z_loss)
 
 D, F, E, K = 32, 24, 6, 2
 
@@ -143,3 +144,55 @@ def test_the_module_routes_a_batch_of_rows():
     np.testing.assert_allclose(out.reshape(6, D), want, atol=1e-6)
     np.testing.assert_allclose(logits, routing.logits, atol=1e-6)
     assert moe.gate_proj.get_metadata()["out_sharding"] == ("expert", "embed", "mlp")
+
+
+def _numpy_capacity(x, experts, weights, gate, up, down, capacity):
+    """Capacity dispatch written out in numpy: picks visited first choices first, then in token order; an expert
+    takes a pick while it has fewer than `capacity`."""
+    def silu(a):
+        return a / (1 + np.exp(-a))
+
+    out, taken, dropped = np.zeros_like(x), np.zeros(E, int), 0
+    for k in range(experts.shape[1]):
+        for t in range(x.shape[0]):
+            e = experts[t, k]
+            if taken[e] == capacity:
+                dropped += 1
+                continue
+            taken[e] += 1
+            out[t] += weights[t, k] * ((silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+    return out, dropped
+
+
+def test_capacity_dispatch_drops_what_overflows_and_equals_dropless_when_nothing_does():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(13, D)).astype(np.float32)
+    gate, up, down = (rng.normal(0, 0.3, size=s).astype(np.float32) for s in ((E, D, F), (E, D, F), (E, F, D)))
+    # K different experts a token, as top-k picks are; expert 0 in most tokens' picks, past its capacity
+    experts = np.stack([rng.choice([0, 1, 2, 5], size=K, replace=False, p=[0.55, 0.15, 0.15, 0.15])
+                        for _ in range(13)]).astype(np.int32)
+    weights = rng.uniform(size=(13, K)).astype(np.float32)
+    routing = Routing(jnp.zeros((13, E)), jnp.asarray(experts), jnp.asarray(weights))
+    args = (jnp.asarray(x), routing, jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), "silu")
+    factor = 1.0
+    out, dropped = capacity_experts(*args, capacity_factor=factor)
+    want, want_dropped = _numpy_capacity(x, experts, weights, gate, up, down, capacity(13, K, E, factor))
+    assert int(dropped) == want_dropped > 0
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    whole, none = capacity_experts(*args, capacity_factor=E / K)  # room for every token in every expert
+    assert int(none) == 0
+    np.testing.assert_allclose(whole, dropless_experts(*args), atol=1e-5)
+    def gradients(dispatch):  # of the input and the three expert weights
+        loss = lambda a, b, c, d: jnp.sum(dispatch(a, routing, b, c, d, "silu") ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(args[0], *args[2:5])
+
+    full = lambda *a: capacity_experts(*a, capacity_factor=E / K)[0]
+    for a, b in zip(gradients(full), gradients(dropless_experts)):
+        np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max())
+
+
+def test_router_z_loss_is_the_mean_squared_logsumexp():
+    assert np.isclose(float(router_z_loss(jnp.zeros((5, E)))), np.log(E) ** 2)
+    logits = np.random.default_rng(8).normal(size=(4, E)).astype(np.float32)
+    want = np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
+    np.testing.assert_allclose(float(router_z_loss(jnp.asarray(logits))), want, rtol=1e-6)

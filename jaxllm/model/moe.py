@@ -8,7 +8,9 @@ to sum to 1 when `renormalize` (Mixtral always; Qwen3-MoE's `norm_topk_prob`).
 Dispatch is dropless: the T * k (token, expert) pairs are sorted by expert, so each expert's tokens form one
 contiguous group, one grouped matmul per projection (`jax.lax.ragged_dot`) runs every expert over its own group
 only, and the outputs are added back to their tokens weighted by the router. No token is dropped and no expert
-computes tokens it was not routed (a dense formulation would run all E experts on every token).
+computes tokens it was not routed (a dense formulation would run all E experts on every token). The capacity
+dispatch (`capacity_experts`) is the fallback with static shapes: fixed-size expert buffers, overflow dropped and
+counted.
 
 The auxiliary load-balancing loss (Switch Transformer eq. 4-6, transformers' `load_balancing_loss_func`):
 E * sum_e f_e * P_e over the layers' tokens taken together, f_e the fraction of top-k picks that chose expert e
@@ -17,6 +19,7 @@ and P_e the mean router probability of e.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -59,6 +62,44 @@ def dropless_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_E
     out_PD = jax.lax.ragged_dot(ACTIVATIONS[activation](gate_PF) * up_PF, down_EFD.astype(x_TD.dtype), group_sizes_E)
     weights_P = routing.weights.reshape(T * K)[order_P].astype(out_PD.dtype)
     return jnp.zeros_like(x_TD).at[tokens_P].add(out_PD * weights_P[:, None])
+
+
+def capacity_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_EFD, activation: str,
+                     capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+    """`dropless_experts` with fixed-size expert buffers: (outputs [T, D], the number of dropped (token, expert)
+    pairs). Each expert takes at most C = ceil(capacity_factor * T * K / E) pairs, first choices before second
+    ones (then in token order), so under pressure a token keeps its first choice before another token's second;
+    a pair past its expert's capacity is dropped (that expert adds nothing to the token). The fallback where a
+    ragged kernel is slow or missing: every shape is static."""
+    T, K = routing.experts.shape
+    E = gate_EDF.shape[0]
+    C = capacity(T, K, E, capacity_factor)
+    experts_P = routing.experts.T.reshape(K * T)  # pair p = pick p // T of token p % T: first choices first
+    onehot_PE = jax.nn.one_hot(experts_P, E, dtype=jnp.int32)
+    slot_P = jnp.sum((jnp.cumsum(onehot_PE, axis=0) - 1) * onehot_PE, axis=1)  # the pair's place in its expert
+    kept_P = slot_P < C
+    tokens_P = jnp.tile(jnp.arange(T), K)
+    # Dropped pairs write to (and read from) a spare slot C that no expert output is taken from.
+    slot_P = jnp.where(kept_P, slot_P, C)
+    buffer_ECD = jnp.zeros((E, C + 1, x_TD.shape[1]), x_TD.dtype).at[experts_P, slot_P].set(x_TD[tokens_P])
+    gate_EDF, up_EDF, down_EFD = (w.astype(x_TD.dtype) for w in (gate_EDF, up_EDF, down_EFD))
+    h_ECF = (ACTIVATIONS[activation](jnp.einsum("ECD,EDF->ECF", buffer_ECD, gate_EDF))
+             * jnp.einsum("ECD,EDF->ECF", buffer_ECD, up_EDF))
+    out_ECD = jnp.einsum("ECF,EFD->ECD", h_ECF, down_EFD)
+    weights_P = jnp.where(kept_P, routing.weights.T.reshape(K * T), 0.0).astype(out_ECD.dtype)
+    out_TD = jnp.zeros_like(x_TD).at[tokens_P].add(out_ECD[experts_P, slot_P] * weights_P[:, None])
+    return out_TD, jnp.sum(~kept_P)
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Pairs one expert's buffer holds: capacity_factor times an even share of the tokens' top-k picks."""
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def router_z_loss(logits_TE: jax.Array) -> jax.Array:
+    """The router z-loss (ST-MoE, Zoph et al. 2022): the mean over tokens of logsumexp(router logits)^2, which keeps
+    the logits small."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)))
 
 
 def load_balancing_loss(logits_LTE: jax.Array, top_k: int, mask_T: jax.Array | None = None) -> jax.Array:
