@@ -24,24 +24,34 @@ OVERLONG_RULES = ("truncate", "drop")
 
 
 @dataclasses.dataclass(frozen=True)
-class FineTuningData:
-    """The data fields SFT and preference learning share (see each): JSON-lines files, the held-out fraction,
-    the template, the overlong rule and the tokenizer."""
+class TextFiles:
+    """The fields of every fine-tuning objective's text data (see each section): JSON-lines files, the held-out
+    fraction, the template and the tokenizer."""
 
     train_file: str = ""
     eval_file: str = ""
     eval_fraction: float = 0.05
     template: str = "alpaca"
-    overlong: str = "truncate"
     tokenizer: str = ""
 
-    def check_data(self, section: str, what: str) -> None:
-        """The data fields, for the config section `section` of `what` (examples, preference pairs)."""
+    def check_files(self, section: str, what: str) -> None:
+        """These fields, for the config section `section` of `what` (examples, preference pairs, prompts)."""
         if not self.train_file:  # the files themselves are opened when the run starts (a dry run needs none)
             raise ConfigError(f"{section}.train_file", f"must name a JSON-lines file of {what}")
         if not self.eval_file and not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
         check_choice(f"{section}.template", self.template, SFT_TEMPLATES)
+
+
+@dataclasses.dataclass(frozen=True)
+class FineTuningData(TextFiles):
+    """The data fields SFT and preference learning share: the text files, and the rule for an example too long."""
+
+    overlong: str = "truncate"
+
+    def check_data(self, section: str, what: str) -> None:
+        """The data fields, for the config section `section` of `what` (examples, preference pairs)."""
+        self.check_files(section, what)
         check_choice(f"{section}.overlong", self.overlong, OVERLONG_RULES)
 
 
@@ -132,7 +142,7 @@ class DPOConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig:
+class RolloutConfig(TextFiles):
     """What PPO and GRPO share: prompts, sampling, and the held-out report.
 
     Prompts: `train_file` / `eval_file` JSON lines of {"prompt"} or {"messages"} ending with a user turn
@@ -147,11 +157,6 @@ class RolloutConfig:
     training. Every `samples_every` iterations (0: never) `samples` of the iteration's prompts with their
     responses and rewards are appended to <workdir>/samples.jsonl."""
 
-    train_file: str = ""
-    eval_file: str = ""
-    eval_fraction: float = 0.05
-    template: str = "alpaca"
-    tokenizer: str = ""
     reward: str = ""
     max_prompt_tokens: int = 64
     max_new_tokens: int = 32
@@ -167,11 +172,7 @@ class RolloutConfig:
         """The checks PPO and GRPO share, for config section `section`; `rows` are an iteration's responses,
         trained in minibatches of `batch_size`, with adapters of rank `lora_rank` (whether an rm: reward exists:
         `probe_environment`)."""
-        if not self.train_file:
-            raise ConfigError(f"{section}.train_file", "must name a JSON-lines file of prompts")
-        if not self.eval_file and not 0.0 < self.eval_fraction < 1.0:
-            raise ConfigError(f"{section}.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
-        check_choice(f"{section}.template", self.template, SFT_TEMPLATES)
+        self.check_files(section, "prompts")
         kind, _, name = self.reward.partition(":")
         if kind not in ("fn", "rm") or not name:
             raise ConfigError(f"{section}.reward", f"expected fn:<name> (jaxllm/objectives/reward_fns.py) or "
