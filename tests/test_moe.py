@@ -20,7 +20,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 from jaxllm.model.layers import ACTIVATIONS  # noqa: E402
 from jaxllm.model.moe import (MoEMLP, Routing, capacity, capacity_experts, dropless_experts,  # noqa: E402
-                              load_balancing_loss, route, router_z_loss)
+                              load_balancing_loss, route, router_z_loss, routing_stats)
 
 D, F, E, K = 32, 24, 6, 2
 
@@ -196,3 +196,16 @@ def test_router_z_loss_is_the_mean_squared_logsumexp():
     logits = np.random.default_rng(8).normal(size=(4, E)).astype(np.float32)
     want = np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
     np.testing.assert_allclose(float(router_z_loss(jnp.asarray(logits))), want, rtol=1e-6)
+
+
+def test_routing_stats_tell_an_even_router_from_a_collapsed_one():
+    even = Routing(jnp.zeros((6, E)), jnp.asarray(np.arange(12).reshape(6, K) % E, np.int32), jnp.ones((6, K)))
+    stats = {k: float(v) for k, v in routing_stats(even, E).items()}
+    assert stats["expert_tokens_min"] == stats["expert_tokens_max"] == 2 and stats["expert_tokens_cv"] == 0
+    assert np.isclose(stats["router_entropy"], np.log(E))  # uniform probabilities
+    logits = jnp.full((6, E), -30.0).at[:, 0].set(30.0)  # every token certain of expert 0 (and 1 second)
+    collapsed = Routing(logits, jnp.asarray(np.tile([0, 1], (6, 1)), np.int32), jnp.ones((6, K)))
+    stats = {k: float(v) for k, v in routing_stats(collapsed, E).items()}
+    assert (stats["expert_tokens_min"], stats["expert_tokens_max"]) == (0, 6)
+    np.testing.assert_allclose(stats["expert_tokens_cv"], np.std([6, 6, 0, 0, 0, 0]) / 2, rtol=1e-6)
+    assert stats["router_entropy"] < 1e-6

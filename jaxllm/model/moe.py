@@ -96,6 +96,18 @@ def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) 
     return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
+def routing_stats(routing: Routing, num_experts: int) -> dict[str, jax.Array]:
+    """What a layer's router did with its T tokens (device scalars, for metrics): the tokens each expert got
+    (`expert_tokens_min`, `_max`, and `_cv`, their coefficient of variation: 0 when even, high when a few experts
+    take most tokens) and `router_entropy`, the mean entropy of the router's probabilities in nats (log E when
+    undecided, 0 when certain)."""
+    counts_E = jnp.bincount(routing.experts.reshape(-1), length=num_experts).astype(jnp.float32)
+    probs_TE = jax.nn.softmax(routing.logits, axis=-1)
+    entropy_T = -jnp.sum(probs_TE * jax.nn.log_softmax(routing.logits, axis=-1), axis=-1)
+    return {"expert_tokens_min": jnp.min(counts_E), "expert_tokens_max": jnp.max(counts_E),
+            "expert_tokens_cv": jnp.std(counts_E) / jnp.mean(counts_E), "router_entropy": jnp.mean(entropy_T)}
+
+
 def router_z_loss(logits_TE: jax.Array) -> jax.Array:
     """The router z-loss (ST-MoE, Zoph et al. 2022): the mean over tokens of logsumexp(router logits)^2, which keeps
     the logits small."""
