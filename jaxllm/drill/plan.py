@@ -81,7 +81,8 @@ def schedule(counts: dict[str, int], seed: int, steps: int, every: int, min_hist
              stop_every: int = 1) -> list[Fault]:
     """The faults of `counts` on a run of `steps` steps saved every `every`, drawn from `seed`: process faults
     sorted by step, then the anomaly faults at distinct steps after the first checkpoint (so that each one
-    rolls back and is counted in the checkpoints' rollbacks, see `anomaly_flags`), a spike only once
+    rolls back and is counted in the checkpoints' rollbacks, see `anomaly_flags`) and not where their rollback
+    would find another checkpoint than the reference's (`_rollbacks_past_a_stop`), a spike only once
     `min_history` healthy steps are known, then the hot updates (drawn last, so that adding them leaves the
     other faults of a seed where they were). `stop_every`: a SIGTERM stops the job at the next multiple of it (a
     multi-process job's processes agree every jaxllm.runtime.preemption.CHECK_EVERY steps): sigterm and corrupt faults
@@ -105,16 +106,35 @@ def schedule(counts: dict[str, int], seed: int, steps: int, every: int, min_hist
     faults = [Fault(i, kind, step, delay, damage if kind == "corrupt" else "",
                     pick if kind in ("corrupt", "peer") else 0.0)
               for i, (step, kind, delay, damage, pick) in enumerate(process)]
-    taken: set[int] = set()
+    taken = set(_rollbacks_past_a_stop(faults, every, stop_every, last))
     for kind in ANOMALY_KINDS:
         for _ in range(counts.get(kind, 0)):
             choices = [s for s in range(lows[kind], last + 1) if s not in taken]
+            if not choices:
+                raise FaultSpecError(f"--faults: no step of {steps} train.steps is left for {kind} (each anomaly "
+                                     f"needs its own, away from the sigterm and corrupt stops)")
             step = rng.choice(choices)
             taken.add(step)
             faults.append(Fault(len(faults), kind, step))
     for _ in range(counts.get("hotlr", 0)):
         faults.append(Fault(len(faults), "hotlr", rng.randint(1, last)))
     return faults
+
+
+def _rollbacks_past_a_stop(faults: list[Fault], every: int, stop_every: int, last: int) -> list[int]:
+    """The steps an anomaly must not land on: those whose rollback could find other checkpoints than the
+    reference's. The reference run, never stopped, rolls an anomaly at step s back to the checkpoint of step
+    every * floor((s - 1) / every); a drilled job stopped by SIGTERM in between also holds the checkpoint of the
+    step it stopped at (a few steps after the fault's, a multiple of `stop_every`), so it rolls back to that one
+    and skips other data. A `corrupt` fault's stop checkpoint is quarantined, but when the stop fell on a
+    periodic step that checkpoint is gone too: its window is banned alike."""
+    banned = []
+    for fault in faults:
+        if fault.kind not in STOPPED_BY_SIGTERM:
+            continue
+        saved_by = fault.step + 2 * stop_every + 1  # the latest step the stop can save (seen: 2 after it)
+        banned += [s for s in range(fault.step + 1, last + 1) if every * ((s - 1) // every) <= saved_by]
+    return banned
 
 
 def hot_change_id(fault: Fault) -> str:
