@@ -90,8 +90,13 @@ def all_blocks() -> list[Block]:
     return [b for page in nav_pages() for b in blocks(page)]
 
 
+# What `make docs-check ARGS=...` hands down to every make it starts: without them a block's own `make train`
+# would get the docs check's ARGS (`--from 4`) as the training script's arguments.
+MAKE_VARIABLES = ("MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL", "ARGS")
+
+
 def run(block: Block) -> int:
-    env = dict(os.environ, **CPU_DEVICES)
+    env = {k: v for k, v in os.environ.items() if k not in MAKE_VARIABLES} | CPU_DEVICES
     venv_bin = ROOT / ".venv" / "bin"
     if venv_bin.is_dir():
         env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"

@@ -78,3 +78,13 @@ def test_docs_check_rejects_a_skip_marker_that_marks_nothing(tmp_path):
     (tmp_path / "page.md").write_text("<!-- docs-check: skip (needs a GPU) -->\n```bash\nnvidia-smi\n```\n"
                                       "```bash\nls\n```\n")
     assert [(b.line, b.skip) for b in docs_check.blocks("page.md", docs=tmp_path)] == [(2, "needs a GPU"), (5, None)]
+
+
+def test_a_docs_block_runs_without_the_make_variables_of_the_docs_check_itself(tmp_path, monkeypatch, capfd):
+    """`make docs-check ARGS="--from 4"` puts ARGS into MAKEFLAGS, which every make a block starts would inherit:
+    the block's own `make train` then handed `--from 4` to the training script. Blocks run without them."""
+    monkeypatch.setenv("MAKEFLAGS", " -- ARGS=--from\\ 4")
+    monkeypatch.setenv("ARGS", "--from 4")
+    block = docs_check.Block("page.md", 1, 'echo "[${MAKEFLAGS:-}|${ARGS:-}|$JAX_PLATFORMS]"', None)
+    assert docs_check.run(block) == 0
+    assert capfd.readouterr().out.strip() == "[||cpu]"
