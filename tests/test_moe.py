@@ -20,7 +20,8 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 from jaxllm.model.layers import ACTIVATIONS  # noqa: E402
 from jaxllm.model.moe import (MoEMLP, Routing, capacity, capacity_experts, dropless_experts,  # noqa: E402
-                              load_balancing_loss, route, router_z_loss, routing_stats)
+                              load_balancing_loss, route, router_losses, router_metrics,
+                              router_sums, router_z_loss)
 
 D, F, E, K = 32, 24, 6, 2
 
@@ -137,12 +138,14 @@ def test_the_module_routes_a_batch_of_rows():
         moe = MoEMLP(D, F, E, K, renormalize=True, activation="silu", init_std=0.3, out_std=0.1, dtype=jnp.float32,
                      rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 3, D)).astype(np.float32))
-    out, logits = moe(x)
+    out, sums = moe(x)
     want, routing = _moe(x.reshape(6, D), moe.router[...], moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...],
                          True)
-    assert out.shape == (2, 3, D) and logits.shape == (6, E)
+    assert out.shape == (2, 3, D) and sums.picks.shape == (2, E) and sums.z.shape == (2,)
     np.testing.assert_allclose(out.reshape(6, D), want, atol=1e-6)
-    np.testing.assert_allclose(logits, routing.logits, atol=1e-6)
+    np.testing.assert_array_equal(sums.picks.sum(-1), [3 * K, 3 * K])  # each row's 3 tokens' K picks
+    np.testing.assert_allclose(router_losses(sums, K)[0], load_balancing_loss(routing.logits[None], K), rtol=1e-6)
+    np.testing.assert_allclose(router_losses(sums, K)[1], router_z_loss(routing.logits), rtol=1e-6)
     assert moe.gate_proj.get_metadata()["out_sharding"] == ("expert", "embed", "mlp")
 
 
@@ -175,12 +178,12 @@ def test_capacity_dispatch_drops_what_overflows_and_equals_dropless_when_nothing
     routing = Routing(jnp.zeros((13, E)), jnp.asarray(experts), jnp.asarray(weights))
     args = (jnp.asarray(x), routing, jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), "silu")
     factor = 1.0
-    out, dropped = capacity_experts(*args, capacity_factor=factor)
+    out, kept = capacity_experts(*args, capacity_factor=factor)
     want, want_dropped = _numpy_capacity(x, experts, weights, gate, up, down, capacity(13, K, E, factor))
-    assert int(dropped) == want_dropped > 0
+    assert int(jnp.sum(~kept)) == want_dropped > 0
     np.testing.assert_allclose(out, want, atol=1e-5)
-    whole, none = capacity_experts(*args, capacity_factor=E / K)  # room for every token in every expert
-    assert int(none) == 0
+    whole, kept = capacity_experts(*args, capacity_factor=E / K)  # room for every token in every expert
+    assert bool(jnp.all(kept))
     np.testing.assert_allclose(whole, dropless_experts(*args), atol=1e-5)
     def gradients(dispatch):  # of the input and the three expert weights
         loss = lambda a, b, c, d: jnp.sum(dispatch(a, routing, b, c, d, "silu") ** 2)
@@ -198,14 +201,17 @@ def test_router_z_loss_is_the_mean_squared_logsumexp():
     np.testing.assert_allclose(float(router_z_loss(jnp.asarray(logits))), want, rtol=1e-6)
 
 
-def test_routing_stats_tell_an_even_router_from_a_collapsed_one():
+def test_router_metrics_tell_an_even_router_from_a_collapsed_one():
+    """Per layer, from two layers' sums over two rows of 3 tokens each: tokens per expert, their coefficient of
+    variation, the router's entropy, and the dropped fraction."""
     even = Routing(jnp.zeros((6, E)), jnp.asarray(np.arange(12).reshape(6, K) % E, np.int32), jnp.ones((6, K)))
-    stats = {k: float(v) for k, v in routing_stats(even, E).items()}
-    assert stats["expert_tokens_min"] == stats["expert_tokens_max"] == 2 and stats["expert_tokens_cv"] == 0
-    assert np.isclose(stats["router_entropy"], np.log(E))  # uniform probabilities
     logits = jnp.full((6, E), -30.0).at[:, 0].set(30.0)  # every token certain of expert 0 (and 1 second)
     collapsed = Routing(logits, jnp.asarray(np.tile([0, 1], (6, 1)), np.int32), jnp.ones((6, K)))
-    stats = {k: float(v) for k, v in routing_stats(collapsed, E).items()}
-    assert (stats["expert_tokens_min"], stats["expert_tokens_max"]) == (0, 6)
-    np.testing.assert_allclose(stats["expert_tokens_cv"], np.std([6, 6, 0, 0, 0, 0]) / 2, rtol=1e-6)
-    assert stats["router_entropy"] < 1e-6
+    kept = jnp.ones((K, 6), bool).at[1, :3].set(False)  # capacity dropped three second picks
+    sums = jax.tree.map(lambda *a: jnp.stack(a), router_sums(even, 2, E), router_sums(collapsed, 2, E, kept))
+    stats = {k: np.asarray(v) for k, v in router_metrics(sums, K).items()}
+    np.testing.assert_array_equal(stats["expert_tokens_min"], [2, 0])
+    np.testing.assert_array_equal(stats["expert_tokens_max"], [2, 6])
+    np.testing.assert_allclose(stats["expert_tokens_cv"], [0, np.std([6, 6, 0, 0, 0, 0]) / 2], rtol=1e-6)
+    np.testing.assert_allclose(stats["router_entropy"], [np.log(E), 0], atol=1e-6)  # uniform, then certain
+    np.testing.assert_allclose(stats["moe_dropped_fraction"], [0, 3 / 12])

@@ -35,6 +35,7 @@ OFFLOADS = ("none", "host")  # optim.offload, model.remat_offload (jaxllm/parall
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
+MOE_DISPATCHES = ("dropless", "capacity")  # model.moe_dispatch (jaxllm/model/moe.py)
 QUANT_MODES = ("none", "int8", "fp8")  # precision.quant (jaxllm/model/quant.py)
 LOSS_SCALE_MODES = ("none", "static", "dynamic")  # precision.loss_scale, besides "auto" (jaxllm/optim/loss_scale.py)
 AUTO_VOCAB = 0  # model.vocab_size "auto": the tokenizer's size, padded (resolve_vocab_size)
@@ -134,6 +135,22 @@ class ModelConfig:
     # within each stage under the pipeline) instead of lax.scan, so XLA can schedule and fuse across layers (on
     # GPUs); compile time grows with depth. Same parameters, checkpoints and results. KV-cache decoding scans.
     scan_layers: bool = True
+    # Mixture of experts (jaxllm/model/moe.py; Mixtral, Qwen3-MoE): num_experts > 0 puts a router and that many
+    # gated experts of mlp_dim hidden units each in place of every layer's MLP, experts_per_token of them run per
+    # token, their router weights renormalised to sum to 1 when moe_renormalize (Mixtral always; Qwen3-MoE's
+    # norm_topk_prob). 0: a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_renormalize: bool = True
+    # How tokens reach their experts in training and evaluation: "dropless" (grouped matmuls over ragged groups)
+    # or "capacity" (fixed buffers of moe_capacity_factor times an even share of the picks; overflow dropped).
+    # Decoding is always dropless.
+    moe_dispatch: str = "dropless"
+    moe_capacity_factor: float = 1.25
+    # Weights of the router's auxiliary losses in the training loss (not in the reported loss, nor the held-out
+    # one): load balancing as transformers' router_aux_loss_coef, and the ST-MoE z-loss.
+    moe_aux_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.0
     preset: str = ""
 
     @property
@@ -183,11 +200,31 @@ class ModelConfig:
         if self.loss_chunk < 0:
             raise ConfigError("model.loss_chunk", f"must be >= 0 (0: no chunking), got {self.loss_chunk}")
         check_choice("model.attention", self.attention, ATTENTION_IMPLS)
+        self._check_experts()
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("model.num_kv_heads", f"{self.num_kv_heads} must divide model.num_heads="
                                                     f"{self.num_heads} (grouped-query attention)")
         if self.head_dim % 2:
             raise ConfigError("model.head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
+
+    def _check_experts(self) -> None:
+        if self.num_experts < 0:
+            raise ConfigError("model.num_experts", f"must be >= 0 (0: a dense MLP), got {self.num_experts}")
+        if bool(self.num_experts) != bool(self.blocks.experts):
+            routed = [name for name, f in FAMILIES.items() if f.blocks.experts]
+            raise ConfigError("model.num_experts", f"family {self.family!r} " + (
+                f"is a mixture of experts: give it num_experts > 0, got {self.num_experts}" if self.blocks.experts
+                else f"has a dense MLP: num_experts must be 0 (families with experts: {routed})"))
+        if self.blocks.experts_renormalized and not self.moe_renormalize:
+            raise ConfigError("model.moe_renormalize", f"family {self.family!r} always renormalises its top-k weights")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError("model.experts_per_token", f"must be between 1 and model.num_experts="
+                                                         f"{self.num_experts}, got {self.experts_per_token}")
+        check_choice("model.moe_dispatch", self.moe_dispatch, MOE_DISPATCHES)
+        check_positive("model.moe_capacity_factor", self.moe_capacity_factor)
+        for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key}", f"must be >= 0 (0: off), got {getattr(self, key)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ reading only its own slice of each layer's tensor from disk, so no process holds
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -31,7 +32,8 @@ from jaxllm.model.layers import RopeScaling
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.transformer import Transformer
 from jaxllm.interop import hf_peft
-from jaxllm.interop.table import IDENTITY, SPLIT_HEADS, SPLIT_IN_HEADS, SPLIT_OUT_HEADS, TRANSPOSE, Row
+from jaxllm.interop.table import (FUSED_DOWN, FUSED_GATE, FUSED_UP, IDENTITY, SPLIT_HEADS, SPLIT_IN_HEADS,
+                                  SPLIT_OUT_HEADS, TRANSPOSE, Row)
 from jaxllm.parallel.sharding import sharding_tree
 from jaxllm.model.lora import merge
 
@@ -64,6 +66,21 @@ BLOCK_ROWS: dict[str, tuple[Row, ...]] = {
     "sandwich_norms": tuple(Row(f"model.layers.{{i}}.{name}.weight", ("layers", name, "scale"), IDENTITY)
                             for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm")),
 }
+# A mixture of experts' rows in place of the MLP's, by the family's naming (Blocks.experts), as transformers'
+# save_pretrained writes them: the router, and each expert's three projections ({e}).
+_MOE = ("router", "gate_proj", "up_proj", "down_proj")
+EXPERT_ROWS: dict[str, tuple[Row, ...]] = {
+    naming: tuple(Row(f"model.layers.{{i}}.{prefix}.{name}.weight", ("layers", "mlp", param), TRANSPOSE)
+                  for name, param in zip(("gate",) + tuple(f"experts.{{e}}.{p}" for p in projections), _MOE))
+    for naming, prefix, projections in (("mixtral", "block_sparse_moe", ("w1", "w3", "w2")),
+                                        ("qwen_moe", "mlp", ("gate_proj", "up_proj", "down_proj")))
+}
+# The same, fused as transformers 5 holds them in memory (any family): read when a file has them.
+FUSED_EXPERT_ROWS: tuple[Row, ...] = tuple(
+    Row(f"model.layers.{{i}}.mlp.{name}", ("layers", "mlp", param), transform)
+    for name, param, transform in zip(("gate.weight", "experts.gate_up_proj", "experts.gate_up_proj",
+                                       "experts.down_proj"), _MOE, (TRANSPOSE, FUSED_GATE, FUSED_UP, FUSED_DOWN)))
+_DENSE_MLP = tuple(f"model.layers.{{i}}.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
 # A reward model (jaxllm.model.reward.RewardModel): the same body, `score` [D, 1] <-> HF score.weight [1, D].
 SCORE_ROW = Row("score.weight", ("score",), TRANSPOSE)
 
@@ -72,7 +89,18 @@ def table(cfg: ModelConfig, reward: bool = False) -> tuple[Row, ...]:
     """The rows of a model of `cfg`: the shared ones, its blocks' and its head (the score head of a reward model)."""
     blocks = dataclasses.asdict(cfg.blocks)
     extra = tuple(row for block, rows in BLOCK_ROWS.items() if blocks[block] for row in rows)
-    return TABLE[:-1] + extra + (SCORE_ROW if reward else TABLE[-1],)
+    body = TABLE[:-1]
+    if cfg.blocks.experts:
+        body = tuple(row for row in body if row.hf not in _DENSE_MLP) + EXPERT_ROWS[cfg.blocks.experts]
+    return body + extra + (SCORE_ROW if reward else TABLE[-1],)
+
+
+def _rows_in_file(rows: tuple[Row, ...], weights: "_Weights") -> tuple[Row, ...]:
+    """`rows` with the experts' read fused where the file holds them so (layer 0's gate_up_proj)."""
+    if not any(row.lead_keys == ("i", "e") for row in rows) or not weights.has(FUSED_EXPERT_ROWS[1].hf.format(i=0)):
+        return rows
+    experts = {row.path for row in FUSED_EXPERT_ROWS}
+    return tuple(row for row in rows if row.path not in experts) + FUSED_EXPERT_ROWS
 
 
 def _table(model) -> tuple[Row, ...]:
@@ -218,6 +246,9 @@ class _Weights:
             self._open[file] = safe_open(file, framework="np")
         return self._open[file]
 
+    def has(self, name: str) -> bool:
+        return name in self.files
+
     def check_shape(self, name: str, expected: tuple) -> None:
         found = tuple(self._handle(name).get_slice(name).get_shape())
         if found != tuple(expected):
@@ -233,24 +264,31 @@ def _full_slices(index, shape) -> tuple[slice, ...]:
     return tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
 
 
+def _tensor_names(row: Row, shape: tuple) -> dict[tuple, str]:
+    """The HF tensor name of each index of the row's leading axes (layer, expert) in a parameter of `shape`."""
+    keys = row.lead_keys
+    return {at: row.hf.format(**dict(zip(keys, at))) for at in itertools.product(*map(range, shape[:len(keys)]))}
+
+
 def _load_param(weights: _Weights, row: Row, shape: tuple, dtype, sharding) -> jax.Array:
     """Parameter `row` of global `shape` placed by `sharding`, each shard reading just its slice."""
-    layer_shape = shape[1:] if row.stacked else shape
-    names = [row.hf.format(i=i) for i in range(shape[0])] if row.stacked else [row.hf]
-    for name in names:
-        weights.check_shape(name, row.transform.hf_shape(layer_shape))
+    lead = len(row.lead_keys)
+    tensor_shape = shape[lead:]  # one HF tensor's part: a layer's, or a layer's expert's
+    names = _tensor_names(row, shape)
+    for name in names.values():
+        weights.check_shape(name, row.transform.hf_shape(tensor_shape))
 
-    def read_layer(name, sl):
-        part = weights.read(name, row.transform.hf_slices(sl, layer_shape))
-        return np.asarray(row.transform.to_jax(part, sl, layer_shape)).astype(dtype)
+    def read_tensor(name, sl):
+        part = weights.read(name, row.transform.hf_slices(sl, tensor_shape))
+        return np.asarray(row.transform.to_jax(part, sl, tensor_shape)).astype(dtype)
 
-    def callback(index):
-        index = _full_slices(index, shape)
-        if not row.stacked:
-            return read_layer(names[0], index)
-        return np.stack([read_layer(names[i], index[1:]) for i in range(*index[0].indices(shape[0]))])
+    def read(at: tuple, index: tuple) -> np.ndarray:
+        """The block at leading indices `at` (then the rest of `index`'s leading slices), stacked."""
+        if len(at) == lead:
+            return read_tensor(names[at], index)
+        return np.stack([read(at + (j,), index[1:]) for j in range(*index[0].indices(shape[len(at)]))])
 
-    return jax.make_array_from_callback(shape, sharding, callback)
+    return jax.make_array_from_callback(shape, sharding, lambda index: read((), _full_slices(index, shape)))
 
 
 def _get(state, path):
@@ -301,7 +339,7 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "f
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: single, abstract)
     for weights, rows in sources:
-        for row in rows:
+        for row in _rows_in_file(rows, weights):
             if row.path == ("lm_head",) and cfg.tie_embeddings:
                 continue  # tied: the embedding is the head; a stray lm_head.weight in the file is ignored
             var, sharding = _get(abstract, row.path), _unwrap(_get(shardings, row.path))
@@ -323,7 +361,10 @@ def _hf_tensors(model: Transformer, rows):
         value = _get(state, row.path).get_value()
         if row.stacked:
             for i in range(value.shape[0]):
-                yield row.hf.format(i=i), np.ascontiguousarray(row.transform.to_hf(np.asarray(value[i])))
+                layer = np.asarray(value[i])  # one gather of a sharded array per layer
+                for e in range(layer.shape[0]) if "e" in row.lead_keys else [None]:
+                    tensor = layer if e is None else layer[e]
+                    yield row.hf.format(i=i, e=e), np.ascontiguousarray(row.transform.to_hf(tensor))
         else:
             yield row.hf, np.ascontiguousarray(row.transform.to_hf(np.asarray(value)))
 

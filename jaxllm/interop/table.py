@@ -59,9 +59,33 @@ SPLIT_HEADS = Transform(
 )
 
 
+def _experts_swapped(w: np.ndarray) -> np.ndarray:
+    return np.swapaxes(w, -1, -2)
+
+
+def _fused_half(half: int) -> Transform:
+    """gate (`half` 0) or up (1) of transformers' fused experts: HF gate_up_proj [E, 2F, D] <-> jaxllm [E, D, F]."""
+    return Transform(
+        f"[E, 2F, D] half {half} -> [E, D, F]",
+        lambda shape: (shape[0], 2 * shape[2], shape[1]),
+        lambda sl, shape: (sl[0], slice(*(half * shape[2] + i for i in sl[2].indices(shape[2])[:2])), sl[1]),
+        lambda w, sl, shape: _experts_swapped(w),
+        _experts_swapped,
+    )
+
+
+# Experts fused as transformers 5 holds them in memory: gate and up in one gate_up_proj [E, 2F, D], and
+# down_proj [E, D, F] <-> jaxllm [E, F, D]. Read only: exports write what transformers' save_pretrained writes.
+FUSED_GATE, FUSED_UP = _fused_half(0), _fused_half(1)
+FUSED_DOWN = Transform("[E, D, F] -> [E, F, D]", lambda shape: (shape[0], shape[2], shape[1]),
+                       lambda sl, shape: (sl[0], sl[2], sl[1]), lambda w, sl, shape: _experts_swapped(w),
+                       _experts_swapped)
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One tensor kind: HF name (`{i}` = layer), jaxllm parameter path, transform; `stacked` if per layer."""
+    """One tensor kind: HF name (`{i}` = layer, `{e}` = expert), jaxllm parameter path, transform; `stacked` if
+    per layer. A name with `{e}` is one expert's tensor: the parameter stacks the experts after the layers."""
 
     hf: str
     path: tuple[str, ...]
@@ -70,3 +94,8 @@ class Row:
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def lead_keys(self) -> tuple[str, ...]:
+        """The name's indices that are leading axes of the parameter, in order: ("i",), ("i", "e") or ()."""
+        return tuple(key for key in ("i", "e") if f"{{{key}}}" in self.hf)

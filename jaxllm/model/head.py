@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.model.moe import gradient_only, router_penalty
+
 
 def token_logps(logits_BTV, targets_BT):
     """log p(target) at every position [B, T], in float32.
@@ -69,15 +71,18 @@ def chunked(stats, x_BTD, targets_BT, chunk: int):
 
 
 def cross_entropy_sum(model, batch, mask_BT, rng=None):
-    """(sum of the token losses of `batch["targets"]` where `mask_BT` is 1, number of counted tokens), float32;
-    the head runs chunk by chunk when `model.loss_chunk` is set (jaxllm/model/head.py)."""
-    x_BTD = model.hidden_states(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
+    """(sum of the token losses of `batch["targets"]` where `mask_BT` is 1, number of counted tokens, metrics),
+    float32; the head runs chunk by chunk when `model.loss_chunk` is set (jaxllm/model/head.py). A mixture of
+    experts' auxiliary losses (`jaxllm.model.moe.router_penalty`, per counted token) enter the sum's gradient
+    only, and their values the metrics."""
+    x_BTD, router = model.hidden_states_and_router(batch["tokens"], batch["segment_ids"], batch["positions"], rng)
     logps_BT, _ = head_stats(model, x_BTD, batch["targets"])
     mask_BT = mask_BT.astype(jnp.float32)
-    return -jnp.sum(logps_BT * mask_BT), jnp.sum(mask_BT)
+    count = jnp.sum(mask_BT)
+    penalty, metrics = router_penalty(model.cfg, router)
+    return gradient_only(-jnp.sum(logps_BT * mask_BT), penalty * count), count, metrics
 
 
 def next_token_loss(model, batch, rng=None):
     """`loss_fn` of language modelling: summed cross-entropy over the masked targets of packed rows."""
-    loss_sum, count = cross_entropy_sum(model, batch, batch["loss_mask"], rng)
-    return loss_sum, count, {}
+    return cross_entropy_sum(model, batch, batch["loss_mask"], rng)

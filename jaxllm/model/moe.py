@@ -66,8 +66,8 @@ def dropless_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_E
 
 def capacity_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_EFD, activation: str,
                      capacity_factor: float) -> tuple[jax.Array, jax.Array]:
-    """`dropless_experts` with fixed-size expert buffers: (outputs [T, D], the number of dropped (token, expert)
-    pairs). Each expert takes at most C = ceil(capacity_factor * T * K / E) pairs, first choices before second
+    """`dropless_experts` with fixed-size expert buffers: (outputs [T, D], which (pick, token) pairs were kept
+    [K, T]). Each expert takes at most C = ceil(capacity_factor * T * K / E) pairs, first choices before second
     ones (then in token order), so under pressure a token keeps its first choice before another token's second;
     a pair past its expert's capacity is dropped (that expert adds nothing to the token). The fallback where a
     ragged kernel is slow or missing: every shape is static."""
@@ -88,7 +88,7 @@ def capacity_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_E
     out_ECD = jnp.einsum("ECF,EFD->ECD", h_ECF, down_EFD)
     weights_P = jnp.where(kept_P, routing.weights.T.reshape(K * T), 0.0).astype(out_ECD.dtype)
     out_TD = jnp.zeros_like(x_TD).at[tokens_P].add(out_ECD[experts_P, slot_P] * weights_P[:, None])
-    return out_TD, jnp.sum(~kept_P)
+    return out_TD, kept_P.reshape(K, T)
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -96,16 +96,57 @@ def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) 
     return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
-def routing_stats(routing: Routing, num_experts: int) -> dict[str, jax.Array]:
-    """What a layer's router did with its T tokens (device scalars, for metrics): the tokens each expert got
-    (`expert_tokens_min`, `_max`, and `_cv`, their coefficient of variation: 0 when even, high when a few experts
-    take most tokens) and `router_entropy`, the mean entropy of the router's probabilities in nats (log E when
-    undecided, 0 when certain)."""
-    counts_E = jnp.bincount(routing.experts.reshape(-1), length=num_experts).astype(jnp.float32)
-    probs_TE = jax.nn.softmax(routing.logits, axis=-1)
-    entropy_T = -jnp.sum(probs_TE * jax.nn.log_softmax(routing.logits, axis=-1), axis=-1)
-    return {"expert_tokens_min": jnp.min(counts_E), "expert_tokens_max": jnp.max(counts_E),
-            "expert_tokens_cv": jnp.std(counts_E) / jnp.mean(counts_E), "router_entropy": jnp.mean(entropy_T)}
+class RouterSums(NamedTuple):
+    """What one layer's router did with each row's tokens, as sums over the row (float32): `picks` [B, E] how many
+    of its tokens' top-k picks chose each expert, `probs` [B, E] the router probabilities summed over its tokens,
+    `z` [B] the tokens' squared logsumexp of the router logits, `entropy` [B] the router's entropy in nats, and
+    `dropped` [B] the picks that capacity dispatch dropped. Sums add over rows, micro-batches, data shards and
+    layers, so the losses and metrics below come out the same however the batch was split."""
+
+    picks: jax.Array
+    probs: jax.Array
+    z: jax.Array
+    entropy: jax.Array
+    dropped: jax.Array
+
+
+def router_sums(routing: Routing, rows: int, num_experts: int, kept_KT: jax.Array | None = None) -> RouterSums:
+    """`RouterSums` of the routing of `rows` rows' tokens (flattened row by row); `kept_KT` from capacity
+    dispatch (None: nothing dropped)."""
+    logits_BTE = routing.logits.reshape(rows, -1, num_experts)
+    experts_BTK = routing.experts.reshape(rows, -1, routing.experts.shape[-1])
+    picks_BE = jnp.sum(jax.nn.one_hot(experts_BTK, num_experts, dtype=jnp.float32), axis=(1, 2))
+    probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+    lse_BT = jax.nn.logsumexp(logits_BTE, axis=-1)
+    entropy_BT = -jnp.sum(probs_BTE * jax.nn.log_softmax(logits_BTE, axis=-1), axis=-1)
+    dropped = jnp.zeros((rows,), jnp.float32) if kept_KT is None else jnp.sum(
+        ~kept_KT.reshape(kept_KT.shape[0], rows, -1), axis=(0, 2)).astype(jnp.float32)
+    return RouterSums(picks_BE, jnp.sum(probs_BTE, axis=1), jnp.sum(jnp.square(lse_BT), axis=1),
+                      jnp.sum(entropy_BT, axis=1), dropped)
+
+
+def router_losses(sums: RouterSums, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """(load-balancing loss, z-loss) of the router sums of any number of leading axes (layers, rows) taken
+    together: the load-balancing loss of the layers' tokens concatenated, as transformers computes it for the
+    router logits of all layers (`load_balancing_loss` on the logits), and the mean z-loss over the same tokens."""
+    E = sums.picks.shape[-1]
+    tokens = jnp.sum(sums.picks) / top_k  # (layer, token) rows
+    picks_E = jnp.sum(sums.picks.reshape(-1, E), axis=0)
+    probs_E = jnp.sum(sums.probs.reshape(-1, E), axis=0)
+    return E * jnp.sum(picks_E * probs_E) / tokens**2, jnp.sum(sums.z) / tokens
+
+
+def router_metrics(sums_L: RouterSums, top_k: int) -> dict[str, jax.Array]:
+    """Per-layer router statistics [L] from router sums [L, B, ...] (device arrays, for metrics): the tokens each
+    expert got (`expert_tokens_min`, `_max`, and `_cv`, their coefficient of variation: 0 when even, high when a
+    few experts take most tokens), `router_entropy` (the mean entropy of the router's probabilities in nats: log E
+    when undecided, 0 when certain) and `moe_dropped_fraction` (of the picks, in capacity dispatch)."""
+    counts_LE = jnp.sum(sums_L.picks, axis=1)
+    picks_L = jnp.sum(counts_LE, axis=-1)
+    return {"expert_tokens_min": jnp.min(counts_LE, axis=-1), "expert_tokens_max": jnp.max(counts_LE, axis=-1),
+            "expert_tokens_cv": jnp.std(counts_LE, axis=-1) / jnp.mean(counts_LE, axis=-1),
+            "router_entropy": jnp.sum(sums_L.entropy, axis=1) / (picks_L / top_k),
+            "moe_dropped_fraction": jnp.sum(sums_L.dropped, axis=1) / picks_L}
 
 
 def router_z_loss(logits_TE: jax.Array) -> jax.Array:
@@ -128,13 +169,33 @@ def load_balancing_loss(logits_LTE: jax.Array, top_k: int, mask_T: jax.Array | N
     return E * jnp.sum(tokens_per_expert_E * probability_per_expert_E)
 
 
+def router_penalty(cfg, sums_L: RouterSums | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(the auxiliary loss the training loss adds, metrics) of a model config `cfg` (jaxllm.config.schema.
+    ModelConfig) from its layers' router sums [L, B, ...]: `moe_aux_loss_coef` times the load-balancing loss plus
+    `moe_z_loss_coef` times the z-loss; the metrics are the two losses and `moe/<stat>/layer_<i>` per layer
+    (`router_metrics`). (0, {}) for a dense model (`sums_L` None)."""
+    if sums_L is None:
+        return jnp.zeros((), jnp.float32), {}
+    aux, z = router_losses(sums_L, cfg.experts_per_token)
+    per_layer = router_metrics(sums_L, cfg.experts_per_token)
+    metrics = {f"moe/{name}/layer_{i}": v[i] for name, v in per_layer.items() for i in range(v.shape[0])}
+    return cfg.moe_aux_loss_coef * aux + cfg.moe_z_loss_coef * z, {"moe_aux_loss": aux, "moe_z_loss": z, **metrics}
+
+
+def gradient_only(value: jax.Array, penalty: jax.Array) -> jax.Array:
+    """`value` whose gradient also carries `penalty`'s: the auxiliary losses train the router without entering
+    the reported or held-out loss."""
+    return value + (penalty - jax.lax.stop_gradient(penalty))
+
+
 class MoEMLP(nnx.Module):
     """The mixture-of-experts feed-forward of one layer (or a stack of them, `stack`): a router [D, E] and E gated
     experts [E, D, F] / [E, F, D] with the family's activation. Its call returns the output and the router's
-    logits, from which the load-balancing loss is taken."""
+    `RouterSums` per row, from which the auxiliary losses and the metrics are taken."""
 
     def __init__(self, dim: int, mlp_dim: int, num_experts: int, top_k: int, *, renormalize: bool, activation: str,
-                 init_std: float, out_std: float, dtype, rngs: nnx.Rngs, stack: tuple = ()):
+                 init_std: float, out_std: float, dtype, rngs: nnx.Rngs, stack: tuple = (),
+                 dispatch: str = "dropless", capacity_factor: float = 1.0):
         D, F, E = dim, mlp_dim, num_experts
         lead = ("layers",) * len(stack)
         self.router = param(rngs, stack + (D, E), lead + ("embed", "expert"), dtype, init_std)
@@ -142,12 +203,17 @@ class MoEMLP(nnx.Module):
         self.up_proj = param(rngs, stack + (E, D, F), lead + ("expert", "embed", "mlp"), dtype, init_std)
         self.down_proj = param(rngs, stack + (E, F, D), lead + ("expert", "mlp", "embed"), dtype, out_std)
         self.top_k, self.renormalize, self.activation = top_k, renormalize, activation  # static
+        self.dispatch, self.capacity_factor = dispatch, capacity_factor  # static
 
-    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(output [B, T, D], router logits [B * T, E] in float32)."""
+    def __call__(self, x_BTD: jax.Array, dropless: bool = False) -> tuple[jax.Array, RouterSums]:
+        """(output [B, T, D], the router's sums per row); `dropless` overrides a capacity dispatch (decoding)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         routing = route(x_ND, self.router[...], self.top_k, self.renormalize)
-        out_ND = dropless_experts(x_ND, routing, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                                  self.activation)
-        return out_ND.reshape(B, T, D), routing.logits
+        experts = (self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.activation)
+        kept_KN = None
+        if self.dispatch == "capacity" and not dropless:
+            out_ND, kept_KN = capacity_experts(x_ND, routing, *experts, self.capacity_factor)
+        else:
+            out_ND = dropless_experts(x_ND, routing, *experts)
+        return out_ND.reshape(B, T, D), router_sums(routing, B, self.router.shape[-1], kept_KN)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxllm.config.schema import LoRAConfig, ModelConfig, PrecisionConfig
 from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, param, rope_tables
+from jaxllm.model.moe import MoEMLP
 from jaxllm.model.visibility import attention_visibility, resolve_attention
 from jaxllm.parallel.offload import DEVICE, HOST
 from jaxllm.parallel.pipeline import num_stages, pipeline
@@ -72,7 +73,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = norm()
         self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
+        self.mlp = _feed_forward_block(cfg, dtype, stack, rngs, lora, quant)
         # Sandwich norms (Gemma): post_attention_layernorm then normalises attention's output, and these two go
         # around the MLP; without them post_attention_layernorm is the MLP's input norm (Llama).
         self.pre_feedforward_layernorm = norm() if cfg.blocks.sandwich_norms else None
@@ -81,19 +82,29 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None, taps: dict | None = None, local=None):
         """The block's output; a `taps` dict (diagnostics, jaxllm/observe/activations.py) receives the
         intermediates attention and the MLP put there; `local` as `Attention`."""
+        return self.forward(x_BTD, visible, sin_BTh, cos_BTh, rng, taps, local)[0]
+
+    def forward(self, x_BTD, visible, sin_BTh, cos_BTh, rng=None, taps: dict | None = None, local=None):
+        """(the block's output, its router's `jaxllm.model.moe.RouterSums`, or None with a dense MLP)."""
         attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
         residual = ("batch", self.seq_axis, "embed")
         attn_BTD = self.self_attn(self.input_layernorm(x_BTD), visible, sin_BTh, cos_BTh, attn_rng, taps, local)
         h_BTD = constrain(x_BTD + self._attention_out(attn_BTD), residual)
-        return constrain(h_BTD + self._feed_forward(h_BTD, mlp_rng, taps), residual)
+        mlp_BTD, router = self._feed_forward(h_BTD, mlp_rng, taps)
+        return constrain(h_BTD + mlp_BTD, residual), router
 
     def _attention_out(self, attn_BTD):
         return attn_BTD if self.pre_feedforward_layernorm is None else self.post_attention_layernorm(attn_BTD)
 
-    def _feed_forward(self, h_BTD, rng=None, taps: dict | None = None):
-        if self.pre_feedforward_layernorm is None:
-            return self.mlp(self.post_attention_layernorm(h_BTD), rng, taps)
-        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h_BTD), rng, taps))
+    def _feed_forward(self, h_BTD, rng=None, taps: dict | None = None, decoding: bool = False):
+        """(the feed-forward's output, its router's sums or None); decoding routes dropless."""
+        pre, post = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        x_BTD = (self.post_attention_layernorm if pre is None else pre)(h_BTD)
+        if isinstance(self.mlp, MoEMLP):
+            out_BTD, router = self.mlp(x_BTD, dropless=decoding)
+        else:
+            out_BTD, router = self.mlp(x_BTD, rng, taps), None
+        return (out_BTD if post is None else post(out_BTD)), router
 
     def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
         """The block on T new tokens against one layer's KV cache; returns (out_BTD, k_BTKH, v_BTKH)."""
@@ -102,7 +113,18 @@ class DecoderLayer(nnx.Module):
         # A prefill splits its prompt like training; one new token (T = 1) cannot be split and stays replicated.
         residual = ("batch", self.seq_axis, "embed")
         h_BTD = constrain(x_BTD + self._attention_out(attn_BTD), residual)
-        return constrain(h_BTD + self._feed_forward(h_BTD), residual), k_BTKH, v_BTKH
+        return constrain(h_BTD + self._feed_forward(h_BTD, decoding=True)[0], residual), k_BTKH, v_BTKH
+
+
+def _feed_forward_block(cfg: ModelConfig, dtype, stack: tuple, rngs: nnx.Rngs, lora, quant: str):
+    """The layer's MLP: dense, or the mixture of experts of `cfg.num_experts` > 0 (no adapters or quantised
+    kernels on its experts: config.validate refuses them)."""
+    if not cfg.num_experts:
+        return MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
+    return MoEMLP(cfg.dim, cfg.mlp_dim, cfg.num_experts, cfg.experts_per_token, renormalize=cfg.moe_renormalize,
+                  activation=cfg.blocks.activation, init_std=cfg.init_std,
+                  out_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, dtype=dtype, rngs=rngs, stack=stack,
+                  dispatch=cfg.moe_dispatch, capacity_factor=cfg.moe_capacity_factor)
 
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
@@ -206,7 +228,8 @@ def _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat: str, remat_offload: 
     saves offloaded to host memory per `remat_offload`). A scan body needs no CSE barrier (the loop already keeps
     XLA from merging the recompute into the forward pass); an unrolled loop does.
 
-    `stats` is None, or with a `probe` (diagnostics: `probe(layer, x_BTD, visible, sin_BTh, cos_BTh, key,
+    `stats` is the layer's router sums (`jaxllm.model.moe.RouterSums`, per row) with a mixture of experts, None
+    with a dense MLP, or with a `probe` (diagnostics: `probe(layer, x_BTD, visible, sin_BTh, cos_BTh, key,
     local) -> (out_BTD, stats)` runs the layer in its place) the probe's per-layer statistics. Without a probe
     the traced program is exactly the plain layer's: the switch is static. With local and global layers the xs
     carry each layer's kind and `visible`, `sin_BTh`, `cos_BTh` are (global, local) pairs (`for_layer`)."""
@@ -218,7 +241,7 @@ def _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat: str, remat_offload: 
         inputs = for_layer(local, visible, sin_BTh, cos_BTh)
         if probe is not None:
             return probe(layer, x_BTD, *inputs, key, local)
-        return layer(x_BTD, *inputs, key, local=local), None
+        return layer.forward(x_BTD, *inputs, key, local=local)
 
     if remat != "none":
         step = jax.checkpoint(step, policy=remat_policy(remat, remat_offload), prevent_cse=prevent_cse)
@@ -229,8 +252,8 @@ def scan_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: s
                 remat_offload: str = "none", probe=None, local_L=None):
     """Run stacked `layers` over `x_BTD` with `lax.scan`, rematerialising each layer per `remat` (what it saves
     offloaded to host memory per `remat_offload`); layer l draws its randomness (LoRA dropout) from `keys_L[l]`
-    (None: deterministic). Returns (x_BTD, stats): the `probe`'s statistics stacked [L, ...] as the scan's
-    outputs, or None without a probe (see `_layer_step`)."""
+    (None: deterministic). Returns (x_BTD, stats): the layers' statistics stacked [L, ...] as the scan's outputs
+    (the `probe`'s, or the routers' sums of a mixture of experts), or None (see `_layer_step`)."""
     graphdef, stacked = nnx.split(layers)
     stacked = in_compute_dtype(stacked, x_BTD.dtype)
     step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=False, probe=probe)
@@ -252,7 +275,7 @@ def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat:
         with jax.named_scope(f"layer_{i}"):  # profiler traces name each unrolled layer
             x_BTD, stats = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L, local_L)))
         per_layer.append(stats)
-    return x_BTD, None if probe is None else jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
+    return x_BTD, None if per_layer[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
 
 
 def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", *,
@@ -263,19 +286,20 @@ def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, rema
     within a chunk); visibility (mask or packed documents) and rotary tables travel with their micro-batch.
     Per-layer keys travel with their layers, so a step's micro-batches share them. Returns (x_BTD, stats) as
     `scan_layers`; a `probe`'s statistics must be per row ([B, ...] leaves) to be put back together from the
-    micro-batches."""
+    micro-batches (the routers' sums are)."""
     graphdef, stacked = nnx.split(layers)
+    with_stats = probe is not None or isinstance(layers.mlp, MoEMLP)
 
     def stage_fn(chunk, x_BTD, aux):
         chunk_state, chunk_keys, chunk_local = chunk
         out = layer_loop(nnx.merge(graphdef, chunk_state), x_BTD, *aux, remat, chunk_keys, remat_offload, probe,
                          chunk_local)
-        return out if probe is not None else out[0]
+        return out if with_stats else out[0]
 
     out = pipeline(stage_fn, (stacked, keys_L, local_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
                    repeats=repeats, debug_nan_bubbles=debug_nan_bubbles, seq_axis=layers.seq_axis,
-                   stage_stats=probe is not None)
-    return out if probe is not None else (out, None)
+                   stage_stats=with_stats)
+    return out if with_stats else (out, None)
 
 
 class Transformer(nnx.Module):
@@ -319,6 +343,12 @@ class Transformer(nnx.Module):
         """Final normalised hidden states [B, T, D] in compute dtype; `rng` drives the adapters' dropout (None:
         deterministic, as in evaluation and decoding)."""
         return self._run_layers(tokens_BT, segment_ids_BT, positions_BT, rng)[0]
+
+    def hidden_states_and_router(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):
+        """(`hidden_states`, every layer's router sums [L, B, ...] (`jaxllm.model.moe.RouterSums`) or None for
+        a dense model): the training forward of a mixture of experts, whose auxiliary losses come from the sums
+        (`jaxllm.model.moe.router_penalty`)."""
+        return self._run_layers(tokens_BT, segment_ids_BT, positions_BT, rng)
 
     def probed_hidden_states(self, tokens_BT, segment_ids_BT, positions_BT, probe):
         """(`hidden_states` without dropout, the statistics `probe` took of every layer, stacked [L, ...]): the
@@ -421,14 +451,19 @@ class Transformer(nnx.Module):
         return self.logits(self.norm(x_BTD[:, -1:]))[:, 0], cache
 
 
-def _layer_matmul_params(cfg: ModelConfig) -> int:
+def _layer_matmul_params(cfg: ModelConfig, active: bool = False) -> int:
+    """The layers' projections; of a mixture of experts all experts, or with `active` those a token runs
+    (experts_per_token of them), plus the router."""
     D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    return cfg.num_layers * (D * N * H * 2 + D * K * H * 2 + 3 * D * F)
+    experts = (cfg.experts_per_token if active else cfg.num_experts) if cfg.num_experts else 1
+    router = D * cfg.num_experts
+    return cfg.num_layers * (D * N * H * 2 + D * K * H * 2 + experts * 3 * D * F + router)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in matmuls (PaLM's N for MFU): all projections plus the output head."""
-    return _layer_matmul_params(cfg) + cfg.dim * cfg.vocab_size
+    """Parameters that take part in a token's matmuls (PaLM's N for MFU): all projections plus the output head;
+    of a mixture of experts only the experts a token is routed to (the active parameters)."""
+    return _layer_matmul_params(cfg, active=True) + cfg.dim * cfg.vocab_size
 
 
 def total_params(cfg: ModelConfig) -> int:

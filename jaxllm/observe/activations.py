@@ -52,7 +52,9 @@ def probe_layer(layer, x_BTD, visible, sin_BTh, cos_BTh, key, local=None):
     yet reduced) so the pipeline can put micro-batches back together and the reduction can skip padding."""
     taps = {}
     out_BTD = layer(x_BTD, visible, sin_BTh, cos_BTh, key, taps=taps, local=local)
-    out_BTD32, gate_BTF = out_BTD.astype(jnp.float32), taps["gate"].astype(jnp.float32)
+    out_BTD32 = out_BTD.astype(jnp.float32)
+    # A mixture of experts' gates run per routed (token, expert) pair, not per token: none are measured there yet.
+    gate_BTF = taps["gate"].astype(jnp.float32) if "gate" in taps else jnp.zeros(out_BTD.shape[:2] + (1,))
     stats = {
         "sq_sum": jnp.sum(out_BTD32 * out_BTD32, axis=-1),
         "abs_max": jnp.max(jnp.abs(out_BTD32), axis=-1),

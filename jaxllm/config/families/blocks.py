@@ -25,6 +25,11 @@ class Blocks:
     sandwich_norms: bool = False
     activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh approximation)
     embed_scale: bool = False  # embeddings times sqrt(model.dim) on the way in (not in the tied output head)
+    # A mixture of experts in place of the MLP (model.num_experts > 0), named as Hugging Face names this family's
+    # experts: "mixtral" (block_sparse_moe.experts.{e}.w1/w2/w3) or "qwen_moe" (mlp.experts.{e}.gate_proj/...);
+    # "": a dense MLP. With experts_renormalized the top-k router weights always sum to 1 (Mixtral).
+    experts: str = ""
+    experts_renormalized: bool = False
 
 
 class FamilyConfigError(ValueError):
@@ -72,3 +77,19 @@ def full_attention_only(hf: dict) -> dict:
 CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
 """Qwen's ChatML turns (Qwen2, Qwen2.5 and Qwen3 instruct models, without tools or thinking blocks)."""
+
+
+def router_from_hf(hf: dict, num_experts_key: str) -> dict:
+    """The ModelConfig fields of a mixture of experts' router from config.json (experts under `num_experts_key`);
+    FamilyConfigError for router noise, which jaxllm does not add."""
+    if hf.get("router_jitter_noise"):
+        raise FamilyConfigError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported (no router noise)")
+    return {"num_experts": int(hf[num_experts_key]), "experts_per_token": int(hf["num_experts_per_tok"]),
+            "moe_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001))}
+
+
+def router_to_hf(fields: dict, num_experts_key: str) -> dict:
+    """`router_from_hf` backwards."""
+    return {num_experts_key: fields["num_experts"], "num_experts_per_tok": fields["experts_per_token"],
+            "router_aux_loss_coef": fields["moe_aux_loss_coef"], "router_jitter_noise": 0.0,
+            "output_router_logits": False}

@@ -1,0 +1,238 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE; jaxllm/config/families/mixtral.py, qwen3_moe.py) against
+transformers 5.25 on random tiny models built from their configs: logits, the auxiliary load-balancing loss, one
+step's gradients with the auxiliary loss in them, greedy KV-cache decoding, import of the per-expert files
+save_pretrained writes and of the fused layout transformers holds in memory, export back bit for bit; and the
+training step of a mixture of experts across mesh layouts, scanned and unrolled, dropless and capacity dispatch.
+
+transformers 5.25's routers take one softmax of the router logits in float32, then the top k (Qwen3-MoE
+renormalises them when norm_topk_prob): the behaviour jaxllm matches (not the double softmax of some 2026
+releases, which tests/test_moe.py's block parity would catch)."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from jaxllm.config.schema import ConfigError, ModelConfig, PrecisionConfig  # noqa: E402
+from jaxllm.config.presets import PRESETS  # noqa: E402
+from jaxllm.data.synthetic import synthetic_batch  # noqa: E402
+from jaxllm.interop import hf  # noqa: E402
+from jaxllm.model.head import next_token_loss  # noqa: E402
+from jaxllm.model.moe import router_losses  # noqa: E402
+from jaxllm.model.sample import generate  # noqa: E402
+from jaxllm.model.transformer import matmul_params, total_params  # noqa: E402
+from jaxllm.objectives.pretrain import lm_objective  # noqa: E402
+
+from layout_steps import first_updates  # noqa: E402
+
+TOL = 1e-4
+AUX_COEF = 0.05
+COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8, num_experts_per_tok=2, rms_norm_eps=1e-5, initializer_range=0.2,
+              rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, router_aux_loss_coef=AUX_COEF)
+# 6 experts, 2 per token; Qwen3-MoE without renormalisation (Mixtral always renormalises) and with an
+# intermediate_size apart from its experts' (never used: every layer has experts).
+CONFIGS = {
+    "mixtral": (transformers.MixtralConfig, dict(COMMON, intermediate_size=24, num_local_experts=6)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(COMMON, intermediate_size=40, moe_intermediate_size=24,
+                                                    num_experts=6, norm_topk_prob=False)),
+}
+NAMES = list(CONFIGS)
+F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
+
+
+def torch_model(name: str, seed: int):
+    config_class, kwargs = CONFIGS[name]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**kwargs, attn_implementation="eager"))
+    with torch.no_grad():  # norms start at one: randomise them so a mix-up would show
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> (torch model, its save_pretrained directory, the jaxllm import of it)."""
+    out = {}
+    for seed, name in enumerate(NAMES):
+        model = torch_model(name, seed)
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        out[name] = (model, path, hf.from_pretrained(path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.RandomState(0).randint(0, 97, (2, 12))
+
+
+def _batch(ids):
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    return {"tokens": jnp.asarray(inputs, jnp.int32), "targets": jnp.asarray(targets, jnp.int32),
+            "segment_ids": jnp.ones(inputs.shape, jnp.int32), "loss_mask": jnp.ones(inputs.shape, jnp.int32),
+            "positions": jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_matches_transformers_logits_and_aux_loss(saved, ids, name):
+    model, path, jm = saved[name]
+    assert (jm.cfg.family, jm.cfg.num_experts, jm.cfg.experts_per_token, jm.cfg.mlp_dim) == (name, 6, 2, 24)
+    assert jm.cfg.moe_renormalize == (name == "mixtral") and jm.cfg.moe_aux_loss_coef == AUX_COEF
+    with torch.no_grad():
+        out = model(torch.tensor(ids), output_router_logits=True)
+    x_BTD, router = jm.hidden_states_and_router(jnp.asarray(ids, jnp.int32))
+    assert np.abs(np.asarray(jm.logits(x_BTD)) - out.logits.numpy()).max() < TOL
+    aux, _ = router_losses(router, jm.cfg.experts_per_token)  # both layers' tokens taken together
+    np.testing.assert_allclose(float(aux), float(out.aux_loss), rtol=1e-5)
+
+
+def _torch_grads_in_jaxllm_layout(model) -> dict[tuple, np.ndarray]:
+    """{jaxllm parameter path: gradient} of the torch model after a backward pass (experts fused in memory:
+    gate_up_proj [L][E, 2F, D], down_proj [L][E, D, F])."""
+    grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    L = model.config.num_hidden_layers
+    stack = lambda name: np.stack([grads[f"model.layers.{i}.{name}"] for i in range(L)])
+    gate_up = stack("mlp.experts.gate_up_proj")
+    F = gate_up.shape[2] // 2
+    return {("layers", "mlp", "router"): np.swapaxes(stack("mlp.gate.weight"), 1, 2),
+            ("layers", "mlp", "gate_proj"): np.swapaxes(gate_up[:, :, :F], 2, 3),
+            ("layers", "mlp", "up_proj"): np.swapaxes(gate_up[:, :, F:], 2, 3),
+            ("layers", "mlp", "down_proj"): np.swapaxes(stack("mlp.experts.down_proj"), 2, 3),
+            ("layers", "self_attn", "o_proj"): stack("self_attn.o_proj.weight"),  # compared by norm below
+            ("embed_tokens", "embedding"): grads["model.embed_tokens.weight"]}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_step_gradients_with_the_aux_loss_match_torch_autograd(saved, ids, name):
+    """transformers' training loss is cross-entropy + router_aux_loss_coef * aux; jaxllm reports the cross-entropy
+    and the aux loss apart, and its gradient carries both: each equals torch autograd's."""
+    model, _, jm = saved[name]
+    graphdef, params = nnx.split(jm)
+
+    def loss(p):
+        total, count, metrics = next_token_loss(nnx.merge(graphdef, p), _batch(ids))
+        return total / count, metrics
+
+    (ce, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    model.zero_grad()
+    # transformers' loss as its forward with labels adds it up, on the same 11 input positions as jaxllm's (with
+    # labels it would route all 12)
+    out = model(torch.tensor(ids[:, :-1]), output_router_logits=True)
+    torch_ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), torch.tensor(ids[:, 1:]).flatten())
+    torch_loss = torch_ce + model.config.router_aux_loss_coef * out.aux_loss
+    torch_loss.backward()
+    np.testing.assert_allclose(float(ce), float(torch_ce.detach()), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["moe_aux_loss"]), float(out.aux_loss.detach()), rtol=1e-5)
+    theirs = _torch_grads_in_jaxllm_layout(model)
+    for path, reference in theirs.items():
+        ours = grads
+        for key in path:
+            ours = ours[key]
+        ours = np.asarray(ours.get_value())
+        if path[-1] == "o_proj":  # [L, N, H, D] here, [L, D, N*H] there: the same entries
+            ours, reference = np.sort(ours.ravel()), np.sort(reference.ravel())
+        assert np.abs(ours - reference).max() <= TOL * np.abs(reference).max(), path
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_decoding_matches_transformers_generate(saved, name):
+    model, _, jm = saved[name]
+    prompts = [[5, 17, 42, 8], [3, 9, 77, 21, 60, 11]]
+    for prompt, new in zip(prompts, generate(jm, prompts, max_new_tokens=10)):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        assert new == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_writes_transformers_per_expert_files_and_round_trips_bit_for_bit(saved, ids, tmp_path, name):
+    model, path, jm = saved[name]
+    hf.save_pretrained(jm, tmp_path)
+    written = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"] if (
+        tmp_path / "model.safetensors.index.json").exists() else None
+    from safetensors.numpy import load_file
+    ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(path / "model.safetensors")
+    assert written is None and sorted(ours) == sorted(theirs)  # the names transformers' save_pretrained writes
+    for key, value in theirs.items():
+        np.testing.assert_array_equal(ours[key], value, err_msg=key)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(torch.tensor(ids)).logits, model(torch.tensor(ids)).logits)
+    assert hf.from_pretrained(tmp_path).cfg == jm.cfg
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_reads_the_fused_expert_layout_too(saved, tmp_path, name):
+    """A file with the experts as transformers 5 holds them in memory (mlp.experts.gate_up_proj [E, 2F, D],
+    down_proj [E, D, F], mlp.gate) imports to the same parameters."""
+    model, path, jm = saved[name]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    fused = hf.from_pretrained(tmp_path)
+    for a, b in zip(jax.tree.leaves(nnx.state(jm)), jax.tree.leaves(nnx.state(fused)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_unsupported_moe_options_are_one_line_errors_naming_the_key(saved):
+    config = json.loads((saved["qwen3_moe"][1] / "config.json").read_text())
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        hf.config_from_hf(dict(config, mlp_only_layers=[0]))
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        hf.config_from_hf(dict(json.loads((saved["mixtral"][1] / "config.json").read_text()), router_jitter_noise=0.1))
+    with pytest.raises(ConfigError, match="model.num_experts: family 'llama' has a dense MLP"):
+        ModelConfig(num_experts=4).check()
+    with pytest.raises(ConfigError, match="model.num_experts: family 'mixtral' is a mixture of experts"):
+        ModelConfig(family="mixtral").check()
+    with pytest.raises(ConfigError, match="model.moe_renormalize: family 'mixtral' always"):
+        ModelConfig(**dict(PRESETS["moe_tiny"], moe_renormalize=False)).check()
+
+
+def test_presets_count_total_and_active_parameters():
+    """Mixtral 8x7B: 46.7B parameters, 12.9B active a token (with the embeddings); Qwen3-30B-A3B: 30.5B, 3.3B."""
+    for preset, total, active in (("mixtral_8x7b", 46.70e9, 12.88e9), ("qwen3_30b_a3b", 30.53e9, 3.35e9)):
+        cfg = ModelConfig(**PRESETS[preset])
+        cfg.check()
+        assert abs(total_params(cfg) - total) < 0.01e9, preset
+        assert abs(matmul_params(cfg) + cfg.dim * cfg.vocab_size - active) < 0.01e9, preset
+
+
+LAYOUTS = [(8, 1, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2)]
+
+
+def test_moe_training_steps_agree_across_layouts_loops_and_dispatch():
+    """moe_tiny's pretraining step (aux loss on) on data / fsdp / tensor / stage layouts, with the layers
+    unrolled, and with capacity dispatch roomy enough to drop nothing: the same losses and aux losses over three
+    updates; a tight capacity drops picks and trains on."""
+    cfg = ModelConfig(**dict(PRESETS["moe_tiny"], vocab_size=128, moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01))
+    batch = synthetic_batch(3, 8, 16, 128)
+    names = ("loss", "moe_aux_loss", "moe/expert_tokens_cv/layer_1")
+    run = lambda model, layout: first_updates(lambda pipeline: lm_objective(model, F32, pipeline), layout, batch,
+                                              names)
+    losses = {layout: run(cfg, layout) for layout in LAYOUTS}
+    losses["unrolled"] = run(dataclasses.replace(cfg, scan_layers=False), LAYOUTS[1])
+    roomy = dataclasses.replace(cfg, moe_dispatch="capacity", moe_capacity_factor=cfg.num_experts / 2)
+    losses["capacity"] = run(roomy, LAYOUTS[0])
+    reference = losses[LAYOUTS[0]]
+    assert reference[2][0] < reference[0][0]
+    for layout in list(losses)[1:]:
+        np.testing.assert_allclose(losses[layout], reference, rtol=1e-5, err_msg=str(layout))
+    tight = dataclasses.replace(cfg, moe_dispatch="capacity", moe_capacity_factor=0.5)
+    dropped = first_updates(lambda pipeline: lm_objective(tight, F32, pipeline), LAYOUTS[0], batch,
+                            ("loss", "moe/moe_dropped_fraction/layer_0"))
+    assert all(0.4 <= fraction < 1 for _, fraction in dropped) and dropped[2][0] < dropped[0][0]
