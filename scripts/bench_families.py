@@ -17,6 +17,10 @@ from bench_step import bare_step_throughput, bench_arguments
 from jaxllm.config.families import FAMILIES
 
 
+# The families whose layers have the dense MLP of the same shape (mixtures of experts: scripts/bench_moe.py).
+DENSE_FAMILIES = tuple(name for name, family in FAMILIES.items() if not family.blocks.experts)
+
+
 def family_variant(cfg, family: str, window: int):
     """`cfg` with its model as `family` at the same shape: the blocks come with the family; Mistral and Gemma 3
     get a sliding `window`, Gemma 3 every second layer global and its own local RoPE base."""
@@ -45,7 +49,7 @@ def interleaved(configs: dict, steps: int, rounds: int = 3) -> dict:
 def main(argv) -> int:
     args, cfg = bench_arguments(argv, __doc__, add=lambda p: p.add_argument(
         "--window_seq_len", type=int, default=4096, help="sequence length of the window comparison"))
-    families = interleaved({name: family_variant(cfg, name, cfg.train.seq_len // 4) for name in FAMILIES},
+    families = interleaved({name: family_variant(cfg, name, cfg.train.seq_len // 4) for name in DENSE_FAMILIES},
                            args.steps)
     base = families["llama"]["tokens_per_sec"]
     m = cfg.model

@@ -25,7 +25,7 @@ import os
 import sys
 
 from jaxllm.config.cli import UsageError, build_config, fail, parser, split_overrides
-from jaxllm.config.schema import ConfigError, validate
+from jaxllm.config.schema import MESH_AXES, ConfigError, validate
 from jaxllm.runtime.xla_flags import use_xla_flags
 
 
@@ -71,7 +71,7 @@ def main(argv):
 
         import jax
 
-        sizes = [cd.mesh.data, cd.mesh.fsdp, cd.mesh.tensor, cd.mesh.stage]
+        sizes = [cd.mesh[axis] for axis in MESH_AXES]
         # A dry run plans for the mesh as written (it may be larger than this machine).
         num_devices = math.prod(sizes) if args.dry_run and -1 not in sizes else jax.device_count()
         cfg = validate(cd, num_devices, check_batch=not args.dry_run,
@@ -118,7 +118,7 @@ def main(argv):
         from jaxllm.observe.comms import format_comms
         from jaxllm.plan.reports import comms_report
 
-        print(format_comms(comms_report(cfg), dict(zip(("data", "fsdp", "tensor", "stage"), cfg.mesh.shape))))
+        print(format_comms(comms_report(cfg), dict(zip(MESH_AXES, cfg.mesh.shape))))
         return 0
 
     from jaxllm.runs.checkpoint import CheckpointError

@@ -13,10 +13,12 @@ from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 
 
 def first_updates(objective_for, layout: tuple, batch: dict, names=("loss",), steps: int = 3) -> tuple:
-    """`names` metrics of `steps` updates (2 micro-batches each) on `batch` under mesh `layout` (data, fsdp,
-    tensor, stage); `objective_for(pipeline)` builds the objective (2 pipeline micro-batches with stages)."""
-    mesh = make_mesh(MeshConfig(*layout))
-    objective = objective_for(PipelineConfig(microbatches=2) if layout[3] > 1 else PipelineConfig())
+    """`names` metrics of `steps` updates (2 micro-batches each) on `batch` under mesh `layout` ((data, fsdp,
+    tensor, stage), or a MeshConfig); `objective_for(pipeline)` builds the objective (2 pipeline micro-batches
+    with stages)."""
+    layout = layout if isinstance(layout, MeshConfig) else MeshConfig(*layout)
+    mesh = make_mesh(layout)
+    objective = objective_for(PipelineConfig(microbatches=2) if layout.stage > 1 else PipelineConfig())
     tx = make_optimizer(OptimConfig(lr=3e-2, warmup_steps=0), 10)
     rows = len(next(iter(batch.values())))
     with jax.set_mesh(mesh):

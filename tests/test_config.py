@@ -19,7 +19,7 @@ CONFIG = str(ROOT / "configs" / "pretrain.py")
 BAD = [
     (["--config.optim.lrr=1"], "optim.lrr: unknown key"),
     (["--config.nonsense.x=1"], "nonsense: unknown section"),
-    (["--config.mesh.data=3"], "mesh: data*fsdp*tensor*stage = 3x2x2x1 = 12 but there are 8 devices (on a CPU, "
+    (["--config.mesh.data=3"], "mesh: data*fsdp*expert*tensor*stage = 3x2x1x2x1 = 12 but there are 8 devices (on a CPU, "
                                "XLA_FLAGS=--xla_force_host_platform_device_count=12 before the command makes 12"),
     (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], "mesh.fsdp: only one mesh axis may be -1"),
     (["--config.model.num_heads=6", "--config.model.num_kv_heads=4"], "model.num_kv_heads: 4 must divide model.num_heads=6"),
@@ -29,7 +29,7 @@ BAD = [
      "model.num_layers: 3 layers are not divisible by mesh.stage*pipeline.repeats=2"),
     (["--config.model.vocab_size=513"], "model.vocab_size: 513 is not divisible by mesh.tensor=2"),
     (["--config.model.dim=257"], "model.dim: 257 is not divisible by mesh.fsdp=2"),
-    (["--config.train.batch_size=6"], "train.batch_size: 6 is not divisible by mesh.data*mesh.fsdp=4"),
+    (["--config.train.batch_size=6"], "train.batch_size: 6 is not divisible by mesh.data*mesh.fsdp*mesh.expert=4"),
     (["--config.mesh.sequence_parallel=true", "--config.train.seq_len=127"],
      "mesh.sequence_parallel: splits the sequence over mesh.tensor=2, which does not divide train.seq_len=127"),
     (["--config.optim.grad_accum=8"], "optim.grad_accum: train.batch_size=16 does not split into 8 micro-batches"),

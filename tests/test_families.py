@@ -42,6 +42,7 @@ from jaxllm.model.transformer import total_params  # noqa: E402
 from jaxllm.plan.footprint import GPUS, memory_plan  # noqa: E402
 from jaxllm.runs.base_model import locate  # noqa: E402
 
+from hf_models import saved_and_imported  # noqa: E402
 from layout_steps import first_updates  # noqa: E402
 from train_runs import ROOT  # noqa: E402
 
@@ -69,27 +70,10 @@ NAMES = list(FAMILY_CONFIGS)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
 
 
-def torch_model(name: str, seed: int):
-    config_class, kwargs = FAMILY_CONFIGS[name]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config_class(**kwargs, attn_implementation="eager"))
-    with torch.no_grad():  # biases start at zero and norms at one: randomise them so a mix-up would show
-        for param_name, p in model.named_parameters():
-            if param_name.endswith("bias") or param_name.endswith("norm.weight"):
-                p.add_(0.3 * torch.randn_like(p))
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """name -> (torch model, its save_pretrained directory, the jaxllm import of it)."""
-    out = {}
-    for seed, name in enumerate(NAMES):
-        model = torch_model(name, seed)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = (model, path, hf.from_pretrained(path))
-    return out
+    return saved_and_imported(tmp_path_factory, FAMILY_CONFIGS)
 
 
 @pytest.fixture(scope="module")

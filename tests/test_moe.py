@@ -207,7 +207,7 @@ def test_router_metrics_tell_an_even_router_from_a_collapsed_one():
     even = Routing(jnp.zeros((6, E)), jnp.asarray(np.arange(12).reshape(6, K) % E, np.int32), jnp.ones((6, K)))
     logits = jnp.full((6, E), -30.0).at[:, 0].set(30.0)  # every token certain of expert 0 (and 1 second)
     collapsed = Routing(logits, jnp.asarray(np.tile([0, 1], (6, 1)), np.int32), jnp.ones((6, K)))
-    kept = jnp.ones((K, 6), bool).at[1, :3].set(False)  # capacity dropped three second picks
+    kept = jnp.ones((2, K, 3), bool).at[0, 1].set(False)  # capacity dropped row 0's three second picks
     sums = jax.tree.map(lambda *a: jnp.stack(a), router_sums(even, 2, E), router_sums(collapsed, 2, E, kept))
     stats = {k: np.asarray(v) for k, v in router_metrics(sums, K).items()}
     np.testing.assert_array_equal(stats["expert_tokens_min"], [2, 0])
@@ -215,3 +215,29 @@ def test_router_metrics_tell_an_even_router_from_a_collapsed_one():
     np.testing.assert_allclose(stats["expert_tokens_cv"], [0, np.std([6, 6, 0, 0, 0, 0]) / 2], rtol=1e-6)
     np.testing.assert_allclose(stats["router_entropy"], [np.log(E), 0], atol=1e-6)  # uniform, then certain
     np.testing.assert_allclose(stats["moe_dropped_fraction"], [0, 3 / 12])
+    np.testing.assert_allclose(stats["expert_top_share"], [4 / 12, 1])  # K busiest: 2 + 2 of 12, then all
+
+
+def test_expert_windows_add_up_to_all_experts_and_capacity_is_per_row():
+    """Expert parallelism's per-device part (jaxllm/parallel/experts.py): each device's window of the experts adds
+    its experts' share, and the windows add up to every expert's outputs, dropless and capacity. Capacity counts
+    within each row: two rows dispatched together equal each row alone."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.normal(size=(2 * 7, D)).astype(np.float32))
+    weights = [jnp.asarray(rng.normal(0, 0.3, size=s).astype(np.float32)) for s in ((E, D, F), (E, D, F), (E, F, D))]
+    routing = route(x, jnp.asarray(rng.normal(size=(D, E)).astype(np.float32)), K, True)
+    dispatches = {"dropless": lambda r, w, **kw: dropless_experts(r[0], r[1], *w, "silu", **kw),
+                  "capacity": lambda r, w, **kw: capacity_experts(r[0], r[1], *w, "silu", 0.75, rows=len(r[0]) // 7,
+                                                                  **kw)[0]}
+    for name, dispatch in dispatches.items():
+        whole = dispatch((x, routing), weights)
+        windows = sum(dispatch((x, routing), [w[first:first + 2] for w in weights], first_expert=first,
+                               num_experts=E) for first in range(0, E, 2))
+        np.testing.assert_allclose(windows, whole, atol=1e-5, err_msg=name)
+    rows = [capacity_experts(x[r * 7:(r + 1) * 7], Routing(None, routing.experts[r * 7:(r + 1) * 7],
+                                                           routing.weights[r * 7:(r + 1) * 7]), *weights, "silu", 0.75)
+            for r in range(2)]
+    together, kept = capacity_experts(x, routing, *weights, "silu", 0.75, rows=2)
+    np.testing.assert_allclose(together, jnp.concatenate([out for out, _ in rows]), atol=1e-6)
+    np.testing.assert_array_equal(kept, jnp.concatenate([k for _, k in rows]))
+    assert not bool(jnp.all(kept))  # a factor of 0.75 drops some picks

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from jaxllm.config.schema import ConfigError, ModelConfig, PrecisionConfig  # noqa: E402
+from jaxllm.config.schema import ConfigError, MeshConfig, ModelConfig, PrecisionConfig  # noqa: E402
 from jaxllm.config.presets import PRESETS  # noqa: E402
 from jaxllm.data.synthetic import synthetic_batch  # noqa: E402
 from jaxllm.interop import hf  # noqa: E402
@@ -34,6 +34,7 @@ from jaxllm.model.sample import generate  # noqa: E402
 from jaxllm.model.transformer import matmul_params, total_params  # noqa: E402
 from jaxllm.objectives.pretrain import lm_objective  # noqa: E402
 
+from hf_models import saved_and_imported  # noqa: E402
 from layout_steps import first_updates  # noqa: E402
 
 TOL = 1e-4
@@ -52,27 +53,10 @@ NAMES = list(CONFIGS)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
 
 
-def torch_model(name: str, seed: int):
-    config_class, kwargs = CONFIGS[name]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config_class(**kwargs, attn_implementation="eager"))
-    with torch.no_grad():  # norms start at one: randomise them so a mix-up would show
-        for param_name, p in model.named_parameters():
-            if param_name.endswith("norm.weight"):
-                p.add_(0.3 * torch.randn_like(p))
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """name -> (torch model, its save_pretrained directory, the jaxllm import of it)."""
-    out = {}
-    for seed, name in enumerate(NAMES):
-        model = torch_model(name, seed)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = (model, path, hf.from_pretrained(path))
-    return out
+    return saved_and_imported(tmp_path_factory, CONFIGS)
 
 
 @pytest.fixture(scope="module")
@@ -212,27 +196,41 @@ def test_presets_count_total_and_active_parameters():
         assert abs(matmul_params(cfg) + cfg.dim * cfg.vocab_size - active) < 0.01e9, preset
 
 
-LAYOUTS = [(8, 1, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2)]
+# (data, fsdp, tensor, stage, expert): every axis, expert = 2, 4, 8 with fsdp, tensor and stage mixed in
+LAYOUTS = {"data": MeshConfig(8), "pipeline": MeshConfig(1, 2, 2, 2), "expert 8": MeshConfig(expert=8),
+           "expert 4 + fsdp": MeshConfig(1, 2, expert=4), "expert 2 + tensor + data": MeshConfig(2, 1, 2, expert=2),
+           "expert 4 + stage": MeshConfig(1, 1, 1, 2, expert=4)}
+# capacity dispatch: a different code path on each side of the pipeline's edge, and with the expert exchange
+CAPACITY_LAYOUTS = ("data", "pipeline", "expert 2 + tensor + data")
 
 
-def test_moe_training_steps_agree_across_layouts_loops_and_dispatch():
-    """moe_tiny's pretraining step (aux loss on) on data / fsdp / tensor / stage layouts, with the layers
-    unrolled, and with capacity dispatch roomy enough to drop nothing: the same losses and aux losses over three
-    updates; a tight capacity drops picks and trains on."""
-    cfg = ModelConfig(**dict(PRESETS["moe_tiny"], vocab_size=128, moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01))
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_moe_training_steps_agree_across_layouts(dispatch):
+    """moe_tiny's pretraining step (aux and z losses on) over data / fsdp / tensor / stage / expert layouts: the
+    same losses, aux losses and router statistics over two updates. Capacity dispatch (a factor of 1, which
+    drops picks) too: capacity is per row, so what is dropped does not depend on the layout."""
+    cfg = ModelConfig(**dict(PRESETS["moe_tiny"], vocab_size=128, moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01,
+                             moe_dispatch=dispatch, moe_capacity_factor=1.0))
     batch = synthetic_batch(3, 8, 16, 128)
-    names = ("loss", "moe_aux_loss", "moe/expert_tokens_cv/layer_1")
-    run = lambda model, layout: first_updates(lambda pipeline: lm_objective(model, F32, pipeline), layout, batch,
-                                              names)
-    losses = {layout: run(cfg, layout) for layout in LAYOUTS}
-    losses["unrolled"] = run(dataclasses.replace(cfg, scan_layers=False), LAYOUTS[1])
+    names = ("loss", "moe_aux_loss", "moe_z_loss", "moe/expert_tokens_cv/layer_1", "moe/moe_dropped_fraction/layer_0")
+    layouts = CAPACITY_LAYOUTS if dispatch == "capacity" else LAYOUTS
+    losses = {name: first_updates(lambda pipeline: lm_objective(cfg, F32, pipeline), LAYOUTS[name], batch, names,
+                                  steps=2) for name in layouts}
+    reference = losses["data"]
+    assert reference[1][0] < reference[0][0]
+    assert all((fraction > 0.05) == (dispatch == "capacity") for *_, fraction in reference)
+    for name in list(losses)[1:]:
+        np.testing.assert_allclose(losses[name], reference, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_unrolled_layers_and_roomy_capacity_equal_scanned_dropless():
+    """The layers unrolled, and capacity dispatch with room for every pick, give dropless scanned updates."""
+    cfg = ModelConfig(**dict(PRESETS["moe_tiny"], vocab_size=128, moe_aux_loss_coef=0.1))
+    batch = synthetic_batch(3, 8, 16, 128)
+    run = lambda model: first_updates(lambda pipeline: lm_objective(model, F32, pipeline), MeshConfig(2, 2, 2),
+                                      batch, ("loss", "moe_aux_loss"))
+    reference = run(cfg)
     roomy = dataclasses.replace(cfg, moe_dispatch="capacity", moe_capacity_factor=cfg.num_experts / 2)
-    losses["capacity"] = run(roomy, LAYOUTS[0])
-    reference = losses[LAYOUTS[0]]
-    assert reference[2][0] < reference[0][0]
-    for layout in list(losses)[1:]:
-        np.testing.assert_allclose(losses[layout], reference, rtol=1e-5, err_msg=str(layout))
-    tight = dataclasses.replace(cfg, moe_dispatch="capacity", moe_capacity_factor=0.5)
-    dropped = first_updates(lambda pipeline: lm_objective(tight, F32, pipeline), LAYOUTS[0], batch,
-                            ("loss", "moe/moe_dropped_fraction/layer_0"))
-    assert all(0.4 <= fraction < 1 for _, fraction in dropped) and dropped[2][0] < dropped[0][0]
+    for model in (dataclasses.replace(cfg, scan_layers=False), roomy):
+        np.testing.assert_allclose(run(model), reference, rtol=1e-5)
+

@@ -93,7 +93,7 @@ def token_dropout_loss(model, batch, rng):
     mask = batch["loss_mask"]
     if rng is not None:
         mask = mask * jax.random.bernoulli(rng, 0.5, mask.shape)
-    loss_sum, count = cross_entropy_sum(model, batch, mask)
+    loss_sum, count, _ = cross_entropy_sum(model, batch, mask)
     return loss_sum, count, {"kept_fraction": count / jnp.maximum(jnp.sum(batch["loss_mask"]), 1)}
 
 

@@ -27,7 +27,7 @@ from jaxllm.config.fine_tuning import (OBJECTIVE_CHECKS, OBJECTIVES, DPOConfig, 
 from jaxllm.config.typed_config import ConfigError, build, check_choice, check_positive
 from jaxllm.config.auto_precision import resolve_compute
 
-MESH_AXES = ("data", "fsdp", "tensor", "stage")
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "stage")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "minimal_with_context", "save_qkv_proj")
 GRAD_COMPRESSIONS = ("none", "powersgd")  # optim.grad_compression (jaxllm/optim/powersgd.py)
@@ -48,7 +48,10 @@ AUTO_VALUES = {"model.vocab_size": AUTO_VOCAB, "optim.grad_accum": AUTO_GRAD_ACC
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the four mesh axes (their product is the device count, over all processes).
+    """Sizes of the five mesh axes (their product is the device count, over all processes).
+
+    `expert` (expert parallelism) splits a mixture of experts' experts (jaxllm/parallel/experts.py); everywhere
+    else it splits the batch as data and fsdp do, so no device idles outside the expert layers.
 
     With several processes (hosts) the `dcn_*` sizes say how much of each axis crosses hosts: axis `a` is laid out
     as `dcn_a` host groups of `a / dcn_a` devices inside a host (a hybrid mesh), so axes with dcn size 1 stay on the
@@ -72,22 +75,30 @@ class MeshConfig:
     dcn_tensor: int = 0
     dcn_stage: int = 0
     sequence_parallel: bool = False
+    expert: int = 1
+    dcn_expert: int = 0
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.data, self.fsdp, self.tensor, self.stage)
+    def shape(self) -> tuple[int, ...]:
+        """The axis sizes in `MESH_AXES` order."""
+        return tuple(getattr(self, axis) for axis in MESH_AXES)
 
     @property
     def num_devices(self) -> int:
         return math.prod(self.shape)
 
     @property
-    def dcn_shape(self) -> tuple[int, int, int, int]:
-        """How many host groups each axis spans (unset sizes count as 1)."""
-        return tuple(max(d, 1) for d in (self.dcn_data, self.dcn_fsdp, self.dcn_tensor, self.dcn_stage))
+    def batch_shards(self) -> int:
+        """How many ways a batch's rows split: over data, fsdp and expert."""
+        return self.data * self.fsdp * self.expert
 
     @property
-    def host_shape(self) -> tuple[int, int, int, int]:
+    def dcn_shape(self) -> tuple[int, ...]:
+        """How many host groups each axis spans (unset sizes count as 1)."""
+        return tuple(max(getattr(self, f"dcn_{axis}"), 1) for axis in MESH_AXES)
+
+    @property
+    def host_shape(self) -> tuple[int, ...]:
         """The axis sizes inside one host (process)."""
         return tuple(size // dcn for size, dcn in zip(self.shape, self.dcn_shape))
 
@@ -634,7 +645,7 @@ def resolve_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
     product = math.prod(sizes.values())
     if product != num_devices:
         shape = "x".join(str(sizes[a]) for a in MESH_AXES)
-        raise ConfigError("mesh", f"data*fsdp*tensor*stage = {shape} = {product} but there are {num_devices} "
+        raise ConfigError("mesh", f"{'*'.join(MESH_AXES)} = {shape} = {product} but there are {num_devices} "
                                   f"devices{_cpu_devices_hint(product, num_devices)}")
     return dataclasses.replace(mesh, **sizes)
 
@@ -675,7 +686,7 @@ def resolve_dcn(mesh: MeshConfig, num_processes: int) -> MeshConfig:
             raise ConfigError(f"mesh.dcn_{axis}", f"{dcn[axis]} does not divide mesh.{axis}={sizes[axis]}")
     if math.prod(dcn.values()) != num_processes:
         shape = "x".join(str(dcn[a]) for a in MESH_AXES)
-        raise ConfigError("mesh", f"dcn_data*dcn_fsdp*dcn_tensor*dcn_stage = {shape} but there are "
+        raise ConfigError("mesh", f"{'*'.join('dcn_' + a for a in MESH_AXES)} = {shape} but there are "
                           f"{num_processes} processes")
     return dataclasses.replace(mesh, **{f"dcn_{a}": d for a, d in dcn.items()})
 
@@ -727,12 +738,27 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
         raise ConfigError("pipeline.microbatches", f"{pipeline.microbatches} micro-batches cannot fill {mesh.stage} "
                                                    f"stages (need at least mesh.stage)")
     _check_compression(optim, mesh)
+    _check_experts(cfg)
     _check_batch(train.batch_size, mesh, optim.grad_accum, pipeline.microbatches, check_batch)
     if not -1 <= debug.zero_layer < model.num_layers:
         raise ConfigError("debug.zero_layer", f"must be -1 (off) or a layer index below model.num_layers="
                                               f"{model.num_layers}, got {debug.zero_layer}")
     if debug.hold_at_step and num_processes is not None and num_processes > 1:
         raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
+
+
+def _check_experts(cfg: Config) -> None:
+    """A mixture of experts' experts take neither adapters nor quantised kernels (yet): refused, not ignored."""
+    if not cfg.model.num_experts:
+        return
+    on_experts = [t for t in cfg.lora.target_list if t in ("gate_proj", "up_proj", "down_proj")]
+    if cfg.lora.rank and on_experts:
+        raise ConfigError("lora.targets", f"{','.join(on_experts)} are a mixture of experts' projections here "
+                                          f"(model.num_experts={cfg.model.num_experts}), which take no adapters: "
+                                          f"target the attention (q_proj,k_proj,v_proj,o_proj)")
+    if cfg.precision.quant != "none":
+        raise ConfigError("precision.quant", f"{cfg.precision.quant!r} kernels are not implemented for a mixture "
+                                             f"of experts (model.num_experts={cfg.model.num_experts}): use 'none'")
 
 
 def _check_model_on_mesh(model: ModelConfig, mesh: MeshConfig, seq_len: int) -> None:
@@ -750,6 +776,10 @@ def _check_model_on_mesh(model: ModelConfig, mesh: MeshConfig, seq_len: int) -> 
     if model.vocab_size % mesh.tensor:  # else embeddings and the head would silently stay whole on every device
         raise ConfigError("model.vocab_size", f"{model.vocab_size} is not divisible by mesh.tensor={mesh.tensor} "
                                               "(pad it, or use model.vocab_size=auto)")
+    if mesh.expert > 1 and (not model.num_experts or model.num_experts % mesh.expert):
+        raise ConfigError("mesh.expert", f"splits a mixture of experts' experts: model.num_experts="
+                                         f"{model.num_experts} must be a positive multiple of mesh.expert="
+                                         f"{mesh.expert}")
     if model.dim % mesh.fsdp:
         raise ConfigError("model.dim", f"{model.dim} is not divisible by mesh.fsdp={mesh.fsdp}")
 
@@ -767,13 +797,15 @@ def _check_compression(optim: OptimConfig, mesh: MeshConfig) -> None:
 
 def _check_batch(batch_size: int, mesh: MeshConfig, grad_accum: int, microbatches: int, check_batch: bool) -> None:
     """The batch splits over the batch-sharded axes, into accumulation and pipeline micro-batches."""
-    batch_shards = mesh.data * mesh.fsdp if check_batch else 1
+    batch_shards = mesh.batch_shards if check_batch else 1
     if batch_size % batch_shards:
-        raise ConfigError("train.batch_size", f"{batch_size} is not divisible by mesh.data*mesh.fsdp={batch_shards}")
+        raise ConfigError("train.batch_size", f"{batch_size} is not divisible by "
+                                              f"mesh.data*mesh.fsdp*mesh.expert={batch_shards}")
     accum = max(grad_accum, 1)  # "auto" chooses among the counts that split the batch
     if batch_size % (accum * batch_shards):
         raise ConfigError("optim.grad_accum", f"train.batch_size={batch_size} does not split into {grad_accum} "
-                                              f"micro-batches divisible by mesh.data*mesh.fsdp={batch_shards}")
+                                              f"micro-batches divisible by "
+                                              f"mesh.data*mesh.fsdp*mesh.expert={batch_shards}")
     if check_batch and batch_size % (microbatches * accum):
         raise ConfigError("pipeline.microbatches", f"train.batch_size={batch_size} does not split into "
                                                    f"{microbatches} pipeline micro-batches (times "

@@ -19,14 +19,17 @@ and P_e the mean router probability of e.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model.layers import ACTIVATIONS, param
+from jaxllm.parallel.experts import ExpertGroup, run_experts
 
 
 class Routing(NamedTuple):
@@ -47,48 +50,75 @@ def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, renormalize: bool) 
     return Routing(logits_TE, experts_TK, weights_TK)
 
 
-def dropless_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_EFD, activation: str) -> jax.Array:
+def dropless_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_EFD, activation: str,
+                     first_expert=0, num_experts: int | None = None) -> jax.Array:
     """Each token's routed experts' outputs, weighted by the router and summed [T, D]: the (token, expert) pairs
-    sorted by expert and run as ragged groups, one grouped matmul per projection."""
+    sorted by expert and run as ragged groups, one grouped matmul per projection.
+
+    The weights may be a window of the experts (expert parallelism, jaxllm/parallel/experts.py): experts
+    [first_expert, first_expert + E_local) of `num_experts`; the tokens' other picks add nothing here (their
+    experts' devices add them)."""
     T, K = routing.experts.shape
-    E = gate_EDF.shape[0]
-    experts_P = routing.experts.reshape(T * K)  # pair p = token p // K, its (p % K)-th pick
+    E_local = gate_EDF.shape[0]
+    E = num_experts or E_local
+    P = T * K
+    experts_P = routing.experts.reshape(P)  # pair p = token p // K, its (p % K)-th pick
     order_P = jnp.argsort(experts_P, stable=True)  # pairs grouped by expert, tokens in order within a group
-    tokens_P = order_P // K
     group_sizes_E = jnp.bincount(experts_P, length=E).astype(jnp.int32)
+    # The window's pairs are contiguous in expert order: rotate them to the front.
+    start = jnp.sum(jnp.where(jnp.arange(E) < first_expert, group_sizes_E, 0))
+    local_sizes = jax.lax.dynamic_slice(group_sizes_E, (first_expert,), (E_local,))
+    pairs_P = order_P[(start + jnp.arange(P)) % P]
+    tokens_P = pairs_P // K
     x_PD = x_TD[tokens_P]
-    gate_PF = jax.lax.ragged_dot(x_PD, gate_EDF.astype(x_TD.dtype), group_sizes_E)
-    up_PF = jax.lax.ragged_dot(x_PD, up_EDF.astype(x_TD.dtype), group_sizes_E)
-    out_PD = jax.lax.ragged_dot(ACTIVATIONS[activation](gate_PF) * up_PF, down_EFD.astype(x_TD.dtype), group_sizes_E)
-    weights_P = routing.weights.reshape(T * K)[order_P].astype(out_PD.dtype)
+    # Named as the dense MLP's (jaxllm/model/layers.py), so the remat policies that keep them keep these too.
+    gate_PF = checkpoint_name(jax.lax.ragged_dot(x_PD, gate_EDF.astype(x_TD.dtype), local_sizes), "mlp_gate")
+    up_PF = checkpoint_name(jax.lax.ragged_dot(x_PD, up_EDF.astype(x_TD.dtype), local_sizes), "mlp_up")
+    out_PD = jax.lax.ragged_dot(ACTIVATIONS[activation](gate_PF) * up_PF, down_EFD.astype(x_TD.dtype), local_sizes)
+    in_window_P = jnp.arange(P) < jnp.sum(local_sizes)  # rows past the window's groups: other devices' experts
+    weights_P = jnp.where(in_window_P, routing.weights.reshape(P)[pairs_P], 0.0).astype(out_PD.dtype)
     return jnp.zeros_like(x_TD).at[tokens_P].add(out_PD * weights_P[:, None])
 
 
+def expert_slots(experts_BTK: jax.Array, num_experts: int, capacity_per_row: int) -> tuple[jax.Array, jax.Array]:
+    """(each pick's place in its expert's buffer for its row, whether it fits) [B, K, T]: within a row, first
+    choices before second ones, then in token order, each expert taking at most `capacity_per_row` picks."""
+    B, T, K = experts_BTK.shape
+    experts_BP = jnp.swapaxes(experts_BTK, 1, 2).reshape(B, K * T)  # pick-major: first choices first
+    onehot_BPE = jax.nn.one_hot(experts_BP, num_experts, dtype=jnp.int32)
+    slot_BP = jnp.sum((jnp.cumsum(onehot_BPE, axis=1) - 1) * onehot_BPE, axis=2)
+    return slot_BP.reshape(B, K, T), (slot_BP < capacity_per_row).reshape(B, K, T)
+
+
 def capacity_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_EFD, activation: str,
-                     capacity_factor: float) -> tuple[jax.Array, jax.Array]:
-    """`dropless_experts` with fixed-size expert buffers: (outputs [T, D], which (pick, token) pairs were kept
-    [K, T]). Each expert takes at most C = ceil(capacity_factor * T * K / E) pairs, first choices before second
-    ones (then in token order), so under pressure a token keeps its first choice before another token's second;
-    a pair past its expert's capacity is dropped (that expert adds nothing to the token). The fallback where a
-    ragged kernel is slow or missing: every shape is static."""
+                     capacity_factor: float, rows: int = 1, first_expert=0,
+                     num_experts: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """`dropless_experts` with fixed-size expert buffers: (outputs [T, D], which picks were kept [rows, K, T /
+    rows]). The T tokens are `rows` rows; in each row an expert takes at most C = ceil(capacity_factor * T_row * K
+    / E) picks (`expert_slots`: a token keeps its first choice before another token's second), and a pick past
+    its expert's capacity is dropped (that expert adds nothing to the token). Capacity per row, not per batch,
+    so what is dropped does not depend on how the batch is split over devices. The fallback where a ragged kernel
+    is slow or missing: every shape is static. Expert window as `dropless_experts`."""
     T, K = routing.experts.shape
-    E = gate_EDF.shape[0]
-    C = capacity(T, K, E, capacity_factor)
-    experts_P = routing.experts.T.reshape(K * T)  # pair p = pick p // T of token p % T: first choices first
-    onehot_PE = jax.nn.one_hot(experts_P, E, dtype=jnp.int32)
-    slot_P = jnp.sum((jnp.cumsum(onehot_PE, axis=0) - 1) * onehot_PE, axis=1)  # the pair's place in its expert
-    kept_P = slot_P < C
-    tokens_P = jnp.tile(jnp.arange(T), K)
-    # Dropped pairs write to (and read from) a spare slot C that no expert output is taken from.
-    slot_P = jnp.where(kept_P, slot_P, C)
-    buffer_ECD = jnp.zeros((E, C + 1, x_TD.shape[1]), x_TD.dtype).at[experts_P, slot_P].set(x_TD[tokens_P])
+    E_local, D = gate_EDF.shape[0], x_TD.shape[1]
+    E, T_row = num_experts or E_local, T // rows
+    C = capacity(T_row, K, E, capacity_factor)
+    slot_BKT, kept_BKT = expert_slots(routing.experts.reshape(rows, T_row, K), E, C)
+    local_BKT = jnp.swapaxes(routing.experts.reshape(rows, T_row, K), 1, 2) - first_expert
+    taken_BKT = kept_BKT & (local_BKT >= 0) & (local_BKT < E_local)
+    # Buffer row b * C + slot of the pick's expert; picks not taken here go to a spare last row no output reads.
+    place_BKT = jnp.where(taken_BKT, jnp.arange(rows)[:, None, None] * C + slot_BKT, rows * C)
+    expert_BKT = jnp.clip(local_BKT, 0, E_local - 1)
+    tokens_BKT = jnp.broadcast_to((jnp.arange(rows)[:, None] * T_row + jnp.arange(T_row))[:, None, :], (rows, K, T_row))
+    buffer_ECD = jnp.zeros((E_local, rows * C + 1, D), x_TD.dtype).at[expert_BKT, place_BKT].set(x_TD[tokens_BKT])
     gate_EDF, up_EDF, down_EFD = (w.astype(x_TD.dtype) for w in (gate_EDF, up_EDF, down_EFD))
-    h_ECF = (ACTIVATIONS[activation](jnp.einsum("ECD,EDF->ECF", buffer_ECD, gate_EDF))
-             * jnp.einsum("ECD,EDF->ECF", buffer_ECD, up_EDF))
+    h_ECF = (ACTIVATIONS[activation](checkpoint_name(jnp.einsum("ECD,EDF->ECF", buffer_ECD, gate_EDF), "mlp_gate"))
+             * checkpoint_name(jnp.einsum("ECD,EDF->ECF", buffer_ECD, up_EDF), "mlp_up"))
     out_ECD = jnp.einsum("ECF,EFD->ECD", h_ECF, down_EFD)
-    weights_P = jnp.where(kept_P, routing.weights.T.reshape(K * T), 0.0).astype(out_ECD.dtype)
-    out_TD = jnp.zeros_like(x_TD).at[tokens_P].add(out_ECD[experts_P, slot_P] * weights_P[:, None])
-    return out_TD, kept_P.reshape(K, T)
+    weights_BKT = jnp.swapaxes(routing.weights.reshape(rows, T_row, K), 1, 2)
+    weights_BKT = jnp.where(taken_BKT, weights_BKT, 0.0).astype(out_ECD.dtype)
+    out_TD = jnp.zeros_like(x_TD).at[tokens_BKT].add(out_ECD[expert_BKT, place_BKT] * weights_BKT[..., None])
+    return out_TD, kept_BKT
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -110,8 +140,8 @@ class RouterSums(NamedTuple):
     dropped: jax.Array
 
 
-def router_sums(routing: Routing, rows: int, num_experts: int, kept_KT: jax.Array | None = None) -> RouterSums:
-    """`RouterSums` of the routing of `rows` rows' tokens (flattened row by row); `kept_KT` from capacity
+def router_sums(routing: Routing, rows: int, num_experts: int, kept_BKT: jax.Array | None = None) -> RouterSums:
+    """`RouterSums` of the routing of `rows` rows' tokens (flattened row by row); `kept_BKT` from capacity
     dispatch (None: nothing dropped)."""
     logits_BTE = routing.logits.reshape(rows, -1, num_experts)
     experts_BTK = routing.experts.reshape(rows, -1, routing.experts.shape[-1])
@@ -119,8 +149,8 @@ def router_sums(routing: Routing, rows: int, num_experts: int, kept_KT: jax.Arra
     probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
     lse_BT = jax.nn.logsumexp(logits_BTE, axis=-1)
     entropy_BT = -jnp.sum(probs_BTE * jax.nn.log_softmax(logits_BTE, axis=-1), axis=-1)
-    dropped = jnp.zeros((rows,), jnp.float32) if kept_KT is None else jnp.sum(
-        ~kept_KT.reshape(kept_KT.shape[0], rows, -1), axis=(0, 2)).astype(jnp.float32)
+    dropped = jnp.zeros((rows,), jnp.float32) if kept_BKT is None else jnp.sum(~kept_BKT, axis=(1, 2)).astype(
+        jnp.float32)
     return RouterSums(picks_BE, jnp.sum(probs_BTE, axis=1), jnp.sum(jnp.square(lse_BT), axis=1),
                       jnp.sum(entropy_BT, axis=1), dropped)
 
@@ -140,11 +170,15 @@ def router_metrics(sums_L: RouterSums, top_k: int) -> dict[str, jax.Array]:
     """Per-layer router statistics [L] from router sums [L, B, ...] (device arrays, for metrics): the tokens each
     expert got (`expert_tokens_min`, `_max`, and `_cv`, their coefficient of variation: 0 when even, high when a
     few experts take most tokens), `router_entropy` (the mean entropy of the router's probabilities in nats: log E
-    when undecided, 0 when certain) and `moe_dropped_fraction` (of the picks, in capacity dispatch)."""
+    when undecided, 0 when certain), `moe_dropped_fraction` (of the picks, in capacity dispatch) and
+    `expert_top_share`, the share of the picks the busiest top_k experts took (top_k / E when even, 1 when every
+    token picks the same experts)."""
     counts_LE = jnp.sum(sums_L.picks, axis=1)
     picks_L = jnp.sum(counts_LE, axis=-1)
+    busiest_LK = jax.lax.top_k(counts_LE, top_k)[0]
     return {"expert_tokens_min": jnp.min(counts_LE, axis=-1), "expert_tokens_max": jnp.max(counts_LE, axis=-1),
             "expert_tokens_cv": jnp.std(counts_LE, axis=-1) / jnp.mean(counts_LE, axis=-1),
+            "expert_top_share": jnp.sum(busiest_LK, axis=-1) / picks_L,
             "router_entropy": jnp.sum(sums_L.entropy, axis=1) / (picks_L / top_k),
             "moe_dropped_fraction": jnp.sum(sums_L.dropped, axis=1) / picks_L}
 
@@ -206,14 +240,36 @@ class MoEMLP(nnx.Module):
         self.dispatch, self.capacity_factor = dispatch, capacity_factor  # static
 
     def __call__(self, x_BTD: jax.Array, dropless: bool = False) -> tuple[jax.Array, RouterSums]:
-        """(output [B, T, D], the router's sums per row); `dropless` overrides a capacity dispatch (decoding)."""
-        B, T, D = x_BTD.shape
-        x_ND = x_BTD.reshape(B * T, D)
-        routing = route(x_ND, self.router[...], self.top_k, self.renormalize)
-        experts = (self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.activation)
-        kept_KN = None
-        if self.dispatch == "capacity" and not dropless:
-            out_ND, kept_KN = capacity_experts(x_ND, routing, *experts, self.capacity_factor)
-        else:
-            out_ND = dropless_experts(x_ND, routing, *experts)
-        return out_ND.reshape(B, T, D), router_sums(routing, B, self.router.shape[-1], kept_KN)
+        """(output [B, T, D], the router's sums per row); `dropless` overrides a capacity dispatch (decoding). On
+        a mesh each device routes its own rows to the experts of its expert group (jaxllm/parallel/experts.py)."""
+        capacity_factor = self.capacity_factor if self.dispatch == "capacity" and not dropless else None
+        layer = functools.partial(moe_on_device, top_k=self.top_k, renormalize=self.renormalize,
+                                  activation=self.activation, capacity_factor=capacity_factor)
+        out_BTD, sums = run_experts(layer, x_BTD, self.router[...], self.gate_proj[...], self.up_proj[...],
+                                    self.down_proj[...])
+        return checkpoint_name(out_BTD, "mlp_out"), sums
+
+
+def moe_on_device(x_BTD, router_DE, gate_EDF, up_EDF, down_EFD, group: ExpertGroup, *, top_k: int,
+                  renormalize: bool, activation: str, capacity_factor: float | None):
+    """One device's part of a mixture-of-experts layer (`run_experts`' `layer`): route its rows, run its experts
+    (`gate_EDF`... hold E_local of the router's E) over its expert group's picks of them, dropless or with
+    `capacity_factor`, and return (its rows' outputs [B, T, D], its rows' `RouterSums`)."""
+    B, T, D = x_BTD.shape
+    E, K = router_DE.shape[-1], top_k
+    routing = route(x_BTD.reshape(B * T, D), router_DE, K, renormalize)
+    kept_BKT = None
+    if capacity_factor is not None:  # computed per row: the same here as on the gathered rows below
+        kept_BKT = expert_slots(routing.experts.reshape(B, T, K), E, capacity(T, K, E, capacity_factor))[1]
+    sums = router_sums(routing, B, E, kept_BKT)
+    x_ND = group.gather(x_BTD).reshape(-1, D)
+    rows = x_ND.shape[0] // T
+    picks = Routing(None, group.gather(routing.experts.reshape(B, T * K)).reshape(-1, K),
+                    group.gather(routing.weights.reshape(B, T * K)).reshape(-1, K))
+    window = dict(first_expert=group.first_expert(gate_EDF.shape[0]), num_experts=E)
+    if capacity_factor is None:
+        out_ND = dropless_experts(x_ND, picks, gate_EDF, up_EDF, down_EFD, activation, **window)
+    else:
+        out_ND = capacity_experts(x_ND, picks, gate_EDF, up_EDF, down_EFD, activation, capacity_factor, rows,
+                                  **window)[0]
+    return group.combine(out_ND.reshape(rows, T, D)), sums

@@ -87,7 +87,7 @@ def suggestions(cfg) -> list[str]:
     if cfg.model.remat != "full":
         out.append(f"model.remat=full (now {cfg.model.remat}): keep only each layer's input for the backward pass")
     accum = cfg.optim.grad_accum
-    if cfg.train.batch_size // (mesh.data * mesh.fsdp * max(accum, 1)) > 1:  # a micro-batch has rows to spare
+    if cfg.train.batch_size // (mesh.batch_shards * max(accum, 1)) > 1:  # a micro-batch has rows to spare
         out.append(f"a smaller train.batch_size (now {cfg.train.batch_size}) or more micro-batches: "
                    f"optim.grad_accum={2 * accum if accum else 2} (now {accum or 'auto'}), or optim.grad_accum=auto")
     if cfg.optim.offload == "none":

@@ -1,4 +1,4 @@
-"""Build the (data, fsdp, tensor, stage) device mesh.
+"""Build the (data, fsdp, expert, tensor, stage) device mesh.
 
 Axis types are always given explicitly: `jax.make_mesh` defaults to Explicit axes in current JAX while the
 rest of jaxllm relies on Auto axes (sharding propagated by XLA, steered by `sharding.constrain`).

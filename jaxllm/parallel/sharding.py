@@ -27,7 +27,7 @@ MeshAxes = str | tuple[str, ...] | None
 
 # logical name: (parameters, activations)
 RULES: dict[str, tuple[MeshAxes, MeshAxes]] = {
-    "batch": (None, ("data", "fsdp")),
+    "batch": (None, ("data", "fsdp", "expert")),
     "seq": (None, None),
     "residual_seq": (None, "tensor"),  # the residual stream's sequence under sequence parallelism
     "embed": ("fsdp", None),
@@ -40,9 +40,9 @@ RULES: dict[str, tuple[MeshAxes, MeshAxes]] = {
     "stage": ("stage", "stage"),
     "norm": (None, None),
     "lora_rank": (None, None),  # LoRA adapters' rank axis: small, replicated
-    # the experts of a mixture-of-experts layer (jaxllm/model/moe.py): whole on every device until an expert mesh
-    # axis splits them
-    "expert": (None, None),
+    # the experts of a mixture-of-experts layer (jaxllm/model/moe.py), split over the `expert` mesh axis; the
+    # batch splits over it everywhere else (above), and jaxllm/parallel/experts.py moves tokens between the two
+    "expert": ("expert", "expert"),
 }
 
 

@@ -35,6 +35,16 @@ def _layer_terms(cfg: Config, rows: int, attention: str, residual_split: int = 1
     n = rows * T  # tokens on this device
     residual = n * m.dim * c / residual_split
     heads, kv, mlp = m.num_heads / mesh.tensor, m.num_kv_heads / mesh.tensor, m.mlp_dim / mesh.tensor
+    # A mixture of experts runs its MLP on (token, expert) pairs: k a token. Dropless dispatch over an expert
+    # group of `mesh.expert` devices holds the whole group's pairs on each device (zero outside its own experts'
+    # groups: jaxllm/parallel/experts.py); capacity dispatch its experts' buffers, factor x k a token in all.
+    # Plus each pair's gathered input and weighted output, the group's gathered rows, and the router's float32
+    # logits, probabilities and log-probabilities.
+    pairs, dispatch = n, 0.0
+    if m.num_experts:
+        spread = m.moe_capacity_factor if m.moe_dispatch == "capacity" else mesh.expert
+        pairs = n * m.experts_per_token * spread
+        dispatch = 2 * pairs * m.dim * c + (mesh.expert - 1) * residual + 3 * n * m.num_experts * FLOAT32
     if attention == "cudnn":
         scores = rows * heads * T * FLOAT32  # softmax statistics only
     else:
@@ -44,9 +54,9 @@ def _layer_terms(cfg: Config, rows: int, attention: str, residual_split: int = 1
         "query_proj": n * heads * m.head_dim * c, "key_proj": n * kv * m.head_dim * c,
         "value_proj": n * kv * m.head_dim * c,
         "context": n * heads * m.head_dim * c, "out_proj": residual,
-        "mlp_gate": n * mlp * c, "mlp_up": n * mlp * c, "mlp_out": residual,
-        # scores; two norms and a residual; sigmoid(gate), silu(gate) and their product with up
-        "unnamed": scores + 3 * residual + 3 * n * mlp * c,
+        "mlp_gate": pairs * mlp * c, "mlp_up": pairs * mlp * c, "mlp_out": residual,
+        # scores; two norms and a residual; sigmoid(gate), silu(gate) and their product with up; experts' dispatch
+        "unnamed": scores + 3 * residual + 3 * pairs * mlp * c + dispatch,
     }
 
 
@@ -61,7 +71,7 @@ _SAVED = {
 
 def _rows(cfg: Config) -> float:
     """Rows of one micro-batch on one device."""
-    return cfg.train.batch_size / (cfg.mesh.data * cfg.mesh.fsdp) / cfg.optim.grad_accum
+    return cfg.train.batch_size / cfg.mesh.batch_shards / cfg.optim.grad_accum
 
 
 def _residual_split(cfg: Config) -> int:

@@ -46,7 +46,7 @@ def memory_budget(cfg: Config) -> int:
 def accum_candidates(cfg: Config) -> list[int]:
     """Micro-batch counts that split `train.batch_size` evenly over the batch mesh axes (data x fsdp) and the
     pipeline's micro-batches, fewest first."""
-    batch, shards = cfg.train.batch_size, cfg.mesh.data * cfg.mesh.fsdp
+    batch, shards = cfg.train.batch_size, cfg.mesh.batch_shards
     return [a for a in range(1, batch + 1)
             if batch % (a * shards) == 0 and batch % (a * cfg.pipeline.microbatches) == 0]
 

@@ -36,7 +36,7 @@ NO_FROZEN = nnx.State({})  # the frozen input of objectives whose every variable
 
 
 def batch_sharding(mesh) -> NamedSharding:
-    """Rows of a batch split over the batch axes (data, fsdp); replicated over tensor and stage."""
+    """Rows of a batch split over the batch axes (data, fsdp, expert); replicated over tensor and stage."""
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     return NamedSharding(mesh, logical_to_spec(("batch", None), None, sizes, kind="activations"))
 

@@ -1,6 +1,7 @@
 """Mixtral (MixtralForCausalLM): Mistral whose MLP is a mixture of experts, `num_local_experts` gated experts of
 which a router picks `num_experts_per_tok` per token, their weights renormalised to sum to 1."""
 
+from jaxllm.config.families import mistral
 from jaxllm.config.families.blocks import Blocks, Family, router_from_hf, router_to_hf
 
 FAMILY = Family(
@@ -19,4 +20,5 @@ FAMILY = Family(
                              mlp_dim=14336, rope_theta=1000000.0, norm_eps=1e-5, tie_embeddings=False,
                              num_experts=8, experts_per_token=2, moe_renormalize=True, moe_aux_loss_coef=0.02),
     },
+    chat_template=mistral.FAMILY.chat_template,  # Mixtral-Instruct's [INST] turns
 )
