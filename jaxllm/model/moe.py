@@ -203,13 +203,11 @@ def load_balancing_loss(logits_LTE: jax.Array, top_k: int, mask_T: jax.Array | N
     return E * jnp.sum(tokens_per_expert_E * probability_per_expert_E)
 
 
-def router_penalty(cfg, sums_L: RouterSums | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+def router_penalty(cfg, sums_L: RouterSums) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(the auxiliary loss the training loss adds, metrics) of a model config `cfg` (jaxllm.config.schema.
     ModelConfig) from its layers' router sums [L, B, ...]: `moe_aux_loss_coef` times the load-balancing loss plus
     `moe_z_loss_coef` times the z-loss; the metrics are the two losses and `moe/<stat>/layer_<i>` per layer
-    (`router_metrics`). (0, {}) for a dense model (`sums_L` None)."""
-    if sums_L is None:
-        return jnp.zeros((), jnp.float32), {}
+    (`router_metrics`)."""
     aux, z = router_losses(sums_L, cfg.experts_per_token)
     per_layer = router_metrics(sums_L, cfg.experts_per_token)
     metrics = {f"moe/{name}/layer_{i}": v[i] for name, v in per_layer.items() for i in range(v.shape[0])}
