@@ -83,7 +83,7 @@ TEST_WORKERS ?= 2
 
 test: $(VENV)/.installed-test
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(ARGS)
 
 # The short subset that CI also runs under Python 3.12 with current JAX, to catch API drift early.
 test-smoke: $(VENV)/.installed-test

@@ -1,6 +1,6 @@
-"""What XLA compiles the suite's own programs with (tests/conftest.py puts TEST_PROCESS_FLAGS into XLA_FLAGS for
-the test processes only), and the options a test passes to a compile whose exact form it asserts (its copies,
-its loops, its bits) so that it sees the program users' runs get.
+"""What XLA compiles the suite's programs with (tests/conftest.py puts TEST_PROCESS_FLAGS into XLA_FLAGS for the test
+processes and the subprocesses they start), and the options a test passes to a compile whose exact form it asserts
+(its copies, its loops, its bits) so that it sees the program users' runs get.
 
 The suite's programs are tiny and run a few steps each, so its time is XLA's compiler:
 - backend optimisation level 0: most of LLVM's optimisation passes skipped; these programs compile in about

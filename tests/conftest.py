@@ -33,17 +33,16 @@ CPU_FLAGS = (
 )
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite's own processes compile with tests/compile_flags.py's flags (half the compile time). Only the test
-# processes: XLA reads XLA_FLAGS once, when the backend starts, so the flags leave the environment right after,
-# and every subprocess a test starts (training runs, scripts) compiles with the defaults as users' runs do (at
-# level 0 a DPO resume run wedged in a CPU all-reduce in 2 of 7 runs).
-_inherited_flags = os.environ["XLA_FLAGS"]
+# The suite compiles with tests/compile_flags.py's flags (a tiny training run's compiling takes 40% of the CPU
+# time it took with XLA's defaults), the test processes and every subprocess a test starts (training runs,
+# scripts: they inherit XLA_FLAGS). A run's float results are the same at either optimisation level; tests that
+# assert a program's exact form compile it with PRODUCTION_COMPILE. (XLA:CPU's collectives once wedged more often
+# at level 0; that wedge was Eigen's thread pool, which tests/train_runs.py's training runs turn off.)
 os.environ["XLA_FLAGS"] += " " + TEST_PROCESS_FLAGS
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 
 jax.devices()  # the backend starts now, with the flags above
-os.environ["XLA_FLAGS"] = _inherited_flags
 
 # Parity tests compare layouts at 1e-5: keep matmuls in true float32 on CPU.
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -67,9 +66,20 @@ ROOT = Path(__file__).resolve().parents[1]
 XLA_CPU_WEDGE = r"Termination timeout for `[a-z -]+ RendezvousKey"
 
 
+# The test files that take longest (worker seconds in a quiet run of 2026-12-05: 160, 110, 124, 91, 81, ...) run
+# first, so that the two xdist workers (`make test` passes --no-loadscope-reorder: xdist would put the files with
+# the most tests first) end together on short files instead of one waiting out a long file at the end. The first
+# two need different reference runs, so neither worker waits on the other's fixture lock at the start.
+LONGEST_FILES = ("test_grpo_run.py", "test_checkpoint.py", "test_preference_run.py", "test_families.py",
+                 "test_multiprocess.py", "test_powersgd.py", "test_moe_models.py", "test_sft_run.py", "test_drill.py",
+                 "test_ppo_run.py", "test_pipeline.py", "test_preference.py", "test_lora.py", "test_watchdog.py")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(pytest.mark.flaky(reruns=1, only_rerun=[XLA_CPU_WEDGE]))
+    first = {name: rank for rank, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: other files keep their order
 
 
 def made_once(tmp_path_factory, name: str, make) -> Path:
