@@ -446,7 +446,9 @@ class DebugConfig:
     (a drill for `train.hang_timeout_s`; the default outlasts any watchdog timeout worth drilling).
     Seeded pathologies for the diagnosis (scripts/seeded_pathologies.py), pretraining only: `zero_layer` (-1:
     off) starts that layer with every weight zero, a dead layer (all-zero weights get zero gradients, so it
-    never trains); `data_sleep_s` sleeps that long before each train batch, a throttled loader.
+    never trains); `data_sleep_s` sleeps that long before each train batch, a throttled loader; `router_scale`
+    (a mixture of experts; 1: off) multiplies the routers' initial weights, a hot router that decides by wide
+    margins from the first step (with model.moe_aux_loss_coef=0 its experts collapse: a few take most tokens).
     `emulate_fp8`: accept precision.quant=fp8 on a CPU, where XLA widens the float8 dots to float32: fp8's
     numerics without its speed, for convergence checks (scripts/bench_quant.py).
     """
@@ -458,6 +460,7 @@ class DebugConfig:
     stall_s: float = 3600.0
     zero_layer: int = -1
     data_sleep_s: float = 0.0
+    router_scale: float = 1.0
     emulate_fp8: bool = False
 
     def check(self) -> None:
@@ -466,6 +469,7 @@ class DebugConfig:
         check_positive("debug.stall_s", self.stall_s)
         if not self.data_sleep_s >= 0:
             raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {self.data_sleep_s}")
+        check_positive("debug.router_scale", self.router_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -743,6 +747,9 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
     if not -1 <= debug.zero_layer < model.num_layers:
         raise ConfigError("debug.zero_layer", f"must be -1 (off) or a layer index below model.num_layers="
                                               f"{model.num_layers}, got {debug.zero_layer}")
+    if debug.router_scale != 1 and not model.num_experts:
+        raise ConfigError("debug.router_scale", f"scales a mixture of experts' routers; this model has none "
+                                                f"(model.num_experts=0), got {debug.router_scale:g}")
     if debug.hold_at_step and num_processes is not None and num_processes > 1:
         raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
 

@@ -149,5 +149,37 @@ def attention_logit_growth(run: RunData, t: Thresholds) -> Finding | None:
                    "bound the growth.")
 
 
+def expert_collapse(run: RunData, t: Thresholds) -> Finding | None:
+    """A mixture of experts whose routers send most tokens to a few experts (recent steps): in a layer, the busiest
+    k experts (k = experts per token) take a share of the picks far above the k/E of an even router. Nothing to
+    judge for a dense model."""
+    experts, k = run.config_value("model.num_experts", 0), run.config_value("model.experts_per_token", 1)
+    prefix = "moe/expert_top_share/layer_"
+    series = {int(name[len(prefix):]): values for name, values in run.steps.items()
+              if name.startswith(prefix) and name[len(prefix):].isdigit()}
+    if not experts:
+        return None
+    if not series:
+        raise NotEvaluated(f"metrics.jsonl has no `{prefix}<i>` records (an older run)")
+    even = k / experts
+    limit = even + t.expert_concentration * (1 - even)
+    shares = {}
+    for layer, values in sorted(series.items()):
+        finite = values[np.isfinite(values)]
+        if finite.size:
+            shares[layer] = float(np.median(finite[-max(1, finite.size // 3):]))
+    high = {layer: share for layer, share in shares.items() if share > limit}
+    if not high:
+        return None
+    return Finding("expert_collapse", WARNING,
+                   {"summary": f"the busiest {k} of {experts} experts take " + ", ".join(
+                       f"layer {layer}: {100 * share:.0f}%" for layer, share in high.items())
+                               + f" of the picks (last third of the steps; even: {100 * even:.0f}%, limit "
+                                 f"{100 * limit:.0f}%)",
+                    "layers": sorted(high), "values": {"expert_top_share": shares}},
+                   "Raise model.moe_aux_loss_coef (0.01 is usual; 0 turns load balancing off) or lower "
+                   "optim.lr; check the router's initialisation. Collapsed experts waste the others' weights.")
+
+
 LAYER_RULES: tuple[Rule, ...] = (dead_layer, exploding_layer, vanishing_gradients, saturated_gates,
-                                 attention_logit_growth)
+                                 attention_logit_growth, expert_collapse)

@@ -19,7 +19,7 @@ from jaxllm.data.token_store import TokenStore
 from jaxllm.data.tokenizer import Tokenizer, load_tokenizer
 from jaxllm.model.head import next_token_loss
 from jaxllm.model.lora import trainable as lora_trainable
-from jaxllm.train.faults import ThrottledBatches, with_zeroed_layer
+from jaxllm.train.faults import ThrottledBatches, with_scaled_router, with_zeroed_layer
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.train.state import TrainState, abstract_objective_state, init_objective_state
 from jaxllm.model.build import build_model
@@ -98,6 +98,8 @@ def pretrain_objective(cfg: Config) -> Objective:
     objective = dataclasses.replace(lm_objective(cfg.model, cfg.precision, cfg.pipeline,
                                                  sequence_parallel=cfg.mesh.sequence_parallel),
                                     open_batches=open_batches, eval_batches=eval_batches, tokenizer=tokenizer)
+    if cfg.debug.router_scale != 1:
+        objective = with_scaled_router(objective, cfg.debug.router_scale)
     return with_zeroed_layer(objective, cfg.debug.zero_layer) if cfg.debug.zero_layer >= 0 else objective
 
 

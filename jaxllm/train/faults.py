@@ -8,8 +8,8 @@ fires once per process: a rolled-back step that runs again is not injected again
 `debug.stall_at_step=K` makes the loop wait `debug.stall_s` seconds for step K's metrics, a hung step for the
 hang watchdog (train.hang_timeout_s) to catch.
 
-`debug.zero_layer` and `debug.data_sleep_s` seed pathologies for the diagnosis (jaxllm/diagnose): a dead layer
-and a throttled loader.
+`debug.zero_layer`, `debug.data_sleep_s` and `debug.router_scale` seed pathologies for the diagnosis
+(jaxllm/diagnose): a dead layer, a throttled loader and a hot router.
 """
 
 from __future__ import annotations
@@ -59,6 +59,20 @@ def with_zeroed_layer(objective: Objective, layer: int) -> Objective:
         model = build(key)
         params = nnx.state(model.layers, nnx.Param)
         nnx.update(model.layers, jax.tree.map(lambda w: w.at[layer].set(0), params))
+        return model
+
+    return dataclasses.replace(objective, build_model=build_model)
+
+
+def with_scaled_router(objective: Objective, scale: float) -> Objective:
+    """`objective` whose model starts with its mixture-of-experts routers' weights times `scale`: a hot router,
+    whose logits pick the same experts by wide margins however the tokens differ a little."""
+    build = objective.build_model
+
+    def build_model(key):
+        model = build(key)
+        router = model.layers.mlp.router
+        router[...] = router[...] * scale
         return model
 
     return dataclasses.replace(objective, build_model=build_model)
