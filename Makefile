@@ -4,7 +4,8 @@
 # `make dpo`:   after `make sft`, DPO on the same pairs with new adapters on the merged SFT model.
 # `make grpo`:  after `make sft`, GRPO with new adapters on the merged SFT model, rewarded by fn:ends_sentence.
 # `make ppo`:   after `make sft`, PPO (policy and critic adapters on the merged SFT model), same reward; add
-#               ARGS=--config.ppo.reward=rm:runs/reward (after `make reward`) to be rewarded by the reward model.
+#               ARGS="--config.ppo.reward=rm:runs/reward --config.workdir=runs/ppo_rm" (after `make reward`) to be
+#               rewarded by the reward model (a workdir of its own: a run resumes only under its reward).
 # `make pipeline`: the whole life of a model from nothing: prepare, pretrain, SFT, reward model, PPO (~31 min).
 # `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices) in
 #               TEST_WORKERS pytest-xdist processes (default 2), one test file per worker at a time.

@@ -3,6 +3,7 @@ ratio at 1 at each iteration's first update, bitwise resume after SIGTERM in the
 updates (the rollout travels in the checkpoint), a reward that rises, and bad settings as one-line errors."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -88,6 +89,19 @@ def test_resumes_bitwise_after_sigterm_mid_iteration(grpo_run, lora_run, prompts
 def test_bad_settings_are_one_line_errors(lora_run, prompts, tmp_path, setting, message):
     proc = _run(lora_run, prompts, tmp_path, "--config.train.steps=2", setting)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_resume_under_another_reward_is_refused_and_nothing_moves(grpo_run, lora_run, prompts, tmp_path):
+    """The run's checkpoints were trained on fn:single_line: resumed with fn:ends_sentence the run would go on
+    toward another goal (or, at its last step, report its policy under the new reward as trained on it)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(grpo_run, workdir)
+    before = sorted((p.relative_to(workdir), p.stat().st_mtime_ns) for p in workdir.rglob("*"))
+    proc = _run(lora_run, prompts, workdir, "--config.train.steps=6", "--config.grpo.reward=fn:ends_sentence")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "grpo.reward: this run's checkpoints" in proc.stderr and "fn:single_line, not fn:ends_sentence" in \
+        proc.stderr, proc.stderr[-2000:]
+    assert sorted((p.relative_to(workdir), p.stat().st_mtime_ns) for p in workdir.rglob("*")) == before
 
 
 def test_an_injected_nan_rolls_back(grpo_run):

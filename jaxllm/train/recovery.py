@@ -92,14 +92,28 @@ def config_mismatch(cfg: Config, checkpointer: Checkpointer, path: Path, differe
                                      f"(nothing was moved or written)")
 
 
+# What an objective trains toward beyond its arrays: resumed under another reward, an RL run would go on pulling
+# its policy toward a different goal, or, already at its last step, report its policy under the new reward as if
+# trained on it (`make ppo` then `make ppo ARGS=--config.ppo.reward=rm:...` in one workdir did that).
+OBJECTIVE_GOALS = {"ppo": ("reward",), "grpo": ("reward",)}
+
+
 def _check_objective(cfg: Config, directory: Path, meta: dict) -> None:
     """A run's checkpoints resume only under the objective that wrote them (DPO adapters have the shapes of SFT
-    adapters, so the arrays alone do not tell)."""
-    saved = (meta.get("config") or {}).get("train", {}).get("objective", cfg.train.objective)
-    if saved != cfg.train.objective:
+    adapters, so the arrays alone do not tell), and an RL run's only under the reward it was trained on."""
+    recorded = meta.get("config") or {}
+    objective = cfg.train.objective
+    saved = recorded.get("train", {}).get("objective", objective)
+    if saved != objective:
         raise ConfigError("train.objective", f"this run's checkpoints in {directory} were trained with "
-                                             f"train.objective={saved}, not {cfg.train.objective}; use another "
+                                             f"train.objective={saved}, not {objective}; use another "
                                              f"workdir (nothing was moved or written)")
+    for field in OBJECTIVE_GOALS.get(objective, ()):
+        was, now = recorded.get(objective, {}).get(field), getattr(getattr(cfg, objective), field)
+        if was is not None and was != now:
+            raise ConfigError(f"{objective}.{field}", f"this run's checkpoints in {directory} were trained with "
+                                                      f"{objective}.{field}={was}, not {now}; use another workdir "
+                                                      f"(nothing was moved or written)")
 
 
 @dataclasses.dataclass(frozen=True)
