@@ -1,7 +1,7 @@
 """The mixture-of-experts feed-forward (jaxllm/model/moe.py) against transformers 5.25's Mixtral and Qwen3-MoE
 sparse blocks on random weights: router logits, top-k choices and weights, outputs and gradients (torch autograd),
 the load-balancing loss (with and without padding), and the dropless grouped matmul against every expert run on
-every token."""
+every token; Qwen2-MoE's block with its shared expert, outputs and gradients, through the module."""
 
 import os
 
@@ -16,6 +16,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
+from transformers.models.qwen2_moe import modeling_qwen2_moe  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 from jaxllm.model.layers import ACTIVATIONS  # noqa: E402
@@ -147,6 +148,58 @@ def test_the_module_routes_a_batch_of_rows():
     np.testing.assert_allclose(router_losses(sums, K)[0], load_balancing_loss(routing.logits[None], K), rtol=1e-6)
     np.testing.assert_allclose(router_losses(sums, K)[1], router_z_loss(routing.logits), rtol=1e-6)
     assert moe.gate_proj.get_metadata()["out_sharding"] == ("expert", "embed", "mlp")
+
+
+def test_qwen2_moe_block_with_its_shared_expert_matches_transformers():
+    """MoEMLP with a shared expert against Qwen2-MoE's sparse block: routed experts plus sigmoid(x @ gate) times
+    the shared gated MLP. Outputs, and gradients of a weighted sum of them for the input and every weight (the
+    shared expert's and its gate's included), within 1e-4 of each tensor's largest."""
+    Fs = 20
+    config = transformers.Qwen2MoeConfig(hidden_size=D, moe_intermediate_size=F, shared_expert_intermediate_size=Fs,
+                                         num_experts=E, num_experts_per_tok=K, norm_topk_prob=False)
+    block, _ = _randomised(lambda: (modeling_qwen2_moe.Qwen2MoeSparseMoeBlock(config), False), seed=10)
+    with nnx.use_eager_sharding(False):
+        moe = MoEMLP(D, F, E, K, renormalize=False, activation="silu", init_std=0.3, out_std=0.1,
+                     dtype=jnp.float32, rngs=nnx.Rngs(0), shared_mlp_dim=Fs)
+    weights = lambda b: (*_ours(b), *(w.detach().numpy().T for w in (
+        b.shared_expert.gate_proj.weight, b.shared_expert.up_proj.weight, b.shared_expert.down_proj.weight,
+        b.shared_expert_gate.weight)))
+    names = ("router", "gate_proj", "up_proj", "down_proj", "shared_gate_proj", "shared_up_proj", "shared_down_proj",
+             "shared_expert_gate")
+    for name, w in zip(names, weights(block)):
+        getattr(moe, name).set_value(jnp.asarray(w))
+    assert moe.shared_gate_proj.get_metadata()["out_sharding"] == ("embed", "mlp")
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(2, 7, D)).astype(np.float32)
+    cotangent = rng.normal(size=(2, 7, D)).astype(np.float32)
+    x_torch = torch.tensor(x, requires_grad=True)
+    theirs = block(x_torch)
+    (theirs * torch.tensor(cotangent)).sum().backward()
+    np.testing.assert_allclose(moe(jnp.asarray(x))[0], theirs.detach().numpy(), atol=1e-5)
+    graphdef, params = nnx.split(moe)
+
+    def loss(p, x):
+        return jnp.sum(nnx.merge(graphdef, p)(x)[0] * cotangent)
+
+    grads, x_grad = jax.grad(loss, argnums=(0, 1))(params, jnp.asarray(x))
+    want = dict(zip(names, weights(_Grads(block))))
+    np.testing.assert_allclose(x_grad, x_torch.grad.numpy(), atol=1e-4 * np.abs(x_torch.grad.numpy()).max())
+    for name in names:
+        got = np.asarray(grads[name].get_value())
+        np.testing.assert_allclose(got, want[name], atol=1e-4 * np.abs(want[name]).max(), err_msg=name)
+
+
+class _Grads:
+    """A view of a transformers block whose parameters read as their gradients (for `_ours`-style layouts)."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        value = getattr(self._module, name)
+        if isinstance(value, torch.nn.Parameter):
+            return value.grad
+        return _Grads(value) if isinstance(value, torch.nn.Module) else value
 
 
 def _numpy_capacity(x, experts, weights, gate, up, down, capacity):

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE; jaxllm/config/families/mixtral.py, qwen3_moe.py) against
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE; jaxllm/config/families/) against
 transformers 5.25 on random tiny models built from their configs: logits, the auxiliary load-balancing loss, one
 step's gradients with the auxiliary loss in them, greedy KV-cache decoding, import of the per-expert files
 save_pretrained writes and of the fused layout transformers holds in memory, export back bit for bit; and the
@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from jaxllm.config.schema import ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig  # noqa: E402
@@ -35,6 +36,7 @@ from jaxllm.model.transformer import matmul_params, total_params  # noqa: E402
 from jaxllm.objectives.pretrain import abstract_train_state, lm_objective  # noqa: E402
 from jaxllm.optim.chain import make_optimizer  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh  # noqa: E402
+from jaxllm.parallel.sharding import spec_tree  # noqa: E402
 from jaxllm.runs.checkpoint import Checkpointer  # noqa: E402
 from jaxllm.train.fit import to_global  # noqa: E402
 from jaxllm.train.state import init_objective_state  # noqa: E402
@@ -48,12 +50,16 @@ AUX_COEF = 0.05
 COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, num_experts_per_tok=2, rms_norm_eps=1e-5, initializer_range=0.2,
               rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, router_aux_loss_coef=AUX_COEF)
-# 6 experts, 2 per token; Qwen3-MoE without renormalisation (Mixtral always renormalises) and with an
-# intermediate_size apart from its experts' (never used: every layer has experts).
+# 6 experts, 2 per token; the Qwens without renormalisation (Mixtral always renormalises) and with an
+# intermediate_size apart from their experts' (never used: every layer has experts); Qwen2-MoE with a shared expert
+# of a third size.
 CONFIGS = {
     "mixtral": (transformers.MixtralConfig, dict(COMMON, intermediate_size=24, num_local_experts=6)),
     "qwen3_moe": (transformers.Qwen3MoeConfig, dict(COMMON, intermediate_size=40, moe_intermediate_size=24,
                                                     num_experts=6, norm_topk_prob=False)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(COMMON, intermediate_size=40, moe_intermediate_size=24,
+                                                    shared_expert_intermediate_size=20, num_experts=6,
+                                                    norm_topk_prob=False)),
 }
 NAMES = list(CONFIGS)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
@@ -81,6 +87,7 @@ def _batch(ids):
 def test_import_matches_transformers_logits_and_aux_loss(saved, ids, name):
     model, path, jm = saved[name]
     assert (jm.cfg.family, jm.cfg.num_experts, jm.cfg.experts_per_token, jm.cfg.mlp_dim) == (name, 6, 2, 24)
+    assert jm.cfg.moe_shared_mlp_dim == (20 if name == "qwen2_moe" else 0)
     assert jm.cfg.moe_renormalize == (name == "mixtral") and jm.cfg.moe_aux_loss_coef == AUX_COEF
     with torch.no_grad():
         out = model(torch.tensor(ids), output_router_logits=True)
@@ -92,18 +99,23 @@ def test_import_matches_transformers_logits_and_aux_loss(saved, ids, name):
 
 def _torch_grads_in_jaxllm_layout(model) -> dict[tuple, np.ndarray]:
     """{jaxllm parameter path: gradient} of the torch model after a backward pass (experts fused in memory:
-    gate_up_proj [L][E, 2F, D], down_proj [L][E, D, F])."""
+    gate_up_proj [L][E, 2F, D], down_proj [L][E, D, F]; a shared expert's Linear weights [out, in])."""
     grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
     L = model.config.num_hidden_layers
     stack = lambda name: np.stack([grads[f"model.layers.{i}.{name}"] for i in range(L)])
     gate_up = stack("mlp.experts.gate_up_proj")
     F = gate_up.shape[2] // 2
-    return {("layers", "mlp", "router"): np.swapaxes(stack("mlp.gate.weight"), 1, 2),
-            ("layers", "mlp", "gate_proj"): np.swapaxes(gate_up[:, :, :F], 2, 3),
-            ("layers", "mlp", "up_proj"): np.swapaxes(gate_up[:, :, F:], 2, 3),
-            ("layers", "mlp", "down_proj"): np.swapaxes(stack("mlp.experts.down_proj"), 2, 3),
-            ("layers", "self_attn", "o_proj"): stack("self_attn.o_proj.weight"),  # compared by norm below
-            ("embed_tokens", "embedding"): grads["model.embed_tokens.weight"]}
+    out = {("layers", "mlp", "router"): np.swapaxes(stack("mlp.gate.weight"), 1, 2),
+           ("layers", "mlp", "gate_proj"): np.swapaxes(gate_up[:, :, :F], 2, 3),
+           ("layers", "mlp", "up_proj"): np.swapaxes(gate_up[:, :, F:], 2, 3),
+           ("layers", "mlp", "down_proj"): np.swapaxes(stack("mlp.experts.down_proj"), 2, 3),
+           ("layers", "self_attn", "o_proj"): stack("self_attn.o_proj.weight"),  # compared by norm below
+           ("embed_tokens", "embedding"): grads["model.embed_tokens.weight"]}
+    if "model.layers.0.mlp.shared_expert_gate.weight" in grads:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[("layers", "mlp", f"shared_{name}")] = np.swapaxes(stack(f"mlp.shared_expert.{name}.weight"), 1, 2)
+        out[("layers", "mlp", "shared_expert_gate")] = np.swapaxes(stack("mlp.shared_expert_gate.weight"), 1, 2)
+    return out
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -191,11 +203,24 @@ def test_unsupported_moe_options_are_one_line_errors_naming_the_key(saved):
         ModelConfig(family="mixtral").check()
     with pytest.raises(ConfigError, match="model.moe_renormalize: family 'mixtral' always"):
         ModelConfig(**dict(PRESETS["moe_tiny"], moe_renormalize=False)).check()
+    qwen2_moe = json.loads((saved["qwen2_moe"][1] / "config.json").read_text())
+    for key, value in (("shared_expert_intermediate_size", 0), ("decoder_sparse_step", 2), ("qkv_bias", False),
+                       ("use_sliding_window", True)):
+        with pytest.raises(ValueError, match=key) as raised:
+            hf.config_from_hf(dict(qwen2_moe, **{key: value}))
+        assert "\n" not in str(raised.value)
+    with pytest.raises(ConfigError, match="model.moe_shared_mlp_dim: family 'mixtral' has no shared expert"):
+        ModelConfig(**dict(PRESETS["moe_tiny"], moe_shared_mlp_dim=32)).check()
+    for bad in (0, -8):
+        with pytest.raises(ConfigError, match="model.moe_shared_mlp_dim: family 'qwen2_moe' has a shared expert"):
+            ModelConfig(**dict(PRESETS["qwen2_moe_a2_7b"], moe_shared_mlp_dim=bad)).check()
 
 
 def test_presets_count_total_and_active_parameters():
-    """Mixtral 8x7B: 46.7B parameters, 12.9B active a token (with the embeddings); Qwen3-30B-A3B: 30.5B, 3.3B."""
-    for preset, total, active in (("mixtral_8x7b", 46.70e9, 12.88e9), ("qwen3_30b_a3b", 30.53e9, 3.35e9)):
+    """Mixtral 8x7B: 46.7B parameters, 12.9B active a token (with the embeddings); Qwen3-30B-A3B: 30.5B, 3.3B;
+    Qwen1.5-MoE-A2.7B: 14.3B, 2.7B (its shared expert active on every token)."""
+    for preset, total, active in (("mixtral_8x7b", 46.70e9, 12.88e9), ("qwen3_30b_a3b", 30.53e9, 3.35e9),
+                                  ("qwen2_moe_a2_7b", 14.32e9, 2.69e9)):
         cfg = ModelConfig(**PRESETS[preset])
         cfg.check()
         assert abs(total_params(cfg) - total) < 0.01e9, preset
@@ -240,6 +265,25 @@ def test_unrolled_layers_and_roomy_capacity_equal_scanned_dropless():
     for model in (dataclasses.replace(cfg, scan_layers=False), roomy):
         np.testing.assert_allclose(run(model), reference, rtol=1e-5)
 
+
+def test_a_shared_expert_trains_alike_across_layouts():
+    """moe_tiny as Qwen2-MoE with a shared expert (a dense MLP outside the experts' shard_map): the same losses
+    and aux losses over two updates on data, tensor + expert and pipeline layouts (the expert layers run outside a
+    shard_map in pipeline stages); and the shared expert's kernels split over tensor as a dense MLP's."""
+    cfg = ModelConfig(**dict(PRESETS["moe_tiny"], family="qwen2_moe", vocab_size=128, moe_renormalize=False,
+                             moe_shared_mlp_dim=32, moe_aux_loss_coef=0.1))
+    batch = synthetic_batch(3, 8, 16, 128)
+    run = lambda model, layout: first_updates(lambda pipeline: lm_objective(model, F32, pipeline), layout, batch,
+                                              ("loss", "moe_aux_loss"), steps=2)
+    reference = run(cfg, MeshConfig(8))
+    assert reference[1][0] < reference[0][0]
+    for name, layout in (("expert 2 + tensor + data", MeshConfig(2, 1, 2, expert=2)),
+                         ("pipeline", MeshConfig(1, 2, 2, 2))):
+        np.testing.assert_allclose(run(cfg, layout), reference, rtol=1e-5, atol=1e-6, err_msg=name)
+    mesh = make_mesh(MeshConfig(1, 2, 2, expert=2))
+    specs = spec_tree(abstract_train_state(cfg, F32, make_optimizer(OptimConfig(), 10)).params, mesh)["layers"]["mlp"]
+    assert (specs["shared_gate_proj"], specs["shared_down_proj"], specs["shared_expert_gate"]) == (
+        P(None, "fsdp", "tensor"), P(None, "tensor", "fsdp"), P(None, "fsdp", None))
 
 
 def test_checkpoints_reshard_between_expert_counts_and_resume_bitwise(tmp_path):

@@ -282,4 +282,4 @@ def test_each_family_s_chat_template_renders_as_transformers_and_ends_a_turn_whe
 
 # Where an assistant turn ends in each family's chat template.
 TURN_ENDS = {"llama": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>", "mistral": "</s>",
-             "gemma3": "<end_of_turn>", "mixtral": "</s>", "qwen3_moe": "<|im_end|>"}
+             "gemma3": "<end_of_turn>", "mixtral": "</s>", "qwen2_moe": "<|im_end|>", "qwen3_moe": "<|im_end|>"}

@@ -146,13 +146,16 @@ class ModelConfig:
     # within each stage under the pipeline) instead of lax.scan, so XLA can schedule and fuse across layers (on
     # GPUs); compile time grows with depth. Same parameters, checkpoints and results. KV-cache decoding scans.
     scan_layers: bool = True
-    # Mixture of experts (jaxllm/model/moe.py; Mixtral, Qwen3-MoE): num_experts > 0 puts a router and that many
-    # gated experts of mlp_dim hidden units each in place of every layer's MLP, experts_per_token of them run per
-    # token, their router weights renormalised to sum to 1 when moe_renormalize (Mixtral always; Qwen3-MoE's
+    # Mixture of experts (jaxllm/model/moe.py; Mixtral, Qwen2-MoE, Qwen3-MoE): num_experts > 0 puts a router and
+    # that many gated experts of mlp_dim hidden units each in place of every layer's MLP, experts_per_token of them
+    # run per token, their router weights renormalised to sum to 1 when moe_renormalize (Mixtral always; Qwen's
     # norm_topk_prob). 0: a dense MLP.
     num_experts: int = 0
     experts_per_token: int = 2
     moe_renormalize: bool = True
+    # A shared expert beside the routed ones (Qwen2-MoE's shared_expert_intermediate_size): a gated MLP of this
+    # many hidden units that every token runs, scaled by sigmoid(x @ shared_expert_gate); 0: none.
+    moe_shared_mlp_dim: int = 0
     # How tokens reach their experts in training and evaluation: "dropless" (grouped matmuls over ragged groups)
     # or "capacity" (fixed buffers of moe_capacity_factor times an even share of the picks; overflow dropped).
     # Decoding is always dropless.
@@ -231,6 +234,12 @@ class ModelConfig:
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise ConfigError("model.experts_per_token", f"must be between 1 and model.num_experts="
                                                          f"{self.num_experts}, got {self.experts_per_token}")
+        if self.moe_shared_mlp_dim < 0 or bool(self.moe_shared_mlp_dim) != self.blocks.shared_expert:
+            shared = [name for name, f in FAMILIES.items() if f.blocks.shared_expert]
+            raise ConfigError("model.moe_shared_mlp_dim", f"family {self.family!r} " + (
+                f"has a shared expert: give it moe_shared_mlp_dim > 0, got {self.moe_shared_mlp_dim}"
+                if self.blocks.shared_expert else f"has no shared expert: moe_shared_mlp_dim must be 0 (families "
+                                                  f"with one: {shared}), got {self.moe_shared_mlp_dim}"))
         check_choice("model.moe_dispatch", self.moe_dispatch, MOE_DISPATCHES)
         check_positive("model.moe_capacity_factor", self.moe_capacity_factor)
         for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
@@ -775,8 +784,9 @@ def _check_model_on_mesh(model: ModelConfig, mesh: MeshConfig, seq_len: int) -> 
     if model.num_kv_heads % mesh.tensor:
         raise ConfigError("model.num_kv_heads", f"{model.num_kv_heads} kv heads are not divisible by "
                                                 f"mesh.tensor={mesh.tensor}")
-    if model.mlp_dim % mesh.tensor:
-        raise ConfigError("model.mlp_dim", f"{model.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}")
+    for key in ("mlp_dim", "moe_shared_mlp_dim"):
+        if getattr(model, key) % mesh.tensor:
+            raise ConfigError(f"model.{key}", f"{getattr(model, key)} is not divisible by mesh.tensor={mesh.tensor}")
     if mesh.sequence_parallel and seq_len % mesh.tensor:
         raise ConfigError("mesh.sequence_parallel", f"splits the sequence over mesh.tensor={mesh.tensor}, which does "
                                                     f"not divide train.seq_len={seq_len}")

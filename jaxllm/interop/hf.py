@@ -1,6 +1,7 @@
 """Hugging Face checkpoints of the families jaxllm builds (jaxllm/config/families/: Llama, Qwen2, Qwen3,
-Mistral, Gemma 3) <-> jaxllm `Transformer`, through one declarative table; reward models <-> the family's
-`*ForSequenceClassification` (num_labels=1) through the same table with its `score` head for the lm_head.
+Mistral, Gemma 3, Mixtral, Qwen2-MoE, Qwen3-MoE) <-> jaxllm `Transformer`, through one declarative table; reward
+models <-> the family's `*ForSequenceClassification` (num_labels=1) through the same table with its `score` head
+for the lm_head.
 
 `table(cfg)` has one row per tensor kind: the Hugging Face name (with `{i}` for the layer), the jaxllm parameter
 path, and the layout transform between them; a family's blocks add their rows (q/k/v biases, q/k norms). Import
@@ -75,6 +76,12 @@ EXPERT_ROWS: dict[str, tuple[Row, ...]] = {
     for naming, prefix, projections in (("mixtral", "block_sparse_moe", ("w1", "w3", "w2")),
                                         ("qwen_moe", "mlp", ("gate_proj", "up_proj", "down_proj")))
 }
+# A shared expert's rows (Blocks.shared_expert: Qwen2-MoE), beside the routed experts': a dense MLP's three
+# projections and its gate [1, D] <-> [D, 1].
+SHARED_EXPERT_ROWS: tuple[Row, ...] = tuple(
+    Row(f"model.layers.{{i}}.mlp.{name}.weight", ("layers", "mlp", param), TRANSPOSE)
+    for name, param in (("shared_expert.gate_proj", "shared_gate_proj"), ("shared_expert.up_proj", "shared_up_proj"),
+                        ("shared_expert.down_proj", "shared_down_proj"), ("shared_expert_gate", "shared_expert_gate")))
 # The same, fused as transformers 5 holds them in memory (any family): read when a file has them.
 FUSED_EXPERT_ROWS: tuple[Row, ...] = tuple(
     Row(f"model.layers.{{i}}.mlp.{name}", ("layers", "mlp", param), transform)
@@ -92,6 +99,8 @@ def table(cfg: ModelConfig, reward: bool = False) -> tuple[Row, ...]:
     body = TABLE[:-1]
     if cfg.blocks.experts:
         body = tuple(row for row in body if row.hf not in _DENSE_MLP) + EXPERT_ROWS[cfg.blocks.experts]
+    if cfg.blocks.shared_expert:
+        body += SHARED_EXPERT_ROWS
     return body + extra + (SCORE_ROW if reward else TABLE[-1],)
 
 

@@ -1,9 +1,10 @@
-"""Mixture-of-experts feed-forward (Mixtral, Qwen3-MoE): a router picks the top k of E experts for each token,
-each expert is a gated MLP, and a token's output is its experts' outputs weighted by the router.
+"""Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks the top k of E experts for each
+token, each expert is a gated MLP, and a token's output is its experts' outputs weighted by the router; plus, with
+a shared expert (Qwen2-MoE), a gated MLP every token runs, scaled by sigmoid(x @ shared_expert_gate).
 
 Routing, as transformers computes it: router logits = x @ router [T, E]; probabilities = softmax in float32; the
 top k of them (ties to the lower expert index, as `torch.topk` and `jax.lax.top_k` both break them), renormalised
-to sum to 1 when `renormalize` (Mixtral always; Qwen3-MoE's `norm_topk_prob`).
+to sum to 1 when `renormalize` (Mixtral always; the Qwens' `norm_topk_prob`).
 
 Dispatch is dropless: the T * k (token, expert) pairs are sorted by expert, so each expert's tokens form one
 contiguous group, one grouped matmul per projection (`jax.lax.ragged_dot`) runs every expert over its own group
@@ -30,6 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model.layers import ACTIVATIONS, param
 from jaxllm.parallel.experts import ExpertGroup, run_experts
+from jaxllm.parallel.sharding import constrain
 
 
 class Routing(NamedTuple):
@@ -222,18 +224,24 @@ def gradient_only(value: jax.Array, penalty: jax.Array) -> jax.Array:
 
 class MoEMLP(nnx.Module):
     """The mixture-of-experts feed-forward of one layer (or a stack of them, `stack`): a router [D, E] and E gated
-    experts [E, D, F] / [E, F, D] with the family's activation. Its call returns the output and the router's
-    `RouterSums` per row, from which the auxiliary losses and the metrics are taken."""
+    experts [E, D, F] / [E, F, D] with the family's activation; with `shared_mlp_dim` Fs > 0 also a shared expert
+    (Qwen2-MoE), a gated MLP [D, Fs] / [Fs, D] laid out as the dense MLP's and its gate [D, 1]. Its call returns the
+    output and the router's `RouterSums` per row, from which the auxiliary losses and the metrics are taken."""
 
     def __init__(self, dim: int, mlp_dim: int, num_experts: int, top_k: int, *, renormalize: bool, activation: str,
                  init_std: float, out_std: float, dtype, rngs: nnx.Rngs, stack: tuple = (),
-                 dispatch: str = "dropless", capacity_factor: float = 1.0):
-        D, F, E = dim, mlp_dim, num_experts
+                 dispatch: str = "dropless", capacity_factor: float = 1.0, shared_mlp_dim: int = 0):
+        D, F, E, Fs = dim, mlp_dim, num_experts, shared_mlp_dim
         lead = ("layers",) * len(stack)
         self.router = param(rngs, stack + (D, E), lead + ("embed", "expert"), dtype, init_std)
         self.gate_proj = param(rngs, stack + (E, D, F), lead + ("expert", "embed", "mlp"), dtype, init_std)
         self.up_proj = param(rngs, stack + (E, D, F), lead + ("expert", "embed", "mlp"), dtype, init_std)
         self.down_proj = param(rngs, stack + (E, F, D), lead + ("expert", "mlp", "embed"), dtype, out_std)
+        shared = lambda shape, names, std: param(rngs, stack + shape, lead + names, dtype, std) if Fs else None
+        self.shared_gate_proj = shared((D, Fs), ("embed", "mlp"), init_std)
+        self.shared_up_proj = shared((D, Fs), ("embed", "mlp"), init_std)
+        self.shared_down_proj = shared((Fs, D), ("mlp", "embed"), out_std)
+        self.shared_expert_gate = shared((D, 1), ("embed", None), init_std)
         self.top_k, self.renormalize, self.activation = top_k, renormalize, activation  # static
         self.dispatch, self.capacity_factor = dispatch, capacity_factor  # static
 
@@ -245,7 +253,21 @@ class MoEMLP(nnx.Module):
                                   activation=self.activation, capacity_factor=capacity_factor)
         out_BTD, sums = run_experts(layer, x_BTD, self.router[...], self.gate_proj[...], self.up_proj[...],
                                     self.down_proj[...])
+        if self.shared_gate_proj is not None:
+            out_BTD = out_BTD + self._shared_expert(x_BTD)
         return checkpoint_name(out_BTD, "mlp_out"), sums
+
+    def _shared_expert(self, x_BTD: jax.Array) -> jax.Array:
+        """The shared expert's output [B, T, D]: outside `run_experts`' shard_map, on the whole activations, so it
+        splits as a dense MLP does (hidden units over `tensor`, the batch over the batch axes)."""
+        cast = lambda p: p[...].astype(x_BTD.dtype)
+        gate_BTF = checkpoint_name(jnp.einsum("BTD,DF->BTF", x_BTD, cast(self.shared_gate_proj)), "mlp_gate")
+        up_BTF = checkpoint_name(jnp.einsum("BTD,DF->BTF", x_BTD, cast(self.shared_up_proj)), "mlp_up")
+        h_BTF = constrain(ACTIVATIONS[self.activation](gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
+        out_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, cast(self.shared_down_proj))
+        # The gate's logit in the compute dtype (a matmul, as transformers' Linear), its sigmoid in float32.
+        logit_BT1 = jnp.einsum("BTD,DO->BTO", x_BTD, cast(self.shared_expert_gate))
+        return out_BTD * jax.nn.sigmoid(logit_BT1.astype(jnp.float32)).astype(out_BTD.dtype)
 
 
 def moe_on_device(x_BTD, router_DE, gate_EDF, up_EDF, down_EFD, group: ExpertGroup, *, top_k: int,

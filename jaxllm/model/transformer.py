@@ -124,7 +124,8 @@ def _feed_forward_block(cfg: ModelConfig, dtype, stack: tuple, rngs: nnx.Rngs, l
     return MoEMLP(cfg.dim, cfg.mlp_dim, cfg.num_experts, cfg.experts_per_token, renormalize=cfg.moe_renormalize,
                   activation=cfg.blocks.activation, init_std=cfg.init_std,
                   out_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, dtype=dtype, rngs=rngs, stack=stack,
-                  dispatch=cfg.moe_dispatch, capacity_factor=cfg.moe_capacity_factor)
+                  dispatch=cfg.moe_dispatch, capacity_factor=cfg.moe_capacity_factor,
+                  shared_mlp_dim=cfg.moe_shared_mlp_dim)
 
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
@@ -453,11 +454,12 @@ class Transformer(nnx.Module):
 
 def _layer_matmul_params(cfg: ModelConfig, active: bool = False) -> int:
     """The layers' projections; of a mixture of experts all experts, or with `active` those a token runs
-    (experts_per_token of them), plus the router."""
+    (experts_per_token of them), plus the router and the shared expert with its gate (every token runs them)."""
     D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     experts = (cfg.experts_per_token if active else cfg.num_experts) if cfg.num_experts else 1
     router = D * cfg.num_experts
-    return cfg.num_layers * (D * N * H * 2 + D * K * H * 2 + experts * 3 * D * F + router)
+    shared = (3 * D * cfg.moe_shared_mlp_dim + D) if cfg.moe_shared_mlp_dim else 0
+    return cfg.num_layers * (D * N * H * 2 + D * K * H * 2 + experts * 3 * D * F + router + shared)
 
 
 def matmul_params(cfg: ModelConfig) -> int:

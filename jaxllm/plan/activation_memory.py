@@ -40,7 +40,9 @@ def _layer_terms(cfg: Config, rows: int, attention: str, residual_split: int = 1
     # groups: jaxllm/parallel/experts.py); capacity dispatch its experts' buffers, factor x k a token in all.
     # Plus each pair's gathered input and weighted output, the group's gathered rows, and the router's float32
     # logits, probabilities and log-probabilities.
-    pairs, dispatch = n, 0.0
+    # A shared expert (model.moe_shared_mlp_dim) is a dense MLP beside them: every token, its hidden units over
+    # tensor, its gate and up under the same names.
+    pairs, dispatch, shared = n, 0.0, n * m.moe_shared_mlp_dim / mesh.tensor * c
     if m.num_experts:
         spread = m.moe_capacity_factor if m.moe_dispatch == "capacity" else mesh.expert
         pairs = n * m.experts_per_token * spread
@@ -54,9 +56,9 @@ def _layer_terms(cfg: Config, rows: int, attention: str, residual_split: int = 1
         "query_proj": n * heads * m.head_dim * c, "key_proj": n * kv * m.head_dim * c,
         "value_proj": n * kv * m.head_dim * c,
         "context": n * heads * m.head_dim * c, "out_proj": residual,
-        "mlp_gate": pairs * mlp * c, "mlp_up": pairs * mlp * c, "mlp_out": residual,
+        "mlp_gate": pairs * mlp * c + shared, "mlp_up": pairs * mlp * c + shared, "mlp_out": residual,
         # scores; two norms and a residual; sigmoid(gate), silu(gate) and their product with up; experts' dispatch
-        "unnamed": scores + 3 * residual + 3 * pairs * mlp * c + dispatch,
+        "unnamed": scores + 3 * residual + 3 * (pairs * mlp * c + shared) + dispatch,
     }
 
 

@@ -34,7 +34,8 @@ from jaxllm.interop import hf
 # init_std, preset) are choices of this run.
 ARCHITECTURE = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
                 "norm_eps", "tie_embeddings", "family", "sliding_window", "global_every", "local_rope_theta",
-                "query_pre_attn_scalar", "num_experts", "experts_per_token", "moe_renormalize")
+                "query_pre_attn_scalar", "num_experts", "experts_per_token", "moe_renormalize",
+                "moe_shared_mlp_dim")
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _KEY = "checkpoint.restore_from"
 

@@ -30,6 +30,9 @@ class Blocks:
     # "": a dense MLP. With experts_renormalized the top-k router weights always sum to 1 (Mixtral).
     experts: str = ""
     experts_renormalized: bool = False
+    # a shared expert beside the routed ones, of model.moe_shared_mlp_dim > 0 hidden units (Qwen2-MoE's
+    # mlp.shared_expert.gate_proj/up_proj/down_proj and mlp.shared_expert_gate)
+    shared_expert: bool = False
 
 
 class FamilyConfigError(ValueError):
@@ -93,3 +96,23 @@ def router_to_hf(fields: dict, num_experts_key: str) -> dict:
     return {num_experts_key: fields["num_experts"], "num_experts_per_tok": fields["experts_per_token"],
             "router_aux_loss_coef": fields["moe_aux_loss_coef"], "router_jitter_noise": 0.0,
             "output_router_logits": False}
+
+
+def qwen_experts_from_hf(hf: dict) -> dict:
+    """The ModelConfig fields of a Qwen mixture of experts (Qwen2-MoE, Qwen3-MoE) from config.json: experts in every
+    layer (a FamilyConfigError for dense layers, `mlp_only_layers` or `decoder_sparse_step` > 1), the router."""
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise FamilyConfigError(f"mlp_only_layers={hf.get('mlp_only_layers')} with decoder_sparse_step="
+                                f"{hf.get('decoder_sparse_step', 1)} is not supported (only experts in every layer)")
+    experts = "num_experts" if "num_experts" in hf else "num_local_experts"
+    return {"mlp_dim": int(hf["moe_intermediate_size"]), "moe_renormalize": bool(hf.get("norm_topk_prob", False)),
+            **router_from_hf(hf, experts)}
+
+
+def qwen_experts_to_hf(fields: dict) -> dict:
+    """`qwen_experts_from_hf` backwards. Every layer has experts, so intermediate_size (a dense layer's) is never
+    used: it is written as the experts'."""
+    return {"use_sliding_window": False, "max_window_layers": fields["num_layers"],
+            "moe_intermediate_size": fields["mlp_dim"], "intermediate_size": fields["mlp_dim"],
+            "norm_topk_prob": fields["moe_renormalize"], "decoder_sparse_step": 1, "mlp_only_layers": [],
+            **router_to_hf(fields, "num_experts")}

@@ -2,27 +2,14 @@
 gated experts of `moe_intermediate_size` hidden units, `num_experts_per_tok` per token, renormalised when
 `norm_topk_prob`. Layers with a dense MLP (`mlp_only_layers`, `decoder_sparse_step` > 1) are not supported."""
 
-from jaxllm.config.families.blocks import (CHATML, Blocks, Family, FamilyConfigError, full_attention_only,
-                                           refuse_true, router_from_hf, router_to_hf)
+from jaxllm.config.families.blocks import (CHATML, Blocks, Family, full_attention_only, qwen_experts_from_hf,
+                                           qwen_experts_to_hf, refuse_true)
 
 
 def _from_hf(hf: dict) -> dict:
     refuse_true(hf, "attention_bias", why="Qwen3 projections here have no bias")
     full_attention_only(hf)
-    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        raise FamilyConfigError(f"mlp_only_layers={hf.get('mlp_only_layers')} with decoder_sparse_step="
-                                f"{hf.get('decoder_sparse_step', 1)} is not supported (only experts in every layer)")
-    experts = "num_experts" if "num_experts" in hf else "num_local_experts"
-    return {"mlp_dim": int(hf["moe_intermediate_size"]), "moe_renormalize": bool(hf.get("norm_topk_prob", False)),
-            **router_from_hf(hf, experts)}
-
-
-def _to_hf(fields: dict, rope: dict) -> dict:
-    # Every layer has experts, so intermediate_size (a dense layer's) is never used: it is written as the experts'.
-    return {"attention_bias": False, "use_sliding_window": False, "max_window_layers": fields["num_layers"],
-            "moe_intermediate_size": fields["mlp_dim"], "intermediate_size": fields["mlp_dim"],
-            "norm_topk_prob": fields["moe_renormalize"], "decoder_sparse_step": 1, "mlp_only_layers": [],
-            **router_to_hf(fields, "num_experts")}
+    return qwen_experts_from_hf(hf)
 
 
 FAMILY = Family(
@@ -32,7 +19,7 @@ FAMILY = Family(
     sequence_classification="Qwen3MoeForSequenceClassification",
     blocks=Blocks(qk_norm=True, experts="qwen_moe"),
     from_hf=_from_hf,
-    to_hf=_to_hf,
+    to_hf=lambda fields, rope: {"attention_bias": False, **qwen_experts_to_hf(fields)},
     presets={
         # Qwen3-30B-A3B: 30.5B parameters, 3.3B active per token.
         "qwen3_30b_a3b": dict(vocab_size=151936, dim=2048, num_layers=48, num_heads=32, num_kv_heads=4,
