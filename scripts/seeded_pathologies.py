@@ -3,10 +3,10 @@ findings each got against the one it must get.
 
     python scripts/seeded_pathologies.py [--steps 60] [--workdir runs/seeded] [--only lr_x30,zero_layer] [--reuse]
 
-Every run is configs/pretrain.py with `train.on_anomaly=skip` (so it runs to the end), evaluated every 20 steps,
-on 8 fake CPU devices. `--reuse` diagnoses runs already in the workdir instead of training them again. The
-last line is the table as one JSON object. Exit 0 when every run got what it must (and the healthy run no
-warning), 1 otherwise.
+Every run is configs/pretrain.py with `train.on_anomaly=skip` (so it runs to the end), evaluated every 20 steps, on
+8 fake CPU devices; `moe_hot_router` is configs/pretrain_moe.py for its whole 300 steps (~20 minutes). `--reuse`
+diagnoses runs already in the workdir instead of training them again. The last line is the table as one JSON
+object. Exit 0 when every run got what it must (and the healthy run no warning), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -36,18 +36,25 @@ SEEDED = {
     # longer than the default step (1-2.6 s on these shared CPUs): a shorter sleep hides behind the step already
     # queued on the devices (the loop loads the next batch while the devices run the current step)
     "data_sleep": (("--config.debug.data_sleep_s=3.0",), ("input_bound",)),
+    # a saturated router (its softmax one-hot, so neither the loss nor an aux loss moves it) and no aux loss
+    "moe_hot_router": (("--config.model.moe_aux_loss_coef=0", "--config.debug.router_scale=1000"),
+                       ("expert_collapse",)),
 }
+# A mixture of experts' pathology runs configs/pretrain_moe.py for its whole 300 steps whatever --steps says: every
+# router collapses early (around step 30) and spreads again later, so a short healthy run would look collapsed.
+MOE_RUNS = {"moe_hot_router"}
 NEEDS = {  # the rule a pathology's finding comes from when the run lacks its fields
     "zero_layer": "dead_layer", "data_sleep": "input_bound", "lr_div1000": "lr_too_low",
-    "init_x50": "saturated_gates",
+    "init_x50": "saturated_gates", "moe_hot_router": "expert_collapse",
 }
 
 
 def train(name: str, overrides: tuple[str, ...], workdir: Path, steps: int) -> float:
     """Train one seeded run into `workdir`; seconds taken."""
-    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "pretrain.py"),
-               "--workdir", str(workdir), f"--config.train.steps={steps}", "--config.train.eval_every=20",
-               "--config.train.on_anomaly=skip", *overrides]
+    job, length = ("pretrain_moe.py", ()) if name in MOE_RUNS else ("pretrain.py", (f"--config.train.steps={steps}",))
+    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / job),
+               "--workdir", str(workdir), *length, "--config.train.eval_every=20", "--config.train.on_anomaly=skip",
+               *overrides]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
     start = time.perf_counter()
