@@ -498,25 +498,23 @@ def test_a_real_run_with_the_lr_x30_is_named(shakespeare_store, tmp_path):
     assert all(f"| {row['kind']} | {row['axes']} |" in section for row in comms["by_kind_axes"])
 
 
-def test_the_aux_loss_balances_experts_and_a_hot_router_s_collapse_is_named(shakespeare_store, tmp_path):
-    """Two real seeded moe_tiny runs of 200 steps: with the aux loss on (0.1) the tokens per expert's coefficient
-    of variation ends at least 2x lower than with it off and a hot router (saturated: debug.router_scale=1000),
-    whose experts stay collapsed and the diagnosis names it; the balanced run's does not."""
-    from train_runs import train_command, train_env
+def test_the_aux_loss_balances_experts_and_a_hot_router_s_collapse_is_named(tmp_path):
+    """Two recorded real moe_tiny runs of 200 steps (tests/data/diagnose/moe_tiny/README.md: why recorded): with the
+    aux loss on (0.1) the tokens per expert's coefficient of variation ends at least 2x lower than with it off and a
+    hot router (saturated: debug.router_scale=1000), whose experts stay collapsed and the diagnosis names it; the
+    balanced run's does not. (The full-size pair, configs/pretrain_moe.py, is in the replayed traces.)"""
+    import gzip
 
-    def run(name, *args):
+    def recorded(name):
         workdir = tmp_path / name
-        proc = subprocess.run(train_command(shakespeare_store, workdir, "--config.model.preset=moe_tiny",
-                                            "--config.train.steps=200", "--config.train.eval_every=1000",
-                                            "--config.checkpoint.every=1000", "--config.train.on_anomaly=skip",
-                                            *args), capture_output=True, text=True, env=train_env(), timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        shutil.copytree(ROOT / "tests" / "data" / "diagnose" / "moe_tiny" / name, workdir)
+        (workdir / "metrics.jsonl").write_bytes(gzip.decompress((workdir / "metrics.jsonl.gz").read_bytes()))
         data = load_run(workdir)
         tail = data.step > 2 * data.step[-1] / 3
         cv = np.mean([np.median(data.series(f"moe/expert_tokens_cv/layer_{i}")[tail]) for i in range(2)])
         return cv, {f.id for f in diagnose(data).findings}
 
-    balanced, balanced_ids = run("balanced", "--config.model.moe_aux_loss_coef=0.1")
-    collapsed, collapsed_ids = run("collapsed", "--config.model.moe_aux_loss_coef=0", "--config.debug.router_scale=1000")
+    balanced, balanced_ids = recorded("balanced")
+    collapsed, collapsed_ids = recorded("hot_router")
     assert collapsed >= 2 * balanced, (balanced, collapsed)
     assert "expert_collapse" in collapsed_ids and "expert_collapse" not in balanced_ids, (collapsed_ids, balanced_ids)
