@@ -1,6 +1,7 @@
 """jaxllm's train step against a bare JAX step and MaxText on the same Llama, interleaved: `make bench-peers`.
 
     python scripts/bench_peers.py [--configs small,medium] [--dtypes bfloat16,float32] [--devices 1,8] [--rounds 3]
+                                  [--zero1 true]
 
 For each config, dtype and device count, ROUNDS interleaved rounds of
   bare     scripts/peers/bare_llama.py, a minimal step of the same Llama in plain jax.numpy + optax;
@@ -42,6 +43,8 @@ def parse_args(argv):
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--devices", default="8,1")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--zero1", choices=("true", "false"), default="false",
+                   help="jaxllm's optim.zero1 (the optimizer update split over the data-parallel replicas)")
     p.add_argument("--jaxllm_python", default=str(PEERS / "jaxllm" / "bin" / "python"))
     p.add_argument("--maxtext_python", default=str(PEERS / "maxtext" / "bin" / "python"))
     p.add_argument("--out", default=str(PEERS / "results.jsonl"))
@@ -72,7 +75,7 @@ def run(a, impl: str, config: str, dtype: str, devices: int) -> dict:
         cmd = [a.jaxllm_python, str(ROOT / "scripts" / "peers" / "bare_llama.py"), *shape, f"--steps={steps}"]
     else:
         cmd = [a.jaxllm_python, str(ROOT / "scripts" / "peers" / "jaxllm_run.py"), f"--impl={impl}", *shape,
-               f"--steps={steps}"]
+               f"--steps={steps}", f"--zero1={a.zero1}"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     lines = done.stdout.strip().splitlines()
     try:
@@ -104,7 +107,7 @@ def main(argv) -> int:
         for dtype in a.dtypes.split(","):
             for devices in (int(d) for d in a.devices.split(",")):
                 rows.append((config, dtype, devices, measure(a, config, dtype, devices)))
-    print(f"tokens/s, median of {a.rounds} interleaved rounds (loop: one run)")
+    print(f"tokens/s, median of {a.rounds} interleaved rounds (loop: one run); jaxllm with optim.zero1={a.zero1}")
     print("| config | dtype | devices | bare JAX | MaxText | jaxllm step | jaxllm loop | step / bare | "
           "step / MaxText | loop / step |")
     print("|---|---|---|---|---|---|---|---|---|---|")

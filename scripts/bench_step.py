@@ -74,7 +74,8 @@ def prepared_step(cfg, lora=None, compiler_options=None):
     objective = lm_objective(cfg.model, cfg.precision, cfg.pipeline, lora, sequence_parallel=cfg.mesh.sequence_parallel)
     with jax.set_mesh(mesh):
         state, frozen, shardings, frozen_shardings = init_objective_state(
-            objective, tx, mesh, tc.seed, cfg.anomaly.window, cfg.optim.offload, loss_scaling(cfg.precision).init_scale)
+            objective, tx, mesh, tc.seed, cfg.anomaly.window, cfg.optim.offload, loss_scaling(cfg.precision).init_scale,
+            cfg.optim.zero1)
         batch = to_global(synthetic_batch(0, tc.batch_size, tc.seq_len, cfg.model.vocab_size), batch_sharding(mesh),
                           tc.batch_size)
     runner = StepRunner(objective, tx, cfg, shardings, frozen_shardings, mesh, log=lambda _: None,

@@ -19,6 +19,7 @@ from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, Precision
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.objectives.pretrain import abstract_train_state, create_train_state
+from jaxllm.train.state import state_shardings
 
 MODEL = ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
 F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
@@ -73,8 +74,9 @@ def test_resume_never_holds_two_train_states(shakespeare_store, uninterrupted, b
     resumed = json.loads((base_run / "summary.json").read_text())["startup_peak_live_bytes"]
     ckpt = Checkpointer(base_run / "checkpoints")
     tx = make_optimizer(OptimConfig(warmup_steps=2), 8)
-    state = ckpt.restore(6, abstract_train_state(MODEL, F32, tx), make_mesh(MeshConfig(2, 2, 2, 1)),
-                         items=("state",))["state"]
+    abstract, mesh = abstract_train_state(MODEL, F32, tx), make_mesh(MeshConfig(2, 2, 2, 1))
+    placed = state_shardings(abstract, mesh, zero1=OptimConfig().zero1)  # as the run placed it
+    state = ckpt.restore(6, abstract, mesh, items=("state",), shardings=placed)["state"]
     ckpt.close()
     one_state = sum(shard.data.nbytes for x in jax.tree.leaves(state) for shard in x.addressable_shards)
     print(f"start-up peak live bytes: fresh {fresh}, resumed {resumed}, one train state {one_state}")

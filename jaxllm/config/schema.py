@@ -305,6 +305,11 @@ class OptimConfig:
     grad_compression: str = "none"
     powersgd_rank: int = 4
     powersgd_start_step: int = 100
+    # ZeRO-1: the optimizer state split over the data-parallel replicas of each parameter (the batch mesh axes
+    # data / fsdp / expert it is not split over); the gradients are reduce-scattered, each device updates its
+    # share and the new parameters are all-gathered (jaxllm/train/step.py). Parameters stay where RULES put them.
+    # Off by default: on XLA:CPU's in-process collectives it can deadlock a run that rolls back (docs/parallelism.md).
+    zero1: bool = False
 
     def check(self) -> None:
         """This section's fields (PowerSGD against the mesh: `check_across`)."""

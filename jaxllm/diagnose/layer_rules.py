@@ -8,22 +8,23 @@ from __future__ import annotations
 import numpy as np
 
 from jaxllm.diagnose.findings import CRITICAL, WARNING, Finding, NotEvaluated, Rule, Thresholds
-from jaxllm.diagnose.run_data import RunData
+from jaxllm.diagnose.run_data import DIAG_PREFIX, RunData
 
 # The per-layer norms compared across layers, most telling first: a layer that does not learn shows first in its
 # update ratio, a zeroed one in every norm.
 OUTLIER_STATS = ("update_ratio", "grad_norm", "update_norm", "param_norm")
 
 
-def _layer_medians(run: RunData, stat: str, last_fraction: float = 1.0) -> dict[int, float]:
-    """{layer: median of diag/<stat>/layer_<i> over the last `last_fraction` of its records}; NotEvaluated when
-    the run logged no such records."""
-    series = run.layer_series(stat)
+def _layer_medians(run: RunData, stat: str, last_fraction: float = 1.0, prefix: str = DIAG_PREFIX,
+                   absent: str = "per-layer diagnostics off, or an older run") -> dict[int, float]:
+    """{layer: median of <prefix><stat>/layer_<i> over the last `last_fraction` of its records, NaNs dropped};
+    NotEvaluated, saying why they may be `absent`, when the run logged no such records."""
+    series = run.layer_series(stat, prefix)
     if not series:
-        raise NotEvaluated(f"metrics.jsonl has no `diag/{stat}/layer_<i>` records (per-layer diagnostics off, "
-                           "or an older run)")
+        raise NotEvaluated(f"metrics.jsonl has no `{prefix}{stat}/layer_<i>` records ({absent})")
     medians = {}
     for layer, (_, values) in sorted(series.items()):
+        values = values[np.isfinite(values)] if prefix != DIAG_PREFIX else values
         tail = values[-max(1, int(np.ceil(len(values) * last_fraction))):]
         finite = tail[np.isfinite(tail)]
         medians[layer] = float(np.median(finite)) if finite.size else float("nan")
@@ -154,20 +155,11 @@ def expert_collapse(run: RunData, t: Thresholds) -> Finding | None:
     k experts (k = experts per token) take a share of the picks far above the k/E of an even router. Nothing to
     judge for a dense model."""
     experts, k = run.config_value("model.num_experts", 0), run.config_value("model.experts_per_token", 1)
-    prefix = "moe/expert_top_share/layer_"
-    series = {int(name[len(prefix):]): values for name, values in run.steps.items()
-              if name.startswith(prefix) and name[len(prefix):].isdigit()}
     if not experts:
         return None
-    if not series:
-        raise NotEvaluated(f"metrics.jsonl has no `{prefix}<i>` records (an older run)")
+    shares = _layer_medians(run, "expert_top_share", 1 / 3, prefix="moe/", absent="an older run")
     even = k / experts
     limit = even + t.expert_concentration * (1 - even)
-    shares = {}
-    for layer, values in sorted(series.items()):
-        finite = values[np.isfinite(values)]
-        if finite.size:
-            shares[layer] = float(np.median(finite[-max(1, finite.size // 3):]))
     high = {layer: share for layer, share in shares.items() if share > limit}
     if not high:
         return None

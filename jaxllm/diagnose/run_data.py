@@ -51,11 +51,13 @@ class RunData:
             node = node[part]
         return node
 
-    def layer_series(self, stat: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """{layer index: (steps, values)} of `diag/<stat>/layer_<i>`."""
-        prefix = f"{DIAG_PREFIX}{stat}/layer_"
-        return {int(name[len(prefix):]): series for name, series in self.diag.items()
-                if name.startswith(prefix) and name[len(prefix):].isdigit()}
+    def layer_series(self, stat: str, prefix: str = DIAG_PREFIX) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """{layer index: (steps, values)} of `<prefix><stat>/layer_<i>`: the diagnostic records (`diag/`, every
+        diagnostics.every steps) or, under another prefix (`moe/`), fields of every step's record."""
+        head = f"{prefix}{stat}/layer_"
+        records = self.diag if prefix == DIAG_PREFIX else {name: (self.step, v) for name, v in self.steps.items()}
+        return {int(name[len(head):]): series for name, series in records.items()
+                if name.startswith(head) and name[len(head):].isdigit()}
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -292,17 +292,24 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD, rng=None, taps: dict | None = None):
         """The feed-forward of `x_BTD`; a `taps` dict (diagnostics) receives the gate's pre-activations as "gate"."""
-        gate_BTF = project("BTD,DF->BTF", x_BTD, self.gate_proj, self.gate_proj_lora, _fold(rng, 4),
-                           quant=self.quant)
-        if taps is not None:
-            taps["gate"] = gate_BTF
-        up_BTF = project("BTD,DF->BTF", x_BTD, self.up_proj, self.up_proj_lora, _fold(rng, 5),
-                         quant=self.quant)
-        gate_BTF, up_BTF = checkpoint_name(gate_BTF, "mlp_gate"), checkpoint_name(up_BTF, "mlp_up")
-        h_BTF = constrain(ACTIVATIONS[self.activation](gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
-        out_BTD = project("BTF,FD->BTD", h_BTF, self.down_proj, self.down_proj_lora, _fold(rng, 6),
-                         quant=self.quant)
-        return checkpoint_name(out_BTD, "mlp_out")
+        # One line per projection naming its parameter: the communication report attributes collectives by it.
+        gate = lambda spec, x: project(spec, x, self.gate_proj, self.gate_proj_lora, _fold(rng, 4), quant=self.quant)
+        up = lambda spec, x: project(spec, x, self.up_proj, self.up_proj_lora, _fold(rng, 5), quant=self.quant)
+        down = lambda spec, x: project(spec, x, self.down_proj, self.down_proj_lora, _fold(rng, 6), quant=self.quant)
+        return checkpoint_name(gated_mlp(x_BTD, self.activation, gate, up, down, taps), "mlp_out")
+
+
+def gated_mlp(x_BTD, activation: str, gate, up, down, taps: dict | None = None):
+    """down(act(gate(x)) * up(x)), the gated feed-forward of a dense MLP and of a mixture's shared expert; `gate`,
+    `up` and `down` are `(einsum spec, x) -> projection`; `taps` (diagnostics) receives the gate's
+    pre-activations as "gate"."""
+    gate_BTF = gate("BTD,DF->BTF", x_BTD)
+    if taps is not None:
+        taps["gate"] = gate_BTF
+    gate_BTF = checkpoint_name(gate_BTF, "mlp_gate")
+    up_BTF = checkpoint_name(up("BTD,DF->BTF", x_BTD), "mlp_up")
+    h_BTF = constrain(ACTIVATIONS[activation](gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
+    return down("BTF,FD->BTD", h_BTF)
 
 
 def _per_head(x_BTNH, bias, norm):

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.model.layers import ACTIVATIONS, param
+from jaxllm.model.layers import ACTIVATIONS, gated_mlp, param
+from jaxllm.model.lora import project
 from jaxllm.parallel.experts import ExpertGroup, run_experts
-from jaxllm.parallel.sharding import constrain
 
 
 class Routing(NamedTuple):
@@ -260,13 +260,12 @@ class MoEMLP(nnx.Module):
     def _shared_expert(self, x_BTD: jax.Array) -> jax.Array:
         """The shared expert's output [B, T, D]: outside `run_experts`' shard_map, on the whole activations, so it
         splits as a dense MLP does (hidden units over `tensor`, the batch over the batch axes)."""
-        cast = lambda p: p[...].astype(x_BTD.dtype)
-        gate_BTF = checkpoint_name(jnp.einsum("BTD,DF->BTF", x_BTD, cast(self.shared_gate_proj)), "mlp_gate")
-        up_BTF = checkpoint_name(jnp.einsum("BTD,DF->BTF", x_BTD, cast(self.shared_up_proj)), "mlp_up")
-        h_BTF = constrain(ACTIVATIONS[self.activation](gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
-        out_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, cast(self.shared_down_proj))
+        gate = lambda spec, x: project(spec, x, self.shared_gate_proj, None)
+        up = lambda spec, x: project(spec, x, self.shared_up_proj, None)
+        down = lambda spec, x: project(spec, x, self.shared_down_proj, None)
+        out_BTD = gated_mlp(x_BTD, self.activation, gate, up, down)
         # The gate's logit in the compute dtype (a matmul, as transformers' Linear), its sigmoid in float32.
-        logit_BT1 = jnp.einsum("BTD,DO->BTO", x_BTD, cast(self.shared_expert_gate))
+        logit_BT1 = project("BTD,DO->BTO", x_BTD, self.shared_expert_gate, None)
         return out_BTD * jax.nn.sigmoid(logit_BT1.astype(jnp.float32)).astype(out_BTD.dtype)
 
 

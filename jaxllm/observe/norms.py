@@ -90,13 +90,14 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(_sum_sq(x) for x in arrays(tree)))
 
 
-def global_norm_over_devices(tree, params) -> jax.Array:
-    """`global_norm` of `tree` (shaped like `params`) with every device reducing its own part of each array under
-    the active mesh (jaxllm.parallel.sharding.sum_over_devices), rather than each replica all of it."""
+def global_norm_over_devices(tree, params, layout=None) -> jax.Array:
+    """`global_norm` of `tree` (shaped like `params`, laid out by the PartitionSpecs `layout` in leaf order, by
+    default the parameters' own) with every device reducing its own part of each array under the active mesh
+    (jaxllm.parallel.sharding.sum_over_devices), rather than each replica all of it."""
     mesh = active_mesh()
     if mesh is None or mesh.manual_axes:
         return global_norm(tree)
-    specs = spec_leaves(params, mesh)
+    specs = spec_leaves(params, mesh) if layout is None else layout
     return jnp.sqrt(sum_over_devices(_sum_sq, arrays(tree), specs, mesh))
 
 
@@ -104,17 +105,18 @@ def _ratio(num, den):
     return num / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)
 
 
-def step_norms(params, updates, grad_norm, clip_norm: jax.Array) -> dict[str, jax.Array]:
+def step_norms(params, updates, grad_norm, clip_norm: jax.Array, update_layout=None) -> dict[str, jax.Array]:
     """The production step's global norms: `grad_norm_clipped` (the gradient norm after global-norm clipping at
     `clip_norm`, 0: none), `param_norm` (before the update), `update_norm` (the update computed, scaled by
     lr_scale) and `update_ratio` = update_norm / param_norm.
 
     The clipped norm is min(norm, threshold): what `optax.clip_by_global_norm` leaves (it rescales by
     threshold / norm when the norm exceeds the threshold), without re-running the clipping on every gradient.
-    Each device reduces its own part of the parameters and updates (`global_norm_over_devices`).
+    Each device reduces its own part of the parameters and updates (`global_norm_over_devices`; the updates
+    laid out by `update_layout`, PartitionSpecs in leaf order, by default the parameters' layout).
     """
     clipped = jnp.where(clip_norm > 0, jnp.minimum(grad_norm, clip_norm), grad_norm)
-    param_norm, update_norm = global_norm_over_devices(params, params), global_norm_over_devices(updates, params)
+    param_norm, update_norm = global_norm_over_devices(params, params), global_norm_over_devices(updates, params, update_layout)
     return {"grad_norm_clipped": clipped, "param_norm": param_norm, "update_norm": update_norm,
             "update_ratio": _ratio(update_norm, param_norm)}
 

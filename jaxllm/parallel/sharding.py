@@ -176,6 +176,34 @@ def spec_leaves(tree: Any, mesh) -> list[PartitionSpec]:
     return jax.tree.leaves(spec_tree(tree, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def replicas_split(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) -> PartitionSpec:
+    """`spec` (of an array of `shape`) with the batch mesh axes it leaves out (RULES' `batch` activation axes of
+    size > 1: the axes over which the array is replicated while gradients are reduced over them) added to one
+    dimension they divide: the layout of the optimizer's share of the work under ZeRO-1 (`optim.zero1`).
+
+    All the axes go to the first dimension that takes them all; failing that, as many of them (in order) as one
+    dimension takes; a dimension already split keeps its axes first. With no dimension to take any, `spec`."""
+    used = _axes_of(spec)
+    free = tuple(a for a in _as_tuple(RULES["batch"][1]) if sizes.get(a, 1) > 1 and a not in used)
+    entries = [_as_tuple(spec[d] if d < len(spec) else None) for d in range(len(shape))]
+    for count in range(len(free), 0, -1):
+        extra = free[:count]
+        for dim, size in enumerate(shape):
+            if size % math.prod(sizes[a] for a in entries[dim] + extra) == 0:
+                entries[dim] = entries[dim] + extra
+                return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
+    return spec
+
+
+def split_over_replicas(specs: Any, tree: Any, mesh) -> Any:
+    """`specs` (a tree of PartitionSpecs of the arrays of `tree`, as `spec_tree` makes them) with every spec
+    `replicas_split`: each device owns a different part of what the replicas would otherwise all hold."""
+    sizes = mesh_sizes(mesh)
+    shapes = [getattr(x, "shape", ()) for x in jax.tree.leaves(tree)]
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return treedef.unflatten([replicas_split(spec, shape, sizes) for spec, shape in zip(leaves, shapes, strict=True)])
+
+
 def sharding_tree(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """Like `spec_tree`, with `NamedSharding`s on `mesh` (usable as jit in/out shardings)."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), spec_tree(tree, mesh),
@@ -273,10 +301,13 @@ def format_report(rows: Iterable[dict]) -> str:
     return "\n".join(lines)
 
 
-def bytes_per_device(tree: Any, mesh) -> int:
-    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `spec_tree` placement."""
+def bytes_per_device(tree: Any, mesh, zero1: bool = False) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `spec_tree` placement, or with
+    `zero1` (an optimizer state under `optim.zero1`) that placement `split_over_replicas`."""
     sizes = mesh_sizes(mesh)
-    specs = spec_leaves(tree, mesh)
+    specs = spec_tree(tree, mesh)
+    specs = jax.tree.leaves(split_over_replicas(specs, tree, mesh) if zero1 else specs,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
     leaves = jax.tree.leaves(tree)
     return sum(
         math.prod(shard_shape(leaf.shape, spec, sizes)) * np.dtype(leaf.dtype).itemsize

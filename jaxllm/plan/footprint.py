@@ -53,7 +53,7 @@ def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
         frozen_bytes_per_device=bytes_per_device(frozen, mesh) if jax.tree.leaves(frozen) else 0,
         param_bytes_per_device=bytes_per_device(state.params, mesh),
         opt_state_values=_count(state.opt_state),
-        opt_bytes_per_device=bytes_per_device(state.opt_state, mesh),
+        opt_bytes_per_device=bytes_per_device(state.opt_state, mesh, cfg.optim.zero1),
         opt_on_host=cfg.optim.offload == "host",
         param_bytes_total=sum(math.prod(x.shape) * x.dtype.itemsize for x in every),
     )
@@ -96,7 +96,7 @@ def compiled_step(cfg: Config):
     state = powersgd.with_state(state, powersgd.from_config(cfg.optim), mesh)  # its buffers are step arguments
     shape = (cfg.train.batch_size, cfg.train.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, v.dtype) for k, v in synthetic_batch(0, 1, 2, 8).items()}
-    runner = StepRunner(objective, tx, cfg, state_shardings(state, mesh, cfg.optim.offload),
+    runner = StepRunner(objective, tx, cfg, state_shardings(state, mesh, cfg.optim.offload, cfg.optim.zero1),
                         sharding_tree(frozen, mesh), mesh)
     runner.compile(state, batch, frozen)
     return runner.compiled_for(batch)

@@ -23,7 +23,8 @@ def memory_report(cfg, count: int = 20) -> str:
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     state, frozen = abstract_objective_state(objective, tx, cfg.anomaly.window)
     mesh = make_mesh(cfg.mesh)
-    return format_buffers(buffer_rows(state, frozen, mesh, state_shardings(state, mesh, cfg.optim.offload)), count)
+    return format_buffers(buffer_rows(state, frozen, mesh, state_shardings(state, mesh, cfg.optim.offload,
+                                                                         cfg.optim.zero1)), count)
 
 
 def comms_report(cfg) -> dict:

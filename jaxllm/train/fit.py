@@ -183,7 +183,7 @@ def fit(cfg: Config, objective: Objective, stream=sys.stdout) -> dict:
     abstract = abstract_objective_state(objective, tx, cfg.anomaly.window)
     compression = powersgd.from_config(cfg.optim)
     abstract = (powersgd.with_state(abstract[0], compression, mesh), abstract[1])
-    shardings = state_shardings(abstract[0], mesh, cfg.optim.offload)
+    shardings = state_shardings(abstract[0], mesh, cfg.optim.offload, cfg.optim.zero1)
     frozen_shardings = sharding_tree(abstract[1], mesh)
     replicated = [row for tree in (abstract[0].params, abstract[1]) for row in replicated_rows(tree, mesh)]
     if replicated:

@@ -146,10 +146,10 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
     the objective's initialiser (pretraining has none). `on_loaded()` is called once the state exists, before
     anything used to make it is released (the loop measures peak live bytes there).
     """
-    seed, window, offload = cfg.train.seed, cfg.anomaly.window, cfg.optim.offload
+    seed, window, offload, zero1 = cfg.train.seed, cfg.anomaly.window, cfg.optim.offload, cfg.optim.zero1
     init_scale = loss_scaling(cfg.precision).init_scale  # a fresh state's (a resume keeps the checkpoint's)
     abstract_state, _ = abstract
-    shardings = state_shardings(abstract_state, mesh, offload)
+    shardings = state_shardings(abstract_state, mesh, offload, zero1)
     older = older_layout(abstract_state, shardings, cfg.optim.clip_norm)
     try:
         restored = restore_latest(checkpointer, abstract_state, mesh, log, shardings=shardings, older=older)
@@ -167,9 +167,9 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
         return Start(state, frozen, offset, int(meta.get("rollbacks", 0)), base, meta.get("base_report"),
                      meta["data"], tuple(meta.get(HOT_UPDATES, ())))
     if objective.base is not None:
-        return _start_from_base(objective, tx, abstract, mesh, seed, window, log, on_loaded, offload, init_scale)
+        return _start_from_base(objective, tx, abstract, mesh, seed, window, log, on_loaded, shardings, init_scale)
     if not cfg.checkpoint.restore_from:
-        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window, offload, init_scale)
+        state, frozen, _, _ = init_objective_state(objective, tx, mesh, seed, window, offload, init_scale, zero1)
         on_loaded()
         return Start(state, frozen, 0, 0)
     directory, step = locate_checkpoints(cfg.checkpoint.restore_from)
@@ -192,23 +192,22 @@ def restore_start(cfg: Config, objective, tx, checkpointer: Checkpointer, abstra
     return Start(state, _frozen(objective, mesh, cfg, abstract, None)[0], 0, 0)
 
 
-def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log, on_loaded, offload: str,
+def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log, on_loaded, shardings,
                      init_scale: float) -> Start:
     """A fresh fine-tuning run: the base loads into the frozen variables (new adapters train) or, when nothing
     is frozen (full fine-tuning), into the trainable ones; what the base lacks (`objective.fresh`) is initialised
-    from the seed. `offload` is `optim.offload` (where the optimizer state lives), `init_scale` the loss
-    scale's start."""
+    from the seed. `shardings` are the train state's (`state_shardings`: where the optimizer state lives),
+    `init_scale` the loss scale's start."""
     abstract_state, abstract_frozen = abstract
     base = objective.base
     if jax.tree.leaves(abstract_frozen):
         frozen, identity = load_base(base, abstract_frozen, mesh)
         record = base.record(identity)
-        state = init_trainable_state(objective, tx, mesh, seed, window, offload, init_scale)
+        state = init_trainable_state(objective, tx, shardings, seed, window, init_scale)
     else:
         params, identity = _base_and_fresh(objective, abstract_state.params, mesh, seed)
         record = base.record(identity)
-        state = state_from_params(nnx.merge_state(*params), tx, state_shardings(abstract_state, mesh, offload), seed,
-                                  window, init_scale)
+        state = state_from_params(nnx.merge_state(*params), tx, shardings, seed, window, init_scale)
         frozen = abstract_frozen
     log(f"starting from the base model {base.path} (fingerprint {record['fingerprint']})")
     on_loaded()
@@ -286,7 +285,7 @@ class Recovery:
         self.lr_factor = cfg.anomaly.lr_factor
         self.checkpointer, self.incidents, self.abstract, self.mesh, self.log = (
             checkpointer, incidents, abstract_state, mesh, log)
-        self.shardings = state_shardings(abstract_state, mesh, cfg.optim.offload)
+        self.shardings = state_shardings(abstract_state, mesh, cfg.optim.offload, cfg.optim.zero1)
         self.older = older_layout(abstract_state, self.shardings, cfg.optim.clip_norm)
         self.grad_spikes = 0
         self.loss_spikes = 0

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.optim import powersgd
 from jaxllm.optim.loss_scale import LossScale, new_loss_scale
 from jaxllm.parallel.offload import host_shardings
 from jaxllm.optim.chain import current_clip_norm, with_clip_norm, without_clip_norm
-from jaxllm.parallel.sharding import sharding_tree
+from jaxllm.parallel.sharding import sharding_tree, spec_tree, split_over_replicas
 from jaxllm.train.anomaly import empty_window
 
 
@@ -81,11 +82,16 @@ def abstract_objective_state(objective, tx, window: int = 50) -> tuple[TrainStat
     return jax.eval_shape(init)
 
 
-def state_shardings(abstract_state: TrainState, mesh, offload: str = "none") -> TrainState:
-    """The train state's shardings on `mesh` (the RULES placement); with `offload="host"` (`optim.offload`) the
-    optimizer state's are in pinned host memory. Every placement of a train state (init, the step, checkpoint
-    restore) takes its shardings from here."""
+def state_shardings(abstract_state: TrainState, mesh, offload: str = "none", zero1: bool = False) -> TrainState:
+    """The train state's shardings on `mesh` (the RULES placement); with `zero1` (`optim.zero1`) the optimizer
+    state is split over the data-parallel replicas as well (`jaxllm.parallel.sharding.split_over_replicas`);
+    with `offload="host"` (`optim.offload`) it is in pinned host memory. Every placement of a train state
+    (init, the step, checkpoint restore) takes its shardings from here."""
     shardings = sharding_tree(abstract_state, mesh)
+    if zero1:
+        specs = split_over_replicas(spec_tree(abstract_state.opt_state, mesh), abstract_state.opt_state, mesh)
+        shardings = shardings.replace(opt_state=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                                                             is_leaf=lambda x: isinstance(x, PartitionSpec)))
     if abstract_state.powersgd is not None:
         shardings = shardings.replace(powersgd=powersgd.state_shardings(abstract_state.powersgd,
                                                                         abstract_state.params, mesh))
@@ -95,12 +101,12 @@ def state_shardings(abstract_state: TrainState, mesh, offload: str = "none") -> 
 
 
 def init_objective_state(objective, tx, mesh, seed: int, window: int = 50, offload: str = "none",
-                         init_scale: float = 1.0):
+                         init_scale: float = 1.0, zero1: bool = False):
     """(state, frozen, state shardings, frozen shardings): `objective`'s model initialised from `seed` directly
-    into its shards on `mesh`, with a fresh optimizer state for its trainable variables (in pinned host memory
-    with `offload="host"`) and the loss scale at `init_scale`."""
+    into its shards on `mesh`, with a fresh optimizer state for its trainable variables (placed by `offload`
+    and `zero1`, see `state_shardings`) and the loss scale at `init_scale`."""
     state, frozen = abstract_objective_state(objective, tx, window)
-    shardings = state_shardings(state, mesh, offload), sharding_tree(frozen, mesh)
+    shardings = state_shardings(state, mesh, offload, zero1), sharding_tree(frozen, mesh)
 
     def init(key):
         _, params, frozen = objective.split(objective.build_model(key))
@@ -122,14 +128,14 @@ def init_frozen(objective, mesh, seed: int):
     return init_part(lambda key: objective.split(objective.build_model(key))[2], mesh, seed)
 
 
-def init_trainable_state(objective, tx, mesh, seed: int, window: int = 50, offload: str = "none",
+def init_trainable_state(objective, tx, shardings: TrainState, seed: int, window: int = 50,
                          init_scale: float = 1.0) -> TrainState:
     """`objective`'s train state alone (fresh trainable variables, as `init_objective_state` makes them, and
-    their optimizer state); the frozen variables are never materialised (a pretrained base is loaded instead)."""
+    their optimizer state), created into `shardings` (`state_shardings`); the frozen variables are never
+    materialised (a pretrained base is loaded instead)."""
     def init(key):
         return new_train_state(objective.split(objective.build_model(key))[1], tx, seed, window, init_scale)
 
-    shardings = state_shardings(jax.eval_shape(init, jax.random.key(0)), mesh, offload)
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
 
 

@@ -24,7 +24,7 @@ from jaxllm.parallel.offload import on_host, stream_opt_state
 from jaxllm.optim.chain import current_clip_norm, current_lr
 from jaxllm.optim.powersgd import PowerSGD, compressed_grads_and_loss
 from jaxllm.optim.veto import VetoableTransformation, keep_if
-from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, spec_leaves
+from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, replicas_split, spec_leaves
 from jaxllm.train.anomaly import detect, push
 from jaxllm.train.state import TrainState
 
@@ -73,21 +73,36 @@ def _constrain_rows(batch):
     return {k: constrain(v, (("batch", "seq") + (None,) * v.ndim)[:v.ndim]) for k, v in batch.items()}
 
 
-def _like_params(tree, params):
-    """`tree` (shaped like `params`, e.g. gradients) constrained to the parameters' layout under the active mesh
-    (the RULES of their logical names), so that under fsdp it stays split like the parameters rather than being
-    whatever XLA's propagation picks; as is outside any mesh."""
+def _like_params(tree, params, layout=None):
+    """`tree` (shaped like `params`, e.g. gradients) constrained to `layout` (PartitionSpecs in leaf order), by
+    default the parameters' layout under the active mesh (the RULES of their logical names), so that under fsdp
+    it stays split like the parameters rather than being whatever XLA's propagation picks; as is outside any
+    mesh."""
     mesh = active_mesh()
     if mesh is None:
         return tree
-    specs = spec_leaves(params, mesh)
+    specs = spec_leaves(params, mesh) if layout is None else layout
     leaves, treedef = jax.tree.flatten(tree)
     return treedef.unflatten([jax.lax.with_sharding_constraint(x, spec)
                               for x, spec in zip(leaves, specs, strict=True)])
 
 
+def update_layout(params, zero1: bool):
+    """The PartitionSpecs (in leaf order) the optimizer update of `params` is computed in under the active
+    mesh: with `zero1` (`optim.zero1`) each parameter's is split over the batch axes it is replicated over
+    (`jaxllm.parallel.sharding.replicas_split`), so the gradients are reduce-scattered rather than all-reduced,
+    each device updates its own share of the moments, and the new parameters are all-gathered; None (the
+    parameters' own layout) without it or outside any mesh."""
+    mesh = active_mesh()
+    if not zero1 or mesh is None or mesh.manual_axes:
+        return None
+    sizes = {a: n for a, n in zip(mesh.axis_names, mesh.axis_sizes)}
+    return [replicas_split(spec, x.shape, sizes) for spec, x in zip(spec_leaves(params, mesh),
+                                                                    jax.tree.leaves(params), strict=True)]
+
+
 def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn, frozen=NO_FROZEN,
-                   rng=None, scale=None):
+                   rng=None, scale=None, layout=None):
     """(gradients, mean loss, target-token count, metrics) of one batch, for the trainable `params` only.
 
     Gradients of the summed token loss are accumulated over `grad_accum` micro-batches and divided once by
@@ -97,6 +112,7 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn, fro
     layout: under fsdp the carry is split like the parameters, never a replicated float32 copy.
     With a loss `scale` (jaxllm/optim/loss_scale.py) the backward pass runs on the loss times `scale`, and the
     accumulated gradients are divided by it again: they come back unscaled (non-finite where it overflowed).
+    `layout` (PartitionSpecs in leaf order, `update_layout`) replaces the parameters' layout for the gradients.
     """
     def loss_of(p, mb, key):
         return loss_fn(nnx.merge(graphdef, p, frozen), mb, key)
@@ -110,7 +126,7 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn, fro
             return loss_sum if scale is None else loss_sum * scale, (loss_sum, count, metrics)
 
         (_, (loss_sum, count, metrics)), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params)
-        return _like_params(grads, params), loss_sum, count, metrics
+        return _like_params(grads, params, layout), loss_sum, count, metrics
 
     if grad_accum == 1:  # no accumulation loop: its carry would cost a zeroed gradient buffer and an add over it,
         # whole passes over parameter-sized buffers that every data-parallel device repeats
@@ -118,12 +134,12 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn, fro
     else:
         def accumulate(carry, xs):
             grads, loss_sum, count, metrics = jax.tree.map(jnp.add, carry, micro_step(*xs))
-            return (_like_params(grads, params), loss_sum, count, metrics), None
+            return (_like_params(grads, params, layout), loss_sum, count, metrics), None
 
         micro = _micro_batches(batch, grad_accum)
         first = jax.tree.map(lambda x: x[0], micro)
         metric_shapes = jax.eval_shape(lambda: loss_of(params, first, rng)[2])
-        zeros = _like_params(jax.tree.map(jnp.zeros_like, params), params)  # the carry: split like the parameters
+        zeros = _like_params(jax.tree.map(jnp.zeros_like, params), params, layout)  # the carry: split like the parameters
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                 jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes))
         (grads, loss_sum, count, metrics), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(grad_accum)))
@@ -164,7 +180,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
                     anomaly: AnomalyConfig = AnomalyConfig(), skip_anomalies: bool = False,
                     loss_scaling: LossScaling = NO_LOSS_SCALING,
                     observe: Callable[[StepTrace], dict] | None = None,
-                    compression: PowerSGD | None = None) -> Callable:
+                    compression: PowerSGD | None = None, zero1: bool = False) -> Callable:
     """`step(state, batch, frozen=NO_FROZEN) -> (state, metrics)` for `objective` (see the module docstring).
     Metrics are device scalars (the loop reads them one step late), among them the global norms of
     `jaxllm.observe.norms.step_norms` (against the clipping threshold in the optimizer state, 0: none).
@@ -183,14 +199,20 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
     With `compression` (PowerSGD, jaxllm/optim/powersgd.py; the state carries its `powersgd` state) the gradients are
     computed per `data` shard, unscaled, and reduced over `data` as low-rank factors; the optimizer sees the
     decompressed mean. A skipped step (overflow, anomaly) leaves the compression's state unchanged too.
+
+    With `zero1` (`optim.zero1`; the optimizer state placed by `state_shardings(..., zero1=True)`) the update
+    is computed in `update_layout`: each data-parallel replica updates its own share of the parameters and
+    moments, and the new parameters are all-gathered.
     """
     graphdef, loss_fn = objective.graphdef, objective.loss_fn
 
     def step(state: TrainState, batch, frozen=NO_FROZEN):
         scale = loss_scaling.scale_of(state.loss_scale) if loss_scaling.enabled else None
+        layout = update_layout(state.params, zero1)
         if compression is None:
             grads, loss, count, extra = grads_and_loss(graphdef, state.params, batch, grad_accum, loss_fn=loss_fn,
-                                                       frozen=frozen, rng=state.step_key(), scale=scale)
+                                                       frozen=frozen, rng=state.step_key(), scale=scale,
+                                                       layout=layout)
             overflow = non_finite(grads) if loss_scaling.enabled else jnp.zeros((), bool)
             compressor = state.powersgd  # None
         else:  # the shards' unscaled gradients are checked for overflow before compression mixes them
@@ -198,6 +220,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
                 functools.partial(grads_and_loss, graphdef, grad_accum=grad_accum, loss_fn=loss_fn), state.params,
                 batch, frozen, state.step_key(), state.powersgd, state.step, compression, scale)
             overflow = overflow if loss_scaling.enabled else jnp.zeros((), bool)
+            grads = grads if layout is None else _like_params(grads, state.params, layout)
         grad_norm = optax.tree.norm(grads)
         flags = detect(loss, excuse_overflow(grad_norm, overflow), state.loss_window, state.grad_window, anomaly)
         is_anomaly = flags["anomaly"]
@@ -208,14 +231,17 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
         keep = functools.reduce(jnp.logical_or, veto) if veto else None  # a vetoed step keeps the old state
         updates, opt_state = vetoed_update(tx, grads, state.opt_state, state.params, keep)
         updates = jax.tree.map(lambda u: u * state.lr_scale, updates)
-        norms = step_norms(state.params, updates, grad_norm, current_clip_norm(state.opt_state))
+        updates = updates if layout is None else _like_params(updates, state.params, layout)
+        norms = step_norms(state.params, updates, grad_norm, current_clip_norm(state.opt_state), layout)
         # A never-true test (norms are not negative) that makes the writes of the new parameters wait for the
         # norms, so they go over the old ones in place after every read of them. Without it XLA copies the
         # parameters on entry: about a tenth of the step of a data-parallel 42M model on 8 CPU devices
         # (scripts/bench_step.py; tests/test_in_place_update.py).
         drop = (norms["param_norm"] < 0) | (norms["update_norm"] < 0)
         drop = drop if keep is None else drop | keep
-        params = keep_if(drop, state.params, optax.apply_updates(state.params, updates))
+        new_params = optax.apply_updates(state.params, updates)
+        new_params = new_params if layout is None else _like_params(new_params, state.params, layout)
+        params = keep_if(drop, state.params, new_params)
         if keep is not None:
             compressor = keep_if(keep, state.powersgd, compressor)
         metrics = {

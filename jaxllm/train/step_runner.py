@@ -31,7 +31,8 @@ class StepRunner:
         # Under `rollback` too an anomalous update is skipped inside the step: the next step, already dispatched
         # when the anomaly is seen, then starts from a healthy state, which is the fallback with no checkpoint.
         step_args = dict(grad_accum=cfg.optim.grad_accum, anomaly=cfg.anomaly, skip_anomalies=self.skips,
-                         loss_scaling=loss_scaling(cfg.precision), compression=powersgd.from_config(cfg.optim))
+                         loss_scaling=loss_scaling(cfg.precision), compression=powersgd.from_config(cfg.optim),
+                         zero1=cfg.optim.zero1)
         self._jit = lambda obj: jit_train_step(make_train_step(obj, tx, **step_args), shardings, mesh, frozen_shardings,
                                                compiler_options)
         self.objective, self.mesh, self.log = objective, mesh, log

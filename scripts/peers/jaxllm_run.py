@@ -30,6 +30,7 @@ def parse_args(argv):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--data", default=str(ROOT / "build" / "data" / "shakespeare"))
+    p.add_argument("--zero1", choices=("true", "false"), help="optim.zero1 (default: the config's)")
     return p.parse_args(argv)
 
 
@@ -41,6 +42,8 @@ def overrides(a) -> list[tuple[str, str]]:
               "model.vocab_size": a.vocab, "model.tie_embeddings": "false", "train.seq_len": a.seq,
               "train.batch_size": a.batch, "precision.compute": a.dtype, "optim.weight_decay": 0.1,
               "optim.b2": 0.95, "optim.clip_norm": 1.0, "data.path": a.data}
+    if a.zero1 is not None:
+        values["optim.zero1"] = a.zero1
     return [(key, str(value)) for key, value in values.items()]
 
 
