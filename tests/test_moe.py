@@ -294,3 +294,30 @@ def test_expert_windows_add_up_to_all_experts_and_capacity_is_per_row():
     np.testing.assert_allclose(together, jnp.concatenate([out for out, _ in rows]), atol=1e-6)
     np.testing.assert_array_equal(kept, jnp.concatenate([k for _, k in rows]))
     assert not bool(jnp.all(kept))  # a factor of 0.75 drops some picks
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_sigmoid_routing_with_a_bias_matches_deepseek_v3(renormalize):
+    """Sigmoid scores chosen by score + bias and weighted by the score alone: transformers 5.25's DeepseekV3
+    router with one expert group (no group-limited routing) and a routed scaling factor of 1."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    config = transformers.DeepseekV3Config(hidden_size=D, n_routed_experts=E, num_experts_per_tok=K, n_group=1,
+                                           topk_group=1, norm_topk_prob=renormalize, routed_scaling_factor=1.0)
+    router = modeling_deepseek_v3.DeepseekV3TopkRouter(config)
+    rng = np.random.default_rng(3)
+    kernel, bias = rng.normal(size=(E, D)).astype(np.float32) * 0.3, rng.normal(size=E).astype(np.float32) * 0.2
+    x = rng.normal(size=(14, D)).astype(np.float32)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor(kernel))
+        router.e_score_correction_bias.copy_(torch.tensor(bias))
+        logits, weights, experts = (t.numpy() for t in router(torch.tensor(x)))
+    routing = route(jnp.asarray(x), jnp.asarray(kernel.T), K, renormalize, "sigmoid", jnp.asarray(bias))
+    np.testing.assert_allclose(routing.logits, logits, atol=1e-5)
+    order, ours = np.argsort(experts, axis=-1), np.argsort(np.asarray(routing.experts), axis=-1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(routing.experts), ours, -1),
+                                  np.take_along_axis(experts, order, -1))  # torch's top k is unsorted here
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(routing.weights), ours, -1),
+                               np.take_along_axis(weights, order, -1), atol=1e-6)
+    chosen_without_bias = np.asarray(route(jnp.asarray(x), jnp.asarray(kernel.T), K, renormalize, "sigmoid").experts)
+    assert np.any(np.sort(chosen_without_bias, -1) != np.sort(np.asarray(routing.experts), -1))  # the bias chose

@@ -36,6 +36,7 @@ ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
 OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
 MOE_DISPATCHES = ("dropless", "capacity")  # model.moe_dispatch (jaxllm/model/moe.py)
+MOE_ROUTER_SCORES = ("softmax", "sigmoid")  # model.moe_router_scores (jaxllm/model/moe.py)
 QUANT_MODES = ("none", "int8", "fp8")  # precision.quant (jaxllm/model/quant.py)
 LOSS_SCALE_MODES = ("none", "static", "dynamic")  # precision.loss_scale, besides "auto" (jaxllm/optim/loss_scale.py)
 AUTO_VOCAB = 0  # model.vocab_size "auto": the tokenizer's size, padded (resolve_vocab_size)
@@ -165,6 +166,14 @@ class ModelConfig:
     # one): load balancing as transformers' router_aux_loss_coef, and the ST-MoE z-loss.
     moe_aux_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.0
+    # The router's scores: "softmax" over the experts (Mixtral, the Qwens) or "sigmoid", each expert's own
+    # (DeepSeek-V3); the chosen experts' scores weight their outputs, renormalised when moe_renormalize.
+    moe_router_scores: str = "softmax"
+    # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias in the train state, added to the scores only
+    # to choose the experts (never to weight them), moved after every step by this rate times sign(mean load -
+    # the expert's load), outside the optimizer; 0: no bias. DeepSeek-V3: 0.001, with sigmoid scores and a tiny
+    # auxiliary loss.
+    moe_bias_update_rate: float = 0.0
     preset: str = ""
 
     @property
@@ -241,6 +250,10 @@ class ModelConfig:
                 if self.blocks.shared_expert else f"has no shared expert: moe_shared_mlp_dim must be 0 (families "
                                                   f"with one: {shared}), got {self.moe_shared_mlp_dim}"))
         check_choice("model.moe_dispatch", self.moe_dispatch, MOE_DISPATCHES)
+        check_choice("model.moe_router_scores", self.moe_router_scores, MOE_ROUTER_SCORES)
+        if self.moe_bias_update_rate < 0 or (self.moe_bias_update_rate and not self.num_experts):
+            raise ConfigError("model.moe_bias_update_rate", f"must be >= 0, and 0 without experts (model.num_experts="
+                                                            f"{self.num_experts}), got {self.moe_bias_update_rate}")
         check_positive("model.moe_capacity_factor", self.moe_capacity_factor)
         for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
             if getattr(self, key) < 0:

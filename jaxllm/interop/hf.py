@@ -378,6 +378,15 @@ def _hf_tensors(model: Transformer, rows):
             yield row.hf, np.ascontiguousarray(row.transform.to_hf(np.asarray(value)))
 
 
+def _check_routing_exports(cfg: ModelConfig) -> None:
+    """A ValueError when `cfg`'s router has no counterpart in its family's transformers model: Mixtral and the
+    Qwens route by a softmax and hold no routing bias (nothing is written)."""
+    if cfg.num_experts and (cfg.moe_router_scores != "softmax" or cfg.moe_bias_update_rate):
+        raise ValueError(f"model.moe_router_scores={cfg.moe_router_scores!r} with model.moe_bias_update_rate="
+                         f"{cfg.moe_bias_update_rate}: family {cfg.family!r}'s transformers model routes by a softmax "
+                         "without a routing bias, so this router cannot be exported")
+
+
 def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = None, adapter_only: bool = False,
                     base_model: str = "", pad_token_id: int = 0) -> None:
     """Write `model` as a Hugging Face directory of its family's causal LM (LlamaForCausalLM, Qwen2ForCausalLM,
@@ -399,6 +408,7 @@ def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = N
         tensors = dict(_hf_tensors(model, hf_peft.adapter_rows(model.lora.target_list)))
         save_file(tensors, path / hf_peft.WEIGHTS_FILE, metadata={"format": "pt"})
         return
+    _check_routing_exports(model.cfg)
     model = merge(model)
     path.mkdir(parents=True, exist_ok=True)
     tensors = dict(_hf_tensors(model, _table(model)))

@@ -4,7 +4,10 @@ a shared expert (Qwen2-MoE), a gated MLP every token runs, scaled by sigmoid(x @
 
 Routing, as transformers computes it: router logits = x @ router [T, E]; probabilities = softmax in float32; the
 top k of them (ties to the lower expert index, as `torch.topk` and `jax.lax.top_k` both break them), renormalised
-to sum to 1 when `renormalize` (Mixtral always; the Qwens' `norm_topk_prob`).
+to sum to 1 when `renormalize` (Mixtral always; the Qwens' `norm_topk_prob`). With sigmoid scores (DeepSeek-V3)
+each expert's score is sigmoid(logit) on its own. With a `RouterBias` (DeepSeek-V3's auxiliary-loss-free
+balancing) the experts are chosen by score + bias and weighted by their scores alone; the train step moves the bias
+against each expert's load (`balance_router_bias`).
 
 Dispatch is dropless: the T * k (token, expert) pairs are sorted by expert, so each expert's tokens form one
 contiguous group, one grouped matmul per projection (`jax.lax.ragged_dot`) runs every expert over its own group
@@ -34,22 +37,61 @@ from jaxllm.model.lora import project
 from jaxllm.parallel.experts import ExpertGroup, run_experts
 
 
+EXPERT_LOAD = "moe_expert_load"  # the loss_fn metric of the picks per layer and expert [L, E] (`balance_router_bias`)
+
+
+class RouterBias(nnx.Param):
+    """A per-expert routing bias [..., E] (DeepSeek-V3's auxiliary-loss-free balancing, float32), trained by no
+    gradient (it only chooses experts) and left alone by the optimizer (no weight decay: jaxllm.optim.chain.
+    decay_mask); the train step adds `update_rate` (its metadata) times sign(mean load - load) after each update.
+    A parameter, so it lives in the train state and its checkpoints and follows the parameters' layouts."""
+
+
 class Routing(NamedTuple):
-    """What the router decided for T tokens: its logits [T, E] (float32), the top-k experts [T, K] and their
-    weights [T, K] (float32)."""
+    """What the router decided for T tokens: its logits [T, E] (float32), the top-k experts [T, K], their
+    weights [T, K] (float32) and the router's probabilities over the experts [T, E] (float32: the softmax, or the
+    sigmoid scores divided by their sum; the auxiliary losses' P_e and the entropy)."""
 
     logits: jax.Array
     experts: jax.Array
     weights: jax.Array
+    probs: jax.Array | None = None
 
 
-def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, renormalize: bool) -> Routing:
-    """The top `top_k` experts of each token and their weights (see the module docstring)."""
+def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, renormalize: bool, scores: str = "softmax",
+          bias_E: jax.Array | None = None) -> Routing:
+    """The top `top_k` experts of each token and their weights, by softmax or sigmoid `scores`, chosen by score +
+    `bias_E` when there is one (see the module docstring)."""
     logits_TE = jnp.einsum("TD,DE->TE", x_TD, router_DE.astype(x_TD.dtype)).astype(jnp.float32)
-    weights_TK, experts_TK = jax.lax.top_k(jax.nn.softmax(logits_TE, axis=-1), top_k)
+    if scores == "softmax":
+        scores_TE = probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+    else:
+        scores_TE = jax.nn.sigmoid(logits_TE)
+        probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
+    if bias_E is None:
+        weights_TK, experts_TK = jax.lax.top_k(scores_TE, top_k)
+    else:  # the bias chooses, the scores weigh; no gradient reaches the bias through the choice
+        _, experts_TK = jax.lax.top_k(scores_TE + jax.lax.stop_gradient(bias_E.astype(jnp.float32)), top_k)
+        weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
     if renormalize:
         weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
-    return Routing(logits_TE, experts_TK, weights_TK)
+    return Routing(logits_TE, experts_TK, weights_TK, probs_TE)
+
+
+def balance_router_bias(params, load):
+    """`params` (an nnx.State) with every `RouterBias` b moved by its update rate times sign(mean_e load - load)
+    per layer: an expert that took more than an even share of the picks is chosen less next step, one that took
+    fewer more (DeepSeek-V3, eq. 16's surroundings). `load` is the picks per layer and expert [L, E] (the loss_fn's
+    `EXPERT_LOAD`), in the global layer order the bias's stacked axes flatten to."""
+    def move(var):
+        if not isinstance(var, RouterBias):
+            return var
+        bias = var[...]
+        load_E = load.reshape(bias.shape).astype(jnp.float32)
+        direction = jnp.sign(jnp.mean(load_E, axis=-1, keepdims=True) - load_E)
+        return var.replace(bias + var.get_metadata()["update_rate"] * direction)
+
+    return jax.tree.map(move, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def dropless_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_EFD, activation: str,
@@ -148,9 +190,13 @@ def router_sums(routing: Routing, rows: int, num_experts: int, kept_BKT: jax.Arr
     logits_BTE = routing.logits.reshape(rows, -1, num_experts)
     experts_BTK = routing.experts.reshape(rows, -1, routing.experts.shape[-1])
     picks_BE = jnp.sum(jax.nn.one_hot(experts_BTK, num_experts, dtype=jnp.float32), axis=(1, 2))
-    probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
     lse_BT = jax.nn.logsumexp(logits_BTE, axis=-1)
-    entropy_BT = -jnp.sum(probs_BTE * jax.nn.log_softmax(logits_BTE, axis=-1), axis=-1)
+    if routing.probs is None:  # softmax scores
+        probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+        entropy_BT = -jnp.sum(probs_BTE * jax.nn.log_softmax(logits_BTE, axis=-1), axis=-1)
+    else:
+        probs_BTE = routing.probs.reshape(rows, -1, num_experts)
+        entropy_BT = -jnp.sum(jax.scipy.special.xlogy(probs_BTE, probs_BTE), axis=-1)
     dropped = jnp.zeros((rows,), jnp.float32) if kept_BKT is None else jnp.sum(~kept_BKT, axis=(1, 2)).astype(
         jnp.float32)
     return RouterSums(picks_BE, jnp.sum(probs_BTE, axis=1), jnp.sum(jnp.square(lse_BT), axis=1),
@@ -213,6 +259,8 @@ def router_penalty(cfg, sums_L: RouterSums) -> tuple[jax.Array, dict[str, jax.Ar
     aux, z = router_losses(sums_L, cfg.experts_per_token)
     per_layer = router_metrics(sums_L, cfg.experts_per_token)
     metrics = {f"moe/{name}/layer_{i}": v[i] for name, v in per_layer.items() for i in range(v.shape[0])}
+    if cfg.moe_bias_update_rate:  # the train step takes it out of the metrics to move the routers' biases
+        metrics[EXPERT_LOAD] = jnp.sum(sums_L.picks, axis=1)
     return cfg.moe_aux_loss_coef * aux + cfg.moe_z_loss_coef * z, {"moe_aux_loss": aux, "moe_z_loss": z, **metrics}
 
 
@@ -230,7 +278,8 @@ class MoEMLP(nnx.Module):
 
     def __init__(self, dim: int, mlp_dim: int, num_experts: int, top_k: int, *, renormalize: bool, activation: str,
                  init_std: float, out_std: float, dtype, rngs: nnx.Rngs, stack: tuple = (),
-                 dispatch: str = "dropless", capacity_factor: float = 1.0, shared_mlp_dim: int = 0):
+                 dispatch: str = "dropless", capacity_factor: float = 1.0, shared_mlp_dim: int = 0,
+                 scores: str = "softmax", bias_update_rate: float = 0.0):
         D, F, E, Fs = dim, mlp_dim, num_experts, shared_mlp_dim
         lead = ("layers",) * len(stack)
         self.router = param(rngs, stack + (D, E), lead + ("embed", "expert"), dtype, init_std)
@@ -242,17 +291,19 @@ class MoEMLP(nnx.Module):
         self.shared_up_proj = shared((D, Fs), ("embed", "mlp"), init_std)
         self.shared_down_proj = shared((Fs, D), ("mlp", "embed"), out_std)
         self.shared_expert_gate = shared((D, 1), ("embed", None), init_std)
-        self.top_k, self.renormalize, self.activation = top_k, renormalize, activation  # static
+        self.router_bias = RouterBias(jnp.zeros(stack + (E,), jnp.float32), out_sharding=lead + (None,),
+                                      update_rate=bias_update_rate) if bias_update_rate else None
+        self.top_k, self.renormalize, self.activation, self.scores = top_k, renormalize, activation, scores  # static
         self.dispatch, self.capacity_factor = dispatch, capacity_factor  # static
 
     def __call__(self, x_BTD: jax.Array, dropless: bool = False) -> tuple[jax.Array, RouterSums]:
         """(output [B, T, D], the router's sums per row); `dropless` overrides a capacity dispatch (decoding). On
         a mesh each device routes its own rows to the experts of its expert group (jaxllm/parallel/experts.py)."""
         capacity_factor = self.capacity_factor if self.dispatch == "capacity" and not dropless else None
-        layer = functools.partial(moe_on_device, top_k=self.top_k, renormalize=self.renormalize,
+        layer = functools.partial(moe_on_device, top_k=self.top_k, renormalize=self.renormalize, scores=self.scores,
                                   activation=self.activation, capacity_factor=capacity_factor)
-        out_BTD, sums = run_experts(layer, x_BTD, self.router[...], self.gate_proj[...], self.up_proj[...],
-                                    self.down_proj[...])
+        router = (self.router[...], None if self.router_bias is None else self.router_bias[...])
+        out_BTD, sums = run_experts(layer, x_BTD, router, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         if self.shared_gate_proj is not None:
             out_BTD = out_BTD + self._shared_expert(x_BTD)
         return checkpoint_name(out_BTD, "mlp_out"), sums
@@ -269,14 +320,16 @@ class MoEMLP(nnx.Module):
         return out_BTD * jax.nn.sigmoid(logit_BT1.astype(jnp.float32)).astype(out_BTD.dtype)
 
 
-def moe_on_device(x_BTD, router_DE, gate_EDF, up_EDF, down_EFD, group: ExpertGroup, *, top_k: int,
-                  renormalize: bool, activation: str, capacity_factor: float | None):
-    """One device's part of a mixture-of-experts layer (`run_experts`' `layer`): route its rows, run its experts
-    (`gate_EDF`... hold E_local of the router's E) over its expert group's picks of them, dropless or with
-    `capacity_factor`, and return (its rows' outputs [B, T, D], its rows' `RouterSums`)."""
+def moe_on_device(x_BTD, router, gate_EDF, up_EDF, down_EFD, group: ExpertGroup, *, top_k: int,
+                  renormalize: bool, activation: str, capacity_factor: float | None, scores: str = "softmax"):
+    """One device's part of a mixture-of-experts layer (`run_experts`' `layer`): route its rows (`router`: the
+    router's kernel [D, E] and its `RouterBias` [E] or None), run its experts (`gate_EDF`... hold E_local of the
+    router's E) over its expert group's picks of them, dropless or with `capacity_factor`, and return (its rows'
+    outputs [B, T, D], its rows' `RouterSums`)."""
     B, T, D = x_BTD.shape
+    router_DE, bias_E = router
     E, K = router_DE.shape[-1], top_k
-    routing = route(x_BTD.reshape(B * T, D), router_DE, K, renormalize)
+    routing = route(x_BTD.reshape(B * T, D), router_DE, K, renormalize, scores, bias_E)
     kept_BKT = None
     if capacity_factor is not None:  # computed per row: the same here as on the gathered rows below
         kept_BKT = expert_slots(routing.experts.reshape(B, T, K), E, capacity(T, K, E, capacity_factor))[1]

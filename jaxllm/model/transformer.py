@@ -125,7 +125,8 @@ def _feed_forward_block(cfg: ModelConfig, dtype, stack: tuple, rngs: nnx.Rngs, l
                   activation=cfg.blocks.activation, init_std=cfg.init_std,
                   out_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, dtype=dtype, rngs=rngs, stack=stack,
                   dispatch=cfg.moe_dispatch, capacity_factor=cfg.moe_capacity_factor,
-                  shared_mlp_dim=cfg.moe_shared_mlp_dim)
+                  shared_mlp_dim=cfg.moe_shared_mlp_dim, scores=cfg.moe_router_scores,
+                  bias_update_rate=cfg.moe_bias_update_rate)
 
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")

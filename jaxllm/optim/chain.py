@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from jaxllm.config.schema import OptimConfig
+from jaxllm.model.moe import RouterBias
 from jaxllm.optim.veto import scale_by_adam, vetoable
 
 
@@ -41,13 +42,14 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
 
 
 def decay_mask(params):
-    """True for parameters that get weight decay: matrices, but not norms (rank <= 1 per layer) or embeddings."""
+    """True for parameters that get weight decay: matrices, but not norms (rank <= 1 per layer), embeddings or a
+    mixture of experts' routing bias (moved by the train step alone, `jaxllm.model.moe.RouterBias`)."""
 
     def one(path, var):
         names = var.get_metadata().get("out_sharding") or ()
         is_norm = "norm" in names
         is_embedding = "embed_tokens" in [getattr(k, "key", None) for k in path]
-        return var.replace(not (is_norm or is_embedding))
+        return var.replace(not (is_norm or is_embedding or isinstance(var, RouterBias)))
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

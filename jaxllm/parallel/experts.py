@@ -64,9 +64,10 @@ def _axes(spec: P) -> set[str]:
     return {axis for entry in spec if entry for axis in ((entry,) if isinstance(entry, str) else entry)}
 
 
-def run_experts(layer: Callable, x_BTD, router_DE, gate_EDF, up_EDF, down_EFD):
-    """`layer(x_BTD, router_DE, gate_EDF, up_EDF, down_EFD, group) -> (out_BTD, per-row stats)` on every device of
+def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD):
+    """`layer(x_BTD, router, gate_EDF, up_EDF, down_EFD, group) -> (out_BTD, per-row stats)` on every device of
     the active mesh with its rows and its experts (`ExpertGroup` says which); called as is outside any mesh.
+    `router` is any tree of arrays (the router's kernel, its bias), whole on every device.
 
     Manual over every mesh axis not already manual (inside the pipeline, `stage` is): rows over the batch axes,
     experts over `expert`, their hidden units over `tensor`; the router whole on every device."""
@@ -81,7 +82,7 @@ def run_experts(layer: Callable, x_BTD, router_DE, gate_EDF, up_EDF, down_EFD):
         # partitioner aborts on capacity dispatch's scatter when they are split (jax 0.10, CPU).
         if mesh is not None:
             x_BTD = constrain(x_BTD, (None, None, None))
-        return layer(x_BTD, router_DE, gate_EDF, up_EDF, down_EFD, ExpertGroup())
+        return layer(x_BTD, router, gate_EDF, up_EDF, down_EFD, ExpertGroup())
     manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     sizes = {axis: size if axis in manual else 1 for axis, size in mesh_sizes(mesh).items()}
     spec = lambda names, shape: logical_to_spec(names, shape, sizes, kind="activations")
@@ -91,4 +92,4 @@ def run_experts(layer: Callable, x_BTD, router_DE, gate_EDF, up_EDF, down_EFD):
     group = ExpertGroup(EXPERT if EXPERT in gate else None, TENSOR if TENSOR in gate else None,
                         rows_split=EXPERT in _axes(rows))
     return jax.shard_map(lambda *args: layer(*args, group), mesh=mesh, in_specs=(rows, P(), gate, gate, down),
-                         out_specs=(rows, rows), axis_names=manual)(x_BTD, router_DE, gate_EDF, up_EDF, down_EFD)
+                         out_specs=(rows, rows), axis_names=manual)(x_BTD, router, gate_EDF, up_EDF, down_EFD)

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config.schema import AnomalyConfig
+from jaxllm.model.moe import EXPERT_LOAD, balance_router_bias
 from jaxllm.observe.norms import step_norms
 from jaxllm.optim.loss_scale import NO_LOSS_SCALING, LossScaling, excuse_overflow, non_finite
 from jaxllm.parallel.offload import on_host, stream_opt_state
@@ -221,6 +222,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
                 batch, frozen, state.step_key(), state.powersgd, state.step, compression, scale)
             overflow = overflow if loss_scaling.enabled else jnp.zeros((), bool)
             grads = grads if layout is None else _like_params(grads, state.params, layout)
+        load = extra.pop(EXPERT_LOAD, None)  # a mixture of experts' picks per expert, for its routing bias
         grad_norm = optax.tree.norm(grads)
         flags = detect(loss, excuse_overflow(grad_norm, overflow), state.loss_window, state.grad_window, anomaly)
         is_anomaly = flags["anomaly"]
@@ -240,6 +242,7 @@ def make_train_step(objective, tx: optax.GradientTransformation, grad_accum: int
         drop = (norms["param_norm"] < 0) | (norms["update_norm"] < 0)
         drop = drop if keep is None else drop | keep
         new_params = optax.apply_updates(state.params, updates)
+        new_params = new_params if load is None else balance_router_bias(new_params, load)
         new_params = new_params if layout is None else _like_params(new_params, state.params, layout)
         params = keep_if(drop, state.params, new_params)
         if keep is not None:
