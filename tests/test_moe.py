@@ -257,9 +257,11 @@ def test_router_z_loss_is_the_mean_squared_logsumexp():
 def test_router_metrics_tell_an_even_router_from_a_collapsed_one():
     """Per layer, from two layers' sums over two rows of 3 tokens each: tokens per expert, their coefficient of
     variation, the router's entropy, and the dropped fraction."""
-    even = Routing(jnp.zeros((6, E)), jnp.asarray(np.arange(12).reshape(6, K) % E, np.int32), jnp.ones((6, K)))
-    logits = jnp.full((6, E), -30.0).at[:, 0].set(30.0)  # every token certain of expert 0 (and 1 second)
-    collapsed = Routing(logits, jnp.asarray(np.tile([0, 1], (6, 1)), np.int32), jnp.ones((6, K)))
+    routing = lambda logits, experts: Routing(logits, jnp.asarray(experts, np.int32), jnp.ones((6, K)),  # noqa: E731
+                                              jax.nn.softmax(logits, axis=-1))
+    even = routing(jnp.zeros((6, E)), np.arange(12).reshape(6, K) % E)
+    # every token certain of expert 0 (and 1 second)
+    collapsed = routing(jnp.full((6, E), -30.0).at[:, 0].set(30.0), np.tile([0, 1], (6, 1)))
     kept = jnp.ones((2, K, 3), bool).at[0, 1].set(False)  # capacity dropped row 0's three second picks
     sums = jax.tree.map(lambda *a: jnp.stack(a), router_sums(even, 2, E), router_sums(collapsed, 2, E, kept))
     stats = {k: np.asarray(v) for k, v in router_metrics(sums, K).items()}

@@ -17,17 +17,17 @@ OUTLIER_STATS = ("update_ratio", "grad_norm", "update_norm", "param_norm")
 
 def _layer_medians(run: RunData, stat: str, last_fraction: float = 1.0, prefix: str = DIAG_PREFIX,
                    absent: str = "per-layer diagnostics off, or an older run") -> dict[int, float]:
-    """{layer: median of <prefix><stat>/layer_<i> over the last `last_fraction` of its records, NaNs dropped};
-    NotEvaluated, saying why they may be `absent`, when the run logged no such records."""
+    """{layer: median of the finite values of <prefix><stat>/layer_<i>, the last `last_fraction` of them};
+    NotEvaluated, saying why they may be `absent`, when the run logged no such records. (Step records hold NaN
+    where a step lacks the field, so a tail of finite values, not of records.)"""
     series = run.layer_series(stat, prefix)
     if not series:
         raise NotEvaluated(f"metrics.jsonl has no `{prefix}{stat}/layer_<i>` records ({absent})")
     medians = {}
     for layer, (_, values) in sorted(series.items()):
-        values = values[np.isfinite(values)] if prefix != DIAG_PREFIX else values
-        tail = values[-max(1, int(np.ceil(len(values) * last_fraction))):]
-        finite = tail[np.isfinite(tail)]
-        medians[layer] = float(np.median(finite)) if finite.size else float("nan")
+        finite = values[np.isfinite(values)]
+        tail = finite[-max(1, int(np.ceil(len(finite) * last_fraction))):]
+        medians[layer] = float(np.median(tail)) if tail.size else float("nan")
     return medians
 
 

@@ -50,7 +50,8 @@ class RouterBias(nnx.Param):
 class Routing(NamedTuple):
     """What the router decided for T tokens: its logits [T, E] (float32), the top-k experts [T, K], their
     weights [T, K] (float32) and the router's probabilities over the experts [T, E] (float32: the softmax, or the
-    sigmoid scores divided by their sum; the auxiliary losses' P_e and the entropy)."""
+    sigmoid scores divided by their sum; the auxiliary losses' P_e and the entropy). The picks alone, as the
+    expert exchange moves them, have no logits and probabilities (None)."""
 
     logits: jax.Array
     experts: jax.Array
@@ -191,12 +192,8 @@ def router_sums(routing: Routing, rows: int, num_experts: int, kept_BKT: jax.Arr
     experts_BTK = routing.experts.reshape(rows, -1, routing.experts.shape[-1])
     picks_BE = jnp.sum(jax.nn.one_hot(experts_BTK, num_experts, dtype=jnp.float32), axis=(1, 2))
     lse_BT = jax.nn.logsumexp(logits_BTE, axis=-1)
-    if routing.probs is None:  # softmax scores
-        probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-        entropy_BT = -jnp.sum(probs_BTE * jax.nn.log_softmax(logits_BTE, axis=-1), axis=-1)
-    else:
-        probs_BTE = routing.probs.reshape(rows, -1, num_experts)
-        entropy_BT = -jnp.sum(jax.scipy.special.xlogy(probs_BTE, probs_BTE), axis=-1)
+    probs_BTE = routing.probs.reshape(rows, -1, num_experts)
+    entropy_BT = -jnp.sum(jax.scipy.special.xlogy(probs_BTE, probs_BTE), axis=-1)
     dropped = jnp.zeros((rows,), jnp.float32) if kept_BKT is None else jnp.sum(~kept_BKT, axis=(1, 2)).astype(
         jnp.float32)
     return RouterSums(picks_BE, jnp.sum(probs_BTE, axis=1), jnp.sum(jnp.square(lse_BT), axis=1),

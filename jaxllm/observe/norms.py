@@ -116,7 +116,8 @@ def step_norms(params, updates, grad_norm, clip_norm: jax.Array, update_layout=N
     laid out by `update_layout`, PartitionSpecs in leaf order, by default the parameters' layout).
     """
     clipped = jnp.where(clip_norm > 0, jnp.minimum(grad_norm, clip_norm), grad_norm)
-    param_norm, update_norm = global_norm_over_devices(params, params), global_norm_over_devices(updates, params, update_layout)
+    param_norm = global_norm_over_devices(params, params)
+    update_norm = global_norm_over_devices(updates, params, update_layout)
     return {"grad_norm_clipped": clipped, "param_norm": param_norm, "update_norm": update_norm,
             "update_ratio": _ratio(update_norm, param_norm)}
 

@@ -195,12 +195,12 @@ def replicas_split(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, i
     return spec
 
 
-def split_over_replicas(specs: Any, tree: Any, mesh) -> Any:
-    """`specs` (a tree of PartitionSpecs of the arrays of `tree`, as `spec_tree` makes them) with every spec
-    `replicas_split`: each device owns a different part of what the replicas would otherwise all hold."""
+def split_over_replicas(tree: Any, mesh) -> Any:
+    """`spec_tree(tree, mesh)` with every spec `replicas_split`: each device owns a different part of what the
+    replicas would otherwise all hold (ZeRO-1's layout of an optimizer state, or of the update of parameters)."""
     sizes = mesh_sizes(mesh)
     shapes = [getattr(x, "shape", ()) for x in jax.tree.leaves(tree)]
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    leaves, treedef = jax.tree.flatten(spec_tree(tree, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
     return treedef.unflatten([replicas_split(spec, shape, sizes) for spec, shape in zip(leaves, shapes, strict=True)])
 
 
@@ -301,12 +301,11 @@ def format_report(rows: Iterable[dict]) -> str:
     return "\n".join(lines)
 
 
-def bytes_per_device(tree: Any, mesh, zero1: bool = False) -> int:
-    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `spec_tree` placement, or with
-    `zero1` (an optimizer state under `optim.zero1`) that placement `split_over_replicas`."""
+def bytes_per_device(tree: Any, mesh, specs: Any = None) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) placed by `specs` (a tree of
+    PartitionSpecs like it), by default `spec_tree`'s."""
     sizes = mesh_sizes(mesh)
-    specs = spec_tree(tree, mesh)
-    specs = jax.tree.leaves(split_over_replicas(specs, tree, mesh) if zero1 else specs,
+    specs = jax.tree.leaves(spec_tree(tree, mesh) if specs is None else specs,
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
     leaves = jax.tree.leaves(tree)
     return sum(

@@ -21,7 +21,7 @@ from jaxllm.optim.chain import make_optimizer
 from jaxllm.parallel.sharding import bytes_per_device, sharding_tree
 from jaxllm.train.step_runner import StepRunner
 from jaxllm.objectives.registry import planned_model, planned_step
-from jaxllm.train.state import abstract_objective_state, state_shardings
+from jaxllm.train.state import abstract_objective_state, opt_state_specs, state_shardings
 
 
 def _count(tree) -> int:
@@ -53,7 +53,8 @@ def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
         frozen_bytes_per_device=bytes_per_device(frozen, mesh) if jax.tree.leaves(frozen) else 0,
         param_bytes_per_device=bytes_per_device(state.params, mesh),
         opt_state_values=_count(state.opt_state),
-        opt_bytes_per_device=bytes_per_device(state.opt_state, mesh, cfg.optim.zero1),
+        opt_bytes_per_device=bytes_per_device(state.opt_state, mesh,
+                                              opt_state_specs(state.opt_state, mesh, cfg.optim.zero1)),
         opt_on_host=cfg.optim.offload == "host",
         param_bytes_total=sum(math.prod(x.shape) * x.dtype.itemsize for x in every),
     )

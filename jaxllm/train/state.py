@@ -89,15 +89,21 @@ def state_shardings(abstract_state: TrainState, mesh, offload: str = "none", zer
     (init, the step, checkpoint restore) takes its shardings from here."""
     shardings = sharding_tree(abstract_state, mesh)
     if zero1:
-        specs = split_over_replicas(spec_tree(abstract_state.opt_state, mesh), abstract_state.opt_state, mesh)
-        shardings = shardings.replace(opt_state=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                                                             is_leaf=lambda x: isinstance(x, PartitionSpec)))
+        shardings = shardings.replace(opt_state=jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec), opt_state_specs(abstract_state.opt_state, mesh, zero1),
+            is_leaf=lambda x: isinstance(x, PartitionSpec)))
     if abstract_state.powersgd is not None:
         shardings = shardings.replace(powersgd=powersgd.state_shardings(abstract_state.powersgd,
                                                                         abstract_state.params, mesh))
     if offload == "host":
         shardings = shardings.replace(opt_state=host_shardings(shardings.opt_state))
     return shardings
+
+
+def opt_state_specs(opt_state, mesh, zero1: bool):
+    """The PartitionSpecs of an optimizer state on `mesh`: the RULES placement, split over the data-parallel
+    replicas with `zero1` (`optim.zero1`)."""
+    return split_over_replicas(opt_state, mesh) if zero1 else spec_tree(opt_state, mesh)
 
 
 def init_objective_state(objective, tx, mesh, seed: int, window: int = 50, offload: str = "none",

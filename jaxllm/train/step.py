@@ -25,7 +25,7 @@ from jaxllm.parallel.offload import on_host, stream_opt_state
 from jaxllm.optim.chain import current_clip_norm, current_lr
 from jaxllm.optim.powersgd import PowerSGD, compressed_grads_and_loss
 from jaxllm.optim.veto import VetoableTransformation, keep_if
-from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, replicas_split, spec_leaves
+from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, spec_leaves, split_over_replicas
 from jaxllm.train.anomaly import detect, push
 from jaxllm.train.state import TrainState
 
@@ -97,9 +97,7 @@ def update_layout(params, zero1: bool):
     mesh = active_mesh()
     if not zero1 or mesh is None or mesh.manual_axes:
         return None
-    sizes = {a: n for a, n in zip(mesh.axis_names, mesh.axis_sizes)}
-    return [replicas_split(spec, x.shape, sizes) for spec, x in zip(spec_leaves(params, mesh),
-                                                                    jax.tree.leaves(params), strict=True)]
+    return jax.tree.leaves(split_over_replicas(params, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn, frozen=NO_FROZEN,
@@ -140,7 +138,7 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn, fro
         micro = _micro_batches(batch, grad_accum)
         first = jax.tree.map(lambda x: x[0], micro)
         metric_shapes = jax.eval_shape(lambda: loss_of(params, first, rng)[2])
-        zeros = _like_params(jax.tree.map(jnp.zeros_like, params), params, layout)  # the carry: split like the parameters
+        zeros = _like_params(jax.tree.map(jnp.zeros_like, params), params, layout)  # the carry, split as the grads
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                 jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes))
         (grads, loss_sum, count, metrics), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(grad_accum)))
