@@ -44,9 +44,13 @@ def do_import(args) -> int:
         model = hf.from_pretrained(args.hf, dtype=args.dtype)
     except (FileNotFoundError, ValueError, NotImplementedError, KeyError) as exc:
         fail(str(exc))
-    if getattr(model, "rope_scaling", None) is not None:
-        fail(f"{args.hf} uses RoPE scaling, which a jaxllm run config cannot record; not converted")
     cfg = model.cfg
+    if model.rope_scaling is not None:  # the run config records it (model.rope_scaling), where it can
+        fields = model.rope_scaling.model_config_fields()
+        if fields is None:
+            fail(f"{args.hf} uses a RoPE scaling that model.rope_scaling cannot spell ({model.rope_scaling}); "
+                 "not converted")
+        cfg = dataclasses.replace(cfg, **fields)
     precision = PrecisionConfig(params=args.dtype)
     optim = OptimConfig()
     tx = make_optimizer(optim, 1)

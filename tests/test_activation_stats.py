@@ -18,7 +18,8 @@ from jaxllm.observe.activations import GATE_SATURATION, activation_stats, first_
 from jaxllm.model.lora import merge
 from jaxllm.parallel.mesh import make_mesh
 import jaxllm.model.layers as layers
-from jaxllm.model.layers import apply_rope, rope_tables, xla_attention
+from jaxllm.model.layers import xla_attention
+from jaxllm.model.rope import apply_rope, rope_tables
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.visibility import attention_mask
 from jaxllm.parallel.sharding import sharding_tree

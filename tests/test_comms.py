@@ -51,12 +51,12 @@ def test_every_replica_group_spelling_names_its_devices(line, groups):
 
 
 def test_groups_map_to_the_mesh_axes_they_span():
-    shape = (2, 2, 1, 2, 1)  # MESH_AXES order: data, fsdp, expert, tensor, stage
+    shape = (2, 2, 1, 1, 2, 1)  # MESH_AXES order: data, fsdp, expert, context, tensor, stage
     assert mesh_axes_of([[0, 1], [2, 3], [4, 5], [6, 7]], shape, MESH_AXES) == (("tensor",), False)
     assert mesh_axes_of([[0, 2, 4, 6], [1, 3, 5, 7]], shape, MESH_AXES) == (("data", "fsdp"), False)
     assert mesh_axes_of(parse_replica_groups("[4,2]<=[2,2,2]T(2,1,0)"), shape, MESH_AXES) == (("data",), False)
     # pairs of a 4-device axis cover part of it
-    assert mesh_axes_of([[0, 1], [2, 3], [4, 5], [6, 7]], (1, 8, 1, 1, 1), MESH_AXES) == (("fsdp",), True)
+    assert mesh_axes_of([[0, 1], [2, 3], [4, 5], [6, 7]], (1, 8, 1, 1, 1, 1), MESH_AXES) == (("fsdp",), True)
 
 
 def _cfg(*overrides):
@@ -106,7 +106,7 @@ def test_a_tensor_layout_has_collectives_on_tensor_and_the_report_groups_them(ca
     assert train_script.main(["--config", CONFIG, *TINY, "--print_comms"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("collectives of the compiled train step on mesh "
-                          "data=2 x fsdp=2 x expert=1 x tensor=2 x stage=1")
+                          "data=2 x fsdp=2 x expert=1 x context=1 x tensor=2 x stage=1")
     assert "all-reduce           tensor" in out and "top 10 collectives by bytes per step:" in out
 
 

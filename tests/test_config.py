@@ -19,7 +19,7 @@ CONFIG = str(ROOT / "configs" / "pretrain.py")
 BAD = [
     (["--config.optim.lrr=1"], "optim.lrr: unknown key"),
     (["--config.nonsense.x=1"], "nonsense: unknown section"),
-    (["--config.mesh.data=3"], "mesh: data*fsdp*expert*tensor*stage = 3x2x1x2x1 = 12 but there are 8 devices (on a CPU, "
+    (["--config.mesh.data=3"], "mesh: data*fsdp*expert*context*tensor*stage = 3x2x1x1x2x1 = 12 but there are 8 devices (on a CPU, "
                                "XLA_FLAGS=--xla_force_host_platform_device_count=12 before the command makes 12"),
     (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], "mesh.fsdp: only one mesh axis may be -1"),
     (["--config.model.num_heads=6", "--config.model.num_kv_heads=4"], "model.num_kv_heads: 4 must divide model.num_heads=6"),

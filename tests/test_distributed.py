@@ -71,16 +71,16 @@ def test_incomplete_or_bad_layouts_name_the_flag(no_cluster, args, env, message)
 
 
 def test_processes_go_on_data_then_stage_then_fsdp():
-    """dcn sizes in MESH_AXES order (data, fsdp, expert, tensor, stage); expert and tensor take hosts only when
+    """dcn sizes in MESH_AXES order (data, fsdp, expert, context, tensor, stage); expert and tensor take hosts only when
     asked."""
     mesh = MeshConfig(data=2, fsdp=2, tensor=2, stage=1)
-    assert resolve_dcn(mesh, 1).dcn_shape == (1, 1, 1, 1, 1)
-    assert resolve_dcn(mesh, 2).dcn_shape == (2, 1, 1, 1, 1)
-    assert resolve_dcn(mesh, 2).host_shape == (1, 2, 1, 2, 1)
-    assert resolve_dcn(MeshConfig(2, 2, 2, 2), 4).dcn_shape == (2, 1, 1, 1, 2)
-    assert resolve_dcn(MeshConfig(1, 4, 2, 1), 2).dcn_shape == (1, 2, 1, 1, 1)
-    assert resolve_dcn(MeshConfig(2, 1, 4, 1, dcn_tensor=2), 2).dcn_shape == (1, 1, 1, 2, 1)  # only when asked
-    assert resolve_dcn(MeshConfig(1, 1, 2, 1, expert=4, dcn_expert=2), 2).dcn_shape == (1, 1, 2, 1, 1)
+    assert resolve_dcn(mesh, 1).dcn_shape == (1, 1, 1, 1, 1, 1)
+    assert resolve_dcn(mesh, 2).dcn_shape == (2, 1, 1, 1, 1, 1)
+    assert resolve_dcn(mesh, 2).host_shape == (1, 2, 1, 1, 2, 1)
+    assert resolve_dcn(MeshConfig(2, 2, 2, 2), 4).dcn_shape == (2, 1, 1, 1, 1, 2)
+    assert resolve_dcn(MeshConfig(1, 4, 2, 1), 2).dcn_shape == (1, 2, 1, 1, 1, 1)
+    assert resolve_dcn(MeshConfig(2, 1, 4, 1, dcn_tensor=2), 2).dcn_shape == (1, 1, 1, 1, 2, 1)  # only when asked
+    assert resolve_dcn(MeshConfig(1, 1, 2, 1, expert=4, dcn_expert=2), 2).dcn_shape == (1, 1, 2, 1, 1, 1)
 
 
 def test_bad_host_layouts_name_the_key():

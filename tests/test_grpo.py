@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxllm.config.fine_tuning import GRPOConfig
-from jaxllm.config.schema import LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.objectives.losses import grpo_loss
 from jaxllm.objectives.rollout import response_logps, sequence_layout
 from jaxllm.model.reference import reference_model
@@ -58,7 +58,7 @@ def _losses(layout):
 def test_first_updates_agree_across_layouts_and_stages():
     reference = _losses((8, 1, 1, 1))
     assert reference[-1] < reference[0]  # the adapters learn
-    for layout in ((2, 2, 2, 1), (4, 1, 1, 2)):
+    for layout in ((2, 2, 2, 1), (4, 1, 1, 2), MeshConfig(data=4, context=2)):
         np.testing.assert_allclose(_losses(layout), reference, rtol=1e-5, atol=1e-6, err_msg=str(layout))
 
 

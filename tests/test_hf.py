@@ -184,5 +184,5 @@ def test_config_round_trip():
         CONFIGS["gqa2_odd"], rope_parameters=None, rope_theta=5000.0))))
     assert (cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim) == (48, 6, 3, 8, 100)
     assert (cfg.rope_theta, cfg.norm_eps, cfg.vocab_size, cfg.num_layers) == (5000.0, 1e-5, 97, 3)
-    with pytest.raises(NotImplementedError, match="yarn"):
-        hf.rope_scaling_from_hf({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(NotImplementedError, match="longrope"):
+        hf.rope_scaling_from_hf({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}})

@@ -32,7 +32,7 @@ def _dry_run(train_args):
     # Hand count (L4 D256 N4/K2 H64 F768 V512, untied): embedding and head, per layer q/k/v/o + SwiGLU + 2 norms.
     per_layer = 256 * (4 + 2 + 2) * 64 + 4 * 64 * 256 + 3 * 256 * 768 + 2 * 256
     assert f"{2 * 512 * 256 + 4 * per_layer + 256:,} parameters" in proc.stdout, proc.stdout
-    assert "mesh data=2 x fsdp=2 x expert=1 x tensor=2 x stage=1 (8 devices)" in proc.stdout
+    assert "mesh data=2 x fsdp=2 x expert=1 x context=1 x tensor=2 x stage=1 (8 devices)" in proc.stdout
     assert re.search(r"^H100 80 GB .*: fits", proc.stdout, flags=re.M), proc.stdout
 
 

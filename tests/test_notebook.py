@@ -132,7 +132,7 @@ def test_bytes_per_device_table(executed):
     for layout in [(1, 2, 4, 1), (1, 1, 8, 1)]:
         row = _layout_row(text, layout)
         assert row["model"] == "h8/kv8" and row["fraction"] < 0.2
-    assert re.search(r"llama_8b on \(2, 64, 1, 2, 1\) \(256 devices\): 8,030,261,248 parameters", text)
+    assert re.search(r"llama_8b on \(2, 64, 1, 1, 2, 1\) \(256 devices\): 8,030,261,248 parameters", text)
 
 
 def test_compiled_memory_analysis(executed):

@@ -11,17 +11,22 @@ from train_runs import ROOT
 
 def _cfg(*overrides):
     cd = build_config(str(ROOT / "configs" / "pretrain.py"), split_overrides(list(overrides))[1])
-    return validate(cd, cd.mesh.data * cd.mesh.fsdp * cd.mesh.tensor * cd.mesh.stage)
+    return validate(cd, cd.mesh.data * cd.mesh.fsdp * cd.mesh.tensor * cd.mesh.stage * cd.mesh.context)
 
 
-@pytest.mark.parametrize("overrides", [(), ("--config.model.remat=full",), ("--config.model.loss_chunk=32",)],
-                         ids=["remat-none", "remat-full", "loss-chunk"])
+CONTEXT = ("--config.mesh.data=1", "--config.mesh.context=2", "--config.train.seq_len=512")
+
+
+@pytest.mark.parametrize("overrides", [(), ("--config.model.remat=full",), ("--config.model.loss_chunk=32",),
+                                       CONTEXT, CONTEXT + ("--config.model.context_attention=ring",)],
+                         ids=["remat-none", "remat-full", "loss-chunk", "context-all-gather", "context-ring"])
 def test_formula_is_within_a_quarter_of_the_compiled_temporaries(overrides):
     cfg = _cfg("--config.model.vocab_size=4096", *overrides)
     compiled = memory_plan(cfg, compiled=True)
     formula = memory_plan(cfg, compiled=False)
     assert compiled["temp_source"] == "compiled on cpu"
-    assert formula["temp_source"] == "formula, attention xla as on a GPU"  # float32 compute: no cuDNN
+    attention = "ring" if "--config.model.context_attention=ring" in overrides else "xla"  # float32: no cuDNN
+    assert formula["temp_source"] == f"formula, attention {attention} as on a GPU"
     ratio = formula["temp_bytes_per_device"] / compiled["temp_bytes_per_device"]
     assert 0.75 < ratio < 1.25, (ratio, formula["temp_parts"], compiled["temp_bytes_per_device"])
     assert formula["total_bytes_per_device"] == sum(formula[k] for k in (

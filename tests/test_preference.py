@@ -274,7 +274,7 @@ def test_rpo_adds_alpha_times_the_chosen_responses_nll_per_token(policy):
 
 
 def _losses(objective, layout, steps=3):
-    mesh = make_mesh(MeshConfig(*layout))
+    mesh = make_mesh(layout if isinstance(layout, MeshConfig) else MeshConfig(*layout))
     tx = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), 10)
     rows, _ = _rows(count=16)
     rows = {k: v[:8] for k, v in rows.items()}
@@ -303,5 +303,6 @@ def test_objectives_agree_across_layouts(make):
     objective = make()
     reference = _losses(objective, (8, 1, 1, 1))
     assert reference[-1] < reference[0]  # it learns
-    for layout in ((1, 8, 1, 1), (2, 2, 2, 1)):
+    # the last: each row's sequence split over `context` (the scores read at each sequence's last token)
+    for layout in ((1, 8, 1, 1), (2, 2, 2, 1), MeshConfig(data=4, context=2)):
         np.testing.assert_allclose(_losses(objective, layout), reference, rtol=1e-5, err_msg=str(layout))

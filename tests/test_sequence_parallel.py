@@ -155,7 +155,7 @@ def test_config_accepts_tensor_1_and_pipeline_stages():
     assert validate(cd, 1).mesh.sequence_parallel
     cd = _config(stage=2)
     cd.pipeline.microbatches = 2
-    assert validate(cd, 4).mesh.shape == (1, 1, 1, 2, 2)  # MESH_AXES order: data, fsdp, expert, tensor, stage
+    assert validate(cd, 4).mesh.shape == (1, 1, 1, 1, 2, 2)  # MESH_AXES order
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])

@@ -36,4 +36,5 @@ def test_train_script_runs_and_writes_metrics(shakespeare_store, tmp_path):
     config = json.loads((workdir / "config.json").read_text())
     assert config["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1,  # one process:
                               "dcn_data": 1, "dcn_fsdp": 1, "dcn_tensor": 1, "dcn_stage": 1,  # nothing crosses
-                              "dcn_expert": 1, "sequence_parallel": False}  # hosts
+                              "dcn_expert": 1, "context": 1, "dcn_context": 1,
+                              "sequence_parallel": False}  # hosts

@@ -27,9 +27,10 @@ from jaxllm.config.fine_tuning import (OBJECTIVE_CHECKS, OBJECTIVES, DPOConfig, 
 from jaxllm.config.typed_config import ConfigError, build, check_choice, check_positive
 from jaxllm.config.auto_precision import resolve_compute
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor", "stage")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor", "stage")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "minimal_with_context", "save_qkv_proj")
+CONTEXT_ATTENTIONS = ("all_gather", "ring")  # model.context_attention (jaxllm/parallel/context.py)
 GRAD_COMPRESSIONS = ("none", "powersgd")  # optim.grad_compression (jaxllm/optim/powersgd.py)
 OFFLOADS = ("none", "host")  # optim.offload, model.remat_offload (jaxllm/parallel/offload.py)
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
@@ -37,6 +38,7 @@ OPTIMIZERS = ("adamw", "lamb", "adafactor")
 SCHEDULES = ("cosine", "constant", "wsd")
 MOE_DISPATCHES = ("dropless", "capacity")  # model.moe_dispatch (jaxllm/model/moe.py)
 MOE_ROUTER_SCORES = ("softmax", "sigmoid")  # model.moe_router_scores (jaxllm/model/moe.py)
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling (jaxllm.model.rope.RopeScaling)
 QUANT_MODES = ("none", "int8", "fp8")  # precision.quant (jaxllm/model/quant.py)
 LOSS_SCALE_MODES = ("none", "static", "dynamic")  # precision.loss_scale, besides "auto" (jaxllm/optim/loss_scale.py)
 AUTO_VOCAB = 0  # model.vocab_size "auto": the tokenizer's size, padded (resolve_vocab_size)
@@ -49,7 +51,7 @@ AUTO_VALUES = {"model.vocab_size": AUTO_VOCAB, "optim.grad_accum": AUTO_GRAD_ACC
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the five mesh axes (their product is the device count, over all processes).
+    """Sizes of the six mesh axes (their product is the device count, over all processes).
 
     `expert` (expert parallelism) splits a mixture of experts' experts (jaxllm/parallel/experts.py); everywhere
     else it splits the batch as data and fsdp do, so no device idles outside the expert layers.
@@ -65,6 +67,10 @@ class MeshConfig:
     before the q/k/v and gate/up projections and reduce-scattered after o_proj and down_proj (in place of the
     all-reduce). Same losses, same parameters and checkpoints. Needs `train.seq_len` divisible by `tensor`;
     with tensor = 1 it changes nothing.
+
+    `context` (context parallelism, jaxllm/parallel/context.py) splits every activation's sequence dimension,
+    attention included (`model.context_attention`); parameters are not split over it and their gradients reduce
+    over it as over `data`. Needs `train.seq_len` divisible by 2 * context (the load-balanced layout).
     """
 
     data: int = 1
@@ -78,6 +84,8 @@ class MeshConfig:
     sequence_parallel: bool = False
     expert: int = 1
     dcn_expert: int = 0
+    context: int = 1
+    dcn_context: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -120,6 +128,13 @@ class ModelConfig:
     head_dim: int = 64
     mlp_dim: int = 768
     rope_theta: float = 10000.0
+    # RoPE rescaled to extend the context (jaxllm.model.rope.RopeScaling): "linear" divides every frequency by
+    # rope_scaling_factor, "llama3" only the slow ones (Llama 3.1's bands), "yarn" ramps between the two and also
+    # scales cos and sin; llama3 and yarn need rope_original_context, the context the model was trained at. An
+    # imported checkpoint brings its own scaling ("none" here keeps it).
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_context: int = 0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     # The architecture family (jaxllm/config/families/): the blocks its layers have beyond Llama's (`blocks`) and
@@ -143,6 +158,10 @@ class ModelConfig:
     loss_chunk: int = 0
     # auto: cudnn on GPUs when computing in bf16/fp16, else xla (see jaxllm.model.visibility.resolve_attention)
     attention: str = "auto"
+    # Attention over a sequence split by mesh.context > 1 (jaxllm/parallel/context.py): "all_gather" gathers each
+    # layer's keys and values over `context` (KV memory O(T)); "ring" passes key/value blocks around the devices
+    # with an online softmax (KV memory O(T / context)). Either runs the einsum attention on each block.
+    context_attention: str = "all_gather"
     # False: the training forward runs the stacked layers in an unrolled Python loop (transformer.unroll_layers;
     # within each stage under the pipeline) instead of lax.scan, so XLA can schedule and fuse across layers (on
     # GPUs); compile time grows with depth. Same parameters, checkpoints and results. KV-cache decoding scans.
@@ -210,6 +229,7 @@ class ModelConfig:
         if self.vocab_size != AUTO_VOCAB:
             check_positive("model.vocab_size", self.vocab_size)
         check_positive("model.rope_theta", self.rope_theta)
+        self._check_rope_scaling()
         check_positive("model.norm_eps", self.norm_eps)
         check_choice("model.remat", self.remat, REMAT_POLICIES + (AUTO_REMAT,))
         check_choice("model.remat_offload", self.remat_offload, OFFLOADS)
@@ -223,12 +243,32 @@ class ModelConfig:
         if self.loss_chunk < 0:
             raise ConfigError("model.loss_chunk", f"must be >= 0 (0: no chunking), got {self.loss_chunk}")
         check_choice("model.attention", self.attention, ATTENTION_IMPLS)
+        check_choice("model.context_attention", self.context_attention, CONTEXT_ATTENTIONS)
         self._check_experts()
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("model.num_kv_heads", f"{self.num_kv_heads} must divide model.num_heads="
                                                     f"{self.num_heads} (grouped-query attention)")
         if self.head_dim % 2:
             raise ConfigError("model.head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
+
+    def _check_rope_scaling(self) -> None:
+        """rope_scaling_factor and rope_original_context go with a rope_scaling that reads them."""
+        check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if self.rope_scaling == "none":
+            for key, unset in (("rope_scaling_factor", 1.0), ("rope_original_context", 0)):
+                if getattr(self, key) != unset:
+                    raise ConfigError(f"model.{key}", f"is read only with model.rope_scaling set (linear, llama3 or "
+                                                      f"yarn), got {getattr(self, key)} with rope_scaling=none")
+            return
+        if self.rope_scaling_factor < 1:
+            raise ConfigError("model.rope_scaling_factor", f"must be >= 1 (how many times the original context the "
+                                                           f"model reaches), got {self.rope_scaling_factor}")
+        if self.rope_original_context < 0:
+            raise ConfigError("model.rope_original_context", f"must be >= 0, got {self.rope_original_context}")
+        if self.rope_scaling != "linear" and not self.rope_original_context:
+            raise ConfigError("model.rope_original_context", f"model.rope_scaling={self.rope_scaling} needs the "
+                                                             f"context the model was trained at (> 0), got "
+                                                             f"{self.rope_original_context}")
 
     def _check_experts(self) -> None:
         if self.num_experts < 0:
@@ -670,7 +710,8 @@ def resolve_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
     if fill:
         if num_devices % known:
             raise ConfigError(
-                f"mesh.{fill[0]}", f"cannot fill: {num_devices} devices are not divisible by the other axes' product {known}"
+                f"mesh.{fill[0]}",
+                f"cannot fill: {num_devices} devices are not divisible by the other axes' product {known}"
             )
         sizes[fill[0]] = num_devices // known
     product = math.prod(sizes.values())
@@ -817,6 +858,30 @@ def _check_model_on_mesh(model: ModelConfig, mesh: MeshConfig, seq_len: int) -> 
                                          f"{mesh.expert}")
     if model.dim % mesh.fsdp:
         raise ConfigError("model.dim", f"{model.dim} is not divisible by mesh.fsdp={mesh.fsdp}")
+    if mesh.context > 1:
+        _check_context(model, mesh, seq_len)
+
+
+def _check_context(model: ModelConfig, mesh: MeshConfig, seq_len: int) -> None:
+    """The sequence splits into 2 * context chunks (each device an early and a late one), and attention is the
+    context path's own."""
+    if seq_len % (2 * mesh.context):
+        raise ConfigError("mesh.context", f"splits train.seq_len={seq_len} into 2 * mesh.context = "
+                                          f"{2 * mesh.context} chunks (an early and a late one per device): it must "
+                                          "divide it")
+    if mesh.sequence_parallel and seq_len % (mesh.context * mesh.tensor):
+        raise ConfigError("mesh.sequence_parallel", f"splits the sequence over mesh.context*mesh.tensor="
+                                                    f"{mesh.context * mesh.tensor}, which does not divide "
+                                                    f"train.seq_len={seq_len}")
+    if model.context_attention == "ring" and mesh.stage > 1:
+        # The ring's shard_map inside the pipeline's: autodiff gives the nested manual computation residuals
+        # sharded over `stage` too, and the program fails to verify (jax 0.10 and 0.12, jax-ml/jax#26588).
+        raise ConfigError("model.context_attention", f"'ring' does not run inside the pipeline (mesh.stage="
+                                                     f"{mesh.stage}) yet: use 'all_gather'")
+    if model.attention not in ("auto", "xla"):
+        raise ConfigError("model.attention", f"{model.attention!r} does not run over a split sequence: with "
+                                             f"mesh.context={mesh.context} attention is model.context_attention's "
+                                             "(set model.attention to auto or xla)")
 
 
 def _check_compression(optim: OptimConfig, mesh: MeshConfig) -> None:

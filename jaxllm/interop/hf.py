@@ -29,7 +29,7 @@ from safetensors.numpy import save_file
 from jaxllm.config.families import FAMILIES, family_of_model_type
 from jaxllm.config.families.blocks import Family, FamilyConfigError
 from jaxllm.config.schema import ModelConfig, PrecisionConfig
-from jaxllm.model.layers import RopeScaling
+from jaxllm.model.rope import ROPE_TYPE_FIELDS, RopeScaling
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.transformer import Transformer
 from jaxllm.interop import hf_peft
@@ -177,27 +177,43 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 def rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
-    """The RoPE rescaling a config asks for; None for plain RoPE. Unsupported kinds raise NotImplementedError."""
+    """The RoPE rescaling a config asks for (`rope_type`, or the older `type`); None for plain RoPE. Unsupported
+    kinds raise NotImplementedError. What a config leaves out is filled in as transformers fills it: the original
+    context of llama3 and yarn from `max_position_embeddings`, yarn's factor from the two's ratio."""
     params = _rope_parameters(hf)
     kind = params.get("rope_type", "default")
     if kind == "default":
         return None
-    if kind not in ("llama3", "linear"):
+    if kind not in ROPE_TYPE_FIELDS:
         raise NotImplementedError(f"{CONFIG_FILE}: rope_parameters.rope_type={kind!r} is not supported "
-                                  "(only 'default', 'llama3', 'linear')")
-    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
-    return RopeScaling(rope_type=kind, **{k: params[k] for k in fields if k in params})
+                                  f"(only {['default', *ROPE_TYPE_FIELDS]})")
+    if kind != "linear":  # a top-level original_max_position_embeddings wins, as in transformers (Phi-3's)
+        params["original_max_position_embeddings"] = (hf.get("original_max_position_embeddings")
+                                                      or params.get("original_max_position_embeddings")
+                                                      or hf.get("max_position_embeddings"))
+    if kind == "yarn" and params.get("factor") is None:
+        params["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+    return RopeScaling(rope_type=kind, **{k: params[k] for k in ROPE_TYPE_FIELDS[kind] if params.get(k) is not None})
+
+
+def _max_positions(rope_scaling: RopeScaling | None) -> int:
+    """The config's max_position_embeddings: YaRN's extended context (transformers checks it against the factor),
+    else 8192."""
+    if rope_scaling is None or rope_scaling.rope_type != "yarn":
+        return 8192
+    return int(rope_scaling.original_max_position_embeddings * rope_scaling.factor)
 
 
 def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtype: str = "float32",
                  reward_pad_id: int | None = None) -> dict:
     """A `config.json` dict of `cfg`'s family's causal LM (readable by transformers 4.x and 5.x); with
     `reward_pad_id`, of its sequence-classification model (one label) whose pad token is that id (it finds each
-    sequence's last non-padding token by it)."""
+    sequence's last non-padding token by it). `rope_scaling` None: the config's own (`model.rope_scaling`)."""
     family = FAMILIES[cfg.family]
+    rope_scaling = rope_scaling or RopeScaling.from_model_config(cfg)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if rope_scaling is not None:
-        rope.update(dataclasses.asdict(rope_scaling))
+        rope.update(rope_type=rope_scaling.rope_type, **rope_scaling.parameters())
     reward = {} if reward_pad_id is None else {"architectures": [family.sequence_classification], "num_labels": 1,
                                                  "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
                                                  "pad_token_id": reward_pad_id}
@@ -218,7 +234,7 @@ def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtyp
         "rope_parameters": rope,
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": _max_positions(rope_scaling),
         "use_cache": True,
         "torch_dtype": dtype,
         "dtype": dtype,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from flax import nnx
 
 from jaxllm.config.schema import LoRAConfig, ModelConfig, PrecisionConfig
-from jaxllm.model.layers import RopeScaling
+from jaxllm.model.rope import RopeScaling
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.transformer import Transformer
 

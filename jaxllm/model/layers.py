@@ -16,9 +16,7 @@ output before o_proj), out_proj, mlp_gate, mlp_up, mlp_out. Outside `jax.checkpo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +25,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model.lora import adapter, project
 from jaxllm.model.cudnn_attention import cudnn_attention
+from jaxllm.model.rope import apply_rope
+from jaxllm.parallel.context import DocumentOrder, context_shards, ring_attention
 from jaxllm.parallel.sharding import constrain
 
 # Masked attention scores use a large finite negative: -inf would turn fully masked rows (padding) into NaN.
@@ -81,60 +81,6 @@ class RMSNorm(nnx.Module):
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = self.scale[...].astype(jnp.float32)
         return (x32 * (scale + 1.0 if self.plus_one else scale)).astype(x.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Context-extension rescaling of the rotary frequencies (Hugging Face `rope_type` 'llama3' or 'linear').
-
-    A frozen (hashable) dataclass so a model can hold it as static structure: it is not a config field because
-    only imported checkpoints carry it.
-    """
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
-            raise NotImplementedError(f"rope_type {self.rope_type!r} is not supported (only 'llama3', 'linear')")
-
-    def apply(self, inv_freq: jax.Array) -> jax.Array:
-        """Rescaled inverse frequencies, as transformers' `_compute_llama3_parameters` / linear scaling."""
-        if self.rope_type == "linear":
-            return inv_freq / self.factor
-        old_len = self.original_max_position_embeddings
-        low_wavelen, high_wavelen = old_len / self.low_freq_factor, old_len / self.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths (beyond the original context) are slowed down by `factor`, short ones kept, and
-        # the band in between interpolated smoothly.
-        scaled = jnp.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
-        smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return jnp.where(medium, smoothed, scaled)
-
-
-def rope_tables(positions_BT: jax.Array, head_dim: int, theta: float,
-                scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
-    """Rotary sin/cos tables [B, T, H/2] in float32 for the given per-token positions."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if scaling is not None:
-        inv_freq = scaling.apply(inv_freq)
-    angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.sin(angles_BTh), jnp.cos(angles_BTh)
-
-
-def apply_rope(x_BTNH: jax.Array, sin_BTh: jax.Array, cos_BTh: jax.Array) -> jax.Array:
-    """Rotate halves (the Llama / Hugging Face convention: pairs are (i, i + H/2))."""
-    half = x_BTNH.shape[-1] // 2
-    x32 = x_BTNH.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
-    sin, cos = sin_BTh[:, :, None, :], cos_BTh[:, :, None, :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTNH.dtype)
 
 
 def xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = None):
@@ -234,7 +180,12 @@ class Attention(nnx.Module):
         if taps is not None:
             taps.update(q=q_BTNH, k=k_BSKH)
         T = q_BTNH.shape[1]
-        if self.impl == "xla" and local is None and self.window and T % self.window == 0 and T > self.window:
+        if isinstance(visible, DocumentOrder):  # a sequence split over `context`, attended around the ring
+            out_BTNH = ring_attention(q_BTNH, k_BSKH, v_BSKH, visible, self.scale)
+        elif context_shards() > 1:  # the split sequence's queries against all keys and values, gathered
+            whole = ("batch", None, "kv_heads", "head_dim")
+            out_BTNH = xla_attention(q_BTNH, constrain(k_BSKH, whole), constrain(v_BSKH, whole), visible, self.scale)
+        elif self.impl == "xla" and local is None and self.window and T % self.window == 0 and T > self.window:
             out_BTNH = windowed_attention(q_BTNH, k_BSKH, v_BSKH, visible, self.window, self.scale)
         elif self.impl == "xla":
             out_BTNH = xla_attention(q_BTNH, k_BSKH, v_BSKH, visible, self.scale)

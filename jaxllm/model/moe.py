@@ -300,7 +300,8 @@ class MoEMLP(nnx.Module):
         layer = functools.partial(moe_on_device, top_k=self.top_k, renormalize=self.renormalize, scores=self.scores,
                                   activation=self.activation, capacity_factor=capacity_factor)
         router = (self.router[...], None if self.router_bias is None else self.router_bias[...])
-        out_BTD, sums = run_experts(layer, x_BTD, router, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        out_BTD, sums = run_experts(layer, x_BTD, router, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
+                                    split_seq=capacity_factor is None)
         if self.shared_gate_proj is not None:
             out_BTD = out_BTD + self._shared_expert(x_BTD)
         return checkpoint_name(out_BTD, "mlp_out"), sums
@@ -330,7 +331,7 @@ def moe_on_device(x_BTD, router, gate_EDF, up_EDF, down_EFD, group: ExpertGroup,
     kept_BKT = None
     if capacity_factor is not None:  # computed per row: the same here as on the gathered rows below
         kept_BKT = expert_slots(routing.experts.reshape(B, T, K), E, capacity(T, K, E, capacity_factor))[1]
-    sums = router_sums(routing, B, E, kept_BKT)
+    sums = group.row_total(router_sums(routing, B, E, kept_BKT))
     x_ND = group.gather(x_BTD).reshape(-1, D)
     rows = x_ND.shape[0] // T
     picks = Routing(None, group.gather(routing.experts.reshape(B, T * K)).reshape(-1, K),

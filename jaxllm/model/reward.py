@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config.schema import LoRAConfig, ModelConfig, PrecisionConfig
-from jaxllm.model.layers import RopeScaling, param
+from jaxllm.model.layers import param
+from jaxllm.model.rope import RopeScaling
 from jaxllm.model.transformer import Transformer
 
 HEAD = nnx.PathContains("score")  # the score head's variables (a base has none: it is always new)

@@ -16,9 +16,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config.schema import LoRAConfig, ModelConfig, PrecisionConfig
-from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, RopeScaling, param, rope_tables
+from jaxllm.model.layers import MLP, Attention, Embed, RMSNorm, param
+from jaxllm.model.rope import RopeScaling, rope_tables
 from jaxllm.model.moe import MoEMLP
 from jaxllm.model.visibility import attention_visibility, resolve_attention
+from jaxllm.parallel.context import balanced_order, context_shards, from_balanced, to_balanced
 from jaxllm.parallel.offload import DEVICE, HOST
 from jaxllm.parallel.pipeline import num_stages, pipeline
 from jaxllm.parallel.sharding import constrain
@@ -304,6 +306,16 @@ def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, rema
     return out if with_stats else (out, None)
 
 
+def _rope_scaling(cfg: ModelConfig, given: RopeScaling | None) -> RopeScaling | None:
+    """The one rotary scaling of a model: `given` (an imported checkpoint's) or the config's; a config that asks
+    for another than the checkpoint carries is refused rather than one of them silently ignored."""
+    configured = RopeScaling.from_model_config(cfg)
+    if given is not None and configured is not None and given != configured:
+        raise ValueError(f"model.rope_scaling={cfg.rope_scaling!r} (factor {cfg.rope_scaling_factor}) differs from "
+                         f"the checkpoint's own RoPE scaling {given}: set model.rope_scaling=none to keep it")
+    return given if given is not None else configured
+
+
 class Transformer(nnx.Module):
     """Llama-style causal language model.
 
@@ -326,8 +338,9 @@ class Transformer(nnx.Module):
         # sequence splits over `tensor`. Static too: the parameter tree and checkpoints do not change.
         self.sequence_parallel = sequence_parallel
         self.seq_axis = residual_seq_axis(sequence_parallel)
-        # Not a ModelConfig field: only imported checkpoints (Llama 3.x) rescale their rotary frequencies.
-        self.rope_scaling = rope_scaling
+        # Rotary rescaling for a longer context: the config's (model.rope_scaling), or an imported checkpoint's,
+        # which may set fields the config cannot spell (Llama 3's bands, YaRN's betas). Static, in the graphdef.
+        self.rope_scaling = _rope_scaling(cfg, rope_scaling)
         self.precision = precision
         self.compute_dtype = jnp.dtype(precision.compute)
         self.output_dtype = jnp.dtype(precision.output)
@@ -366,8 +379,14 @@ class Transformer(nnx.Module):
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        shards, order_BT, impl = context_shards(), None, self.cfg.attention
+        if shards > 1:  # the balanced layout of context parallelism; the head gets the sequence back in order
+            tokens_BT, segment_ids_BT, positions_BT = (to_balanced(a, shards)
+                                                       for a in (tokens_BT, segment_ids_BT, positions_BT))
+            order_BT = jnp.broadcast_to(jnp.asarray(balanced_order(T, shards), jnp.int32), (B, T))
+            impl = "ring" if self.cfg.context_attention == "ring" else "xla"
         sin_BTh, cos_BTh = self._rotations(positions_BT)
-        windowed = lambda window: attention_visibility(self.cfg.attention, segment_ids_BT, window)
+        windowed = lambda window: attention_visibility(impl, segment_ids_BT, window, order_BT)
         local_L = self._local_layers()
         visible = windowed(self.cfg.sliding_window) if local_L is None else (windowed(0),
                                                                              windowed(self.cfg.sliding_window))
@@ -383,6 +402,8 @@ class Transformer(nnx.Module):
         else:
             x_BTD, stats = layer_loop(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,
                                       self.cfg.remat_offload, probe, local_L)
+        if shards > 1:
+            x_BTD = constrain(from_balanced(x_BTD, shards), ("batch", self.seq_axis, "embed"))
         # The final norm runs on the split sequence too; the head's vocabulary-parallel matmul gathers it (`logits`).
         return self.norm(x_BTD), stats
 

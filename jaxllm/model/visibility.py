@@ -13,15 +13,22 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxllm.parallel.context import DocumentOrder, visible
+
 # Documents per row that cuDNN's packed layout is built for. cuDNN's workspace grows with this bound (T = 4096
 # slots asked for 1 TiB on an H200; 64 fit, as fast as 4 documents need); rows with more documents fall back to
 # the masked kernel (see `jaxllm.model.cudnn_attention`).
 PACKED_DOCUMENTS = 64
 
 
-def attention_mask(segment_ids_BT: jax.Array, window: int = 0) -> jax.Array:
+def attention_mask(segment_ids_BT: jax.Array, window: int = 0, order_BT: jax.Array | None = None) -> jax.Array:
     """[B, T, S] boolean: causal, and only within the same packed document (segment); with a `window`, only the
-    last `window` positions, the token's own included (Hugging Face's sliding window: key > query - window)."""
+    last `window` positions, the token's own included (Hugging Face's sliding window: key > query - window).
+    `order_BT`: each token's index in its unpermuted row, when the row is laid out in another order (context
+    parallelism's balanced layout); None: the row is in order."""
+    if order_BT is not None:
+        tokens = DocumentOrder(segment_ids_BT, order_BT, jnp.full(order_BT.shape[:1], window, jnp.int32))
+        return visible(tokens, tokens)
     T = segment_ids_BT.shape[1]
     behind_TS = jnp.arange(T)[:, None] - jnp.arange(T)[None, :]
     causal_TS = (behind_TS >= 0) & (behind_TS < window) if window else behind_TS >= 0
@@ -76,10 +83,13 @@ def resolve_attention(impl: str, compute_dtype) -> str:
     return "xla"
 
 
-def attention_visibility(impl: str, segment_ids_BT: jax.Array, window: int = 0):
+def attention_visibility(impl: str, segment_ids_BT: jax.Array, window: int = 0, order_BT: jax.Array | None = None):
     """Visibility in the form attention `impl` takes: the [B, T, S] mask (limited to a sliding `window` when it
-    is not 0), or for cuDNN the packed layout, which takes its window in the kernel call (both built once per
-    batch and shared by every layer)."""
+    is not 0), for cuDNN the packed layout, which takes its window in the kernel call, or for context
+    parallelism's ring each token's document and index (`jaxllm.parallel.context.DocumentOrder`); built once
+    per batch and shared by every layer. `order_BT` as `attention_mask`."""
     if impl == "cudnn":
         return packed_segments(segment_ids_BT)
-    return attention_mask(segment_ids_BT, window)
+    if impl == "ring":
+        return DocumentOrder(segment_ids_BT, order_BT, jnp.full(order_BT.shape[:1], window, jnp.int32))
+    return attention_mask(segment_ids_BT, window, order_BT)

@@ -38,6 +38,11 @@ class ExpertGroup:
     expert_axis: str | None = None
     tensor_axis: str | None = None
     rows_split: bool = True  # False: the rows are whole on every device of the group (too few to split)
+    seq_axis: str | None = None  # the axis the rows' sequence is split over (context parallelism), if any
+
+    def row_total(self, sums):
+        """Per-row sums over this device's part of the sequence -> over the whole row."""
+        return sums if self.seq_axis is None else jax.lax.psum(sums, self.seq_axis)
 
     def first_expert(self, local_experts: int):
         """The index of this device's first expert."""
@@ -64,10 +69,13 @@ def _axes(spec: P) -> set[str]:
     return {axis for entry in spec if entry for axis in ((entry,) if isinstance(entry, str) else entry)}
 
 
-def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD):
+def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD, split_seq: bool = True):
     """`layer(x_BTD, router, gate_EDF, up_EDF, down_EFD, group) -> (out_BTD, per-row stats)` on every device of
     the active mesh with its rows and its experts (`ExpertGroup` says which); called as is outside any mesh.
-    `router` is any tree of arrays (the router's kernel, its bias), whole on every device.
+    `router` is any tree of arrays (the router's kernel, its bias), whole on every device. With `split_seq` the
+    rows' sequence stays split over `context` as outside (each device routes its own positions; the layer adds
+    its per-row stats over the sequence with `group.row_total`), else it is gathered (capacity dispatch: its
+    buffers are per whole row).
 
     Manual over every mesh axis not already manual (inside the pipeline, `stage` is): rows over the batch axes,
     experts over `expert`, their hidden units over `tensor`; the router whole on every device."""
@@ -86,10 +94,10 @@ def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD):
     manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     sizes = {axis: size if axis in manual else 1 for axis, size in mesh_sizes(mesh).items()}
     spec = lambda names, shape: logical_to_spec(names, shape, sizes, kind="activations")
-    rows = spec(("batch",), x_BTD.shape[:1])
+    rows = spec(("batch", "seq" if split_seq else None), x_BTD.shape[:2])
     gate = spec(("expert", None, "mlp"), gate_EDF.shape)
     down = spec(("expert", "mlp", None), down_EFD.shape)
     group = ExpertGroup(EXPERT if EXPERT in gate else None, TENSOR if TENSOR in gate else None,
-                        rows_split=EXPERT in _axes(rows))
+                        rows_split=EXPERT in _axes(rows), seq_axis=rows[1] if len(rows) > 1 else None)
     return jax.shard_map(lambda *args: layer(*args, group), mesh=mesh, in_specs=(rows, P(), gate, gate, down),
-                         out_specs=(rows, rows), axis_names=manual)(x_BTD, router, gate_EDF, up_EDF, down_EFD)
+                         out_specs=(rows, P(*rows[:1])), axis_names=manual)(x_BTD, router, gate_EDF, up_EDF, down_EFD)

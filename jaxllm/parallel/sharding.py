@@ -10,6 +10,10 @@ sequence dimension of its residual stream (embedding output, layer outputs, norm
 `seq`, and `residual_seq` splits over `tensor`. Attention and the MLP keep the whole sequence with heads / hidden
 units over `tensor`, so XLA all-gathers the sequence before the column-parallel projections (q/k/v, gate/up) and
 reduce-scatters after the row-parallel ones (o_proj, down_proj) instead of all-reducing.
+
+Context parallelism is one rule too: `seq` splits over `context` in compute (and `residual_seq` over context and
+tensor), parameters never do, so XLA reduces their gradients over `context` as over `data`. Attention is the
+one place the split sequence needs more than a layout (jaxllm/parallel/context.py).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ MeshAxes = str | tuple[str, ...] | None
 # logical name: (parameters, activations)
 RULES: dict[str, tuple[MeshAxes, MeshAxes]] = {
     "batch": (None, ("data", "fsdp", "expert")),
-    "seq": (None, None),
-    "residual_seq": (None, "tensor"),  # the residual stream's sequence under sequence parallelism
+    # context parallelism (jaxllm/parallel/context.py): every activation's sequence splits over `context`
+    "seq": (None, "context"),
+    "residual_seq": (None, ("context", "tensor")),  # the residual stream's sequence under sequence parallelism
     "embed": ("fsdp", None),
     "heads": ("tensor", "tensor"),
     "kv_heads": ("tensor", "tensor"),

@@ -3,12 +3,14 @@ activations, gradients, the output head's logits, one layer's backward working s
 that are not here.
 
 Every term counts one device's share: rows split over data x fsdp, heads / MLP / vocabulary over tensor,
-layers over stage. What a layer keeps for its backward pass follows `model.remat` (the names are
+layers over stage, the sequence over context. What a layer keeps for its backward pass follows `model.remat` (the names are
 jaxllm/model/layers.py's checkpoint names); with `model.remat_offload=host` the named residuals live in host
 memory instead (`host_activation_bytes`), and the device keeps each layer's input only. The einsum attention
 (`xla`, `dot_product`) keeps its [T, S] scores in float32; cuDNN's fused kernel keeps only per-row softmax
-statistics. `scripts/bench_memory.py --tables
-planner` prints this formula against compiled `memory_analysis()` figures.
+statistics. Over `mesh.context` (jaxllm/parallel/context.py) the all-gather attention keeps its queries' [T / N, T]
+scores; the ring ("ring") holds one [T / N, T / N] block's at a time and keeps none (its backward pass recomputes
+them). `scripts/bench_memory.py --tables planner` prints this formula against compiled `memory_analysis()`
+figures.
 
 With `mesh.sequence_parallel` the residual-stream-shaped [tokens, D] intermediates a layer keeps for its
 backward pass (its input, the o_proj and down_proj outputs, the norms and the residual sum) are split over
@@ -32,7 +34,8 @@ def _layer_terms(cfg: Config, rows: int, attention: str, residual_split: int = 1
     the [tokens, D] ones split `residual_split` ways along the sequence."""
     m, mesh, T = cfg.model, cfg.mesh, cfg.train.seq_len
     c = jnp.dtype(cfg.precision.compute).itemsize
-    n = rows * T  # tokens on this device
+    queries = T / mesh.context  # this device's positions of the sequence
+    n = rows * queries  # tokens on this device
     residual = n * m.dim * c / residual_split
     heads, kv, mlp = m.num_heads / mesh.tensor, m.num_kv_heads / mesh.tensor, m.mlp_dim / mesh.tensor
     # A mixture of experts runs its MLP on (token, expert) pairs: k a token. Dropless dispatch over an expert
@@ -49,8 +52,10 @@ def _layer_terms(cfg: Config, rows: int, attention: str, residual_split: int = 1
         dispatch = 2 * pairs * m.dim * c + (mesh.expert - 1) * residual + 3 * n * m.num_experts * FLOAT32
     if attention == "cudnn":
         scores = rows * heads * T * FLOAT32  # softmax statistics only
+    elif attention == "ring":
+        scores = rows * heads * queries * queries * (FLOAT32 + c)  # one block's, while it is folded in
     else:
-        scores = rows * heads * T * T * (FLOAT32 + c)  # float32 scores and the probabilities
+        scores = rows * heads * queries * T * (FLOAT32 + c)  # float32 scores and the probabilities
     return {
         "input": residual,  # the layer's input: the scan keeps it whatever the policy
         "query_proj": n * heads * m.head_dim * c, "key_proj": n * kv * m.head_dim * c,
@@ -81,6 +86,14 @@ def _residual_split(cfg: Config) -> int:
     return cfg.mesh.tensor if cfg.mesh.sequence_parallel else 1
 
 
+def planned_attention(cfg: Config, gpu_attention: str) -> str:
+    """The attention the target runs: over `mesh.context` the ring or the all-gather's einsum path, else
+    `gpu_attention` (`jaxllm.model.visibility.gpu_attention` of the config)."""
+    if cfg.mesh.context > 1:
+        return "ring" if cfg.model.context_attention == "ring" else "xla"
+    return gpu_attention
+
+
 def host_activation_bytes(cfg: Config, attention: str) -> float:
     """Bytes per device of saved activations in host memory (`model.remat_offload=host`: every residual the
     policy saves but the layer inputs, which the layer scan keeps on the device); 0 without offload."""
@@ -104,7 +117,7 @@ def step_temp_bytes(cfg: Config, attention: str, trainable_bytes: int) -> dict[s
     if saved is not None and m.remat_offload == "host":
         saved = ("input",)
     kept = sum(terms.values()) if saved is None else sum(terms[k] for k in saved)
-    head_positions = min(m.loss_chunk or cfg.train.seq_len, cfg.train.seq_len)
+    head_positions = min(m.loss_chunk or cfg.train.seq_len, cfg.train.seq_len) / mesh.context
     head = 2 * rows * head_positions * m.vocab_size / mesh.tensor * FLOAT32  # logits and their gradient
     return {
         "saved_activations": kept * m.num_layers / mesh.stage,

@@ -12,7 +12,7 @@ import math
 import jax
 
 from jaxllm.optim import powersgd
-from jaxllm.plan.activation_memory import host_activation_bytes, step_temp_bytes
+from jaxllm.plan.activation_memory import host_activation_bytes, planned_attention, step_temp_bytes
 from jaxllm.config.schema import Config
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.parallel.mesh import abstract_mesh, make_mesh
@@ -58,7 +58,7 @@ def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
         opt_on_host=cfg.optim.offload == "host",
         param_bytes_total=sum(math.prod(x.shape) * x.dtype.itemsize for x in every),
     )
-    host_activations = host_activation_bytes(cfg, gpu_attention(cfg.model.attention, cfg.precision.compute))
+    host_activations = host_activation_bytes(cfg, planned_attention(cfg, gpu_attention(cfg.model.attention, cfg.precision.compute)))
     if compiled is None:
         compiled = jax.default_backend() != "cpu" and cfg.mesh.num_devices <= jax.device_count()
     if compiled:
@@ -66,7 +66,7 @@ def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
         host_activations = memory["host_temp"]
         plan.update(temp_bytes_per_device=memory["temp"], temp_source=f"compiled on {jax.default_backend()}")
     else:
-        attention = gpu_attention(cfg.model.attention, cfg.precision.compute)
+        attention = planned_attention(cfg, gpu_attention(cfg.model.attention, cfg.precision.compute))
         parts = step_temp_bytes(cfg, attention, plan["param_bytes_per_device"])
         plan.update(temp_bytes_per_device=int(sum(parts.values())), temp_parts={k: int(v) for k, v in parts.items()},
                     temp_source=f"formula, attention {attention} as on a GPU")

@@ -25,17 +25,20 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxllm.model.rope import RopeScaling
 from jaxllm.model.lora import ADAPTER_SUFFIX
 from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, locate_checkpoints
 from jaxllm.config.schema import Config, ConfigError, ModelConfig, check_across
 from jaxllm.interop import hf
 
+# The RoPE scaling's fields: adopted from a base that has a scaling, else this run's (to extend the context).
+ROPE_FIELDS = ("rope_scaling", "rope_scaling_factor", "rope_original_context")
 # ModelConfig fields that describe the network itself (adopted from the base); the others (remat, attention,
 # init_std, preset) are choices of this run.
 ARCHITECTURE = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
                 "norm_eps", "tie_embeddings", "family", "sliding_window", "global_every", "local_rope_theta",
                 "query_pre_attn_scalar", "num_experts", "experts_per_token", "moe_renormalize",
-                "moe_shared_mlp_dim")
+                "moe_shared_mlp_dim") + ROPE_FIELDS
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _KEY = "checkpoint.restore_from"
 
@@ -120,7 +123,7 @@ def _store_tokenizer(store: str | None) -> Path | None:
 def adopt_architecture(cfg: Config, base: Base) -> Config:
     """`cfg` with the base's architecture, checked again against the mesh and the rest of the config (the dims
     may differ from the config file's)."""
-    model = dataclasses.replace(cfg.model, **base.architecture)
+    model = dataclasses.replace(cfg.model, **{**base.architecture, **_rope_fields(cfg.model, base)})
     if model == cfg.model:
         return cfg
     adopted = dataclasses.replace(cfg, model=model)
@@ -130,6 +133,20 @@ def adopt_architecture(cfg: Config, base: Base) -> Config:
     except ConfigError as exc:
         raise ConfigError(exc.key, f"{exc.reason} (with the architecture of the base {base.path})") from None
     return adopted
+
+
+def _rope_fields(model: ModelConfig, base: Base) -> dict:
+    """The run's model.rope_scaling fields: the base's (a jaxllm run's recorded ones; a Hugging Face base's
+    scaling travels as `base.rope_scaling`, its fields "none") unless the config sets a scaling, which may extend
+    a base without one, or restate the base's, but not replace it."""
+    theirs = {k: base.architecture[k] for k in ROPE_FIELDS}
+    base_scaling = base.rope_scaling or RopeScaling.from_model_config(dataclasses.replace(model, **theirs))
+    ours = RopeScaling.from_model_config(model)
+    if base_scaling is not None and ours not in (None, base_scaling):
+        raise ConfigError("model.rope_scaling", f"the base {base.path} has its own RoPE scaling "
+                                                f"({base_scaling.rope_type}, factor {base_scaling.factor}): leave "
+                                                "model.rope_scaling=none to keep it")
+    return {k: getattr(model, k) for k in ROPE_FIELDS} if base_scaling is None or ours is not None else theirs
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:

@@ -1,0 +1,284 @@
+"""Context parallelism: the sequence split over the `context` mesh axis, attention across the split.
+
+Everything but attention follows from one rule (jaxllm/parallel/sharding.RULES: `seq` splits over `context`): the
+embedding, the norms, the projections, the MLP and the head work position by position. Attention needs every
+earlier position of a token's document, so it is built here, in two ways (`model.context_attention`):
+
+- all-gather: each layer gathers its keys and values over `context` (a sharding constraint; XLA's all-gather
+  forward, reduce-scatter backward) and each device attends from its own queries to the whole sequence. Simple;
+  each device holds the whole sequence's keys and values for one layer at a time (O(T)).
+- ring (`ring_attention`): key/value blocks travel around the devices of the `context` axis with
+  collective permutes inside a `jax.shard_map`; each device folds every block into a running (flash-style)
+  softmax of its queries. Each device holds two blocks at a time (O(T / context)); the backward pass runs the
+  ring again (a custom VJP), carrying the blocks' gradients home with them, rather than keeping every block.
+
+Load balance under the causal mask: split in order, the device with the sequence's last chunk does most of the
+attention work and the first does little. The model lays the sequence out so that device i holds chunk i and
+chunk 2N-1-i of 2N (`to_balanced`; the zig-zag layout of Megatron and ring-flash-attention) and puts it back
+before the head (`from_balanced`), so objectives, losses and data never see the permutation. Masks cannot use
+array positions under that layout: each token carries its original index (`order`) beside its segment id, and a
+key is visible to a query of the same document whose `order` is not smaller (`DocumentOrder`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.parallel.sharding import active_mesh, mesh_sizes
+
+CONTEXT = "context"
+# Masked scores: a large finite negative as in jaxllm/model/layers.py (a fully masked block must not make NaN).
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
+
+
+def context_shards(mesh=None) -> int:
+    """Size of the `context` axis of `mesh` (default: the active mesh; inside a shard_map manual over `context`,
+    1); 1 when there is none."""
+    mesh = active_mesh() if mesh is None else mesh
+    if mesh is None or CONTEXT not in mesh.axis_names or CONTEXT in mesh.manual_axes:
+        return 1
+    return mesh_sizes(mesh)[CONTEXT]
+
+
+def balanced_order(length: int, shards: int) -> np.ndarray:
+    """The original index of each position of the balanced layout of `length` positions over `shards` devices:
+    chunks of length / (2 * shards), device i holding chunk i then chunk 2 * shards - 1 - i."""
+    chunks = np.arange(length).reshape(2 * shards, -1)
+    return np.stack([chunks[:shards], chunks[shards:][::-1]], axis=1).reshape(length)
+
+
+def to_balanced(x: jax.Array, shards: int) -> jax.Array:
+    """`x` [B, T, ...] in the balanced layout along T (`balanced_order`): slices, a reversal and an interleave,
+    which XLA moves between devices with collective permutes rather than gathering the sequence."""
+    B, T = x.shape[:2]
+    chunks = x.reshape((B, 2 * shards, T // (2 * shards)) + x.shape[2:])
+    early, late = chunks[:, :shards], jnp.flip(chunks[:, shards:], axis=1)
+    return jnp.stack([early, late], axis=2).reshape(x.shape)
+
+
+def from_balanced(x: jax.Array, shards: int) -> jax.Array:
+    """`to_balanced` undone: `x` [B, T, ...] back in sequence order."""
+    B, T = x.shape[:2]
+    pairs = x.reshape((B, shards, 2, T // (2 * shards)) + x.shape[2:])
+    early, late = pairs[:, :, 0], jnp.flip(pairs[:, :, 1], axis=1)
+    return jnp.concatenate([early, late], axis=1).reshape(x.shape)
+
+
+class DocumentOrder(NamedTuple):
+    """Who may see whom, for attention over a split sequence: per token [B, T] its packed document (`segment_ids`,
+    0 for padding) and its index in the unpermuted row (`order`); `window` [B] (int32, 0: none) limits a query to
+    the last `window` positions of its document, itself included (per row, so micro-batches can slice it)."""
+
+    segment_ids: jax.Array
+    order: jax.Array
+    window: jax.Array
+
+
+def visible(queries: DocumentOrder, keys: DocumentOrder) -> jax.Array:
+    """[B, T, S] boolean: key s is in query t's document, not after it, and within its window."""
+    q_order, k_order = queries.order[:, :, None], keys.order[:, None, :]
+    behind = q_order - k_order
+    window = queries.window[:, None, None]
+    in_window = (window == 0) | (behind < window)
+    same = queries.segment_ids[:, :, None] == keys.segment_ids[:, None, :]
+    return same & (behind >= 0) & in_window
+
+
+def ring_attention(q_BTNH, k_BSKH, v_BSKH, who: DocumentOrder, scale: float, balanced: bool = True) -> jax.Array:
+    """Grouped-query attention [B, T, N, H] of a sequence split over the active mesh's `context` axis, by the ring
+    (see the module docstring); `who` says who may see whom, and its tokens are laid out as the activations'.
+
+    `balanced`: the tokens are in the balanced layout (`to_balanced`) under a causal mask, so at every step but
+    the first each device computes only the half of the block the mask leaves visible: with the keys of device j
+    < i, device i's queries see only j's early chunk; with j > i only its late chunk sees j's keys at all.
+    """
+    mesh = active_mesh()
+    shards = mesh_sizes(mesh)[CONTEXT]
+    seq = P(None, CONTEXT)
+    per_device = partial(_ring, scale=scale, shards=shards, balanced=balanced)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(seq, seq, seq, DocumentOrder(seq, seq, P())),
+                         out_specs=seq, axis_names={CONTEXT})(q_BTNH, k_BSKH, v_BSKH, who)
+
+
+def _ring(q_BTNH, k_BSKH, v_BSKH, who: DocumentOrder, *, scale: float, shards: int, balanced: bool):
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    out_BKGTH = _ring_softmax(q_BTKGH, k_BSKH, v_BSKH, who, (scale, shards, balanced))
+    return jnp.einsum("BKGTH->BTKGH", out_BKGTH).reshape(B, T, N, H).astype(v_BSKH.dtype)
+
+
+def _pass_on(tree, shards: int):
+    """Each device's `tree` to the next device of the ring (the last to the first)."""
+    return jax.lax.ppermute(tree, CONTEXT, [(i, (i + 1) % shards) for i in range(shards)])
+
+
+def _rows(who: DocumentOrder, part: slice) -> DocumentOrder:
+    return DocumentOrder(who.segment_ids[:, part], who.order[:, part], who.window)
+
+
+def _halves(length: int) -> tuple[slice, slice]:
+    """A device's early and late chunk of its `length` positions in the balanced layout."""
+    return slice(0, length // 2), slice(length // 2, None)
+
+
+def _keys_early(step: int):
+    """At ring step `step` > 0 this device holds device (i - step)'s block: below its own index exactly when
+    step <= i, and then only that block's early chunk is visible; else only this device's late queries see it."""
+    return step <= jax.lax.axis_index(CONTEXT)
+
+
+def _block_scores(q_BTKGH, k_BSKH, queries: DocumentOrder, keys: DocumentOrder, scale: float):
+    """(scores [B, K, G, T, S] in float32 with masked ones at the floor, visibility [B, 1, 1, T, S])."""
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
+    seen = visible(queries, keys)[:, None, None]
+    return jnp.where(seen, scores, _MASKED), seen
+
+
+class _Running(NamedTuple):
+    """The online softmax of some queries so far: running maximum `peak` and sum of exponentials `total` [B, K,
+    G, T], and running weighted sum of values `acc` [B, K, G, T, H], all float32."""
+
+    peak: jax.Array
+    total: jax.Array
+    acc: jax.Array
+
+    def rows(self, part: slice) -> "_Running":
+        return _Running(self.peak[..., part], self.total[..., part], self.acc[..., part, :])
+
+    def with_rows(self, part: slice, new: "_Running") -> "_Running":
+        return _Running(self.peak.at[..., part].set(new.peak), self.total.at[..., part].set(new.total),
+                        self.acc.at[..., part, :].set(new.acc))
+
+
+def _fold(run: _Running, q_BTKGH, k_BSKH, v_BSKH, queries: DocumentOrder, keys: DocumentOrder, scale: float):
+    """`run` with one more block of keys and values folded in."""
+    scores, seen = _block_scores(q_BTKGH, k_BSKH, queries, keys, scale)
+    peak = jnp.maximum(run.peak, scores.max(-1))
+    weights = jnp.where(seen, jnp.exp(scores - peak[..., None]), 0.0)
+    rescale = jnp.exp(run.peak - peak)
+    values = jnp.einsum("BKGTS,BSKH->BKGTH", weights.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32)
+    return _Running(peak, run.total * rescale + weights.sum(-1), run.acc * rescale[..., None] + values)
+
+
+def _fold_visible_half(run: _Running, q_BTKGH, k_BSKH, v_BSKH, who: DocumentOrder, keys: DocumentOrder,
+                       scale: float, step: int) -> _Running:
+    """`_fold` of the half of a block the causal mask leaves visible in the balanced layout (`_keys_early`)."""
+    early, late = _halves(q_BTKGH.shape[1])
+
+    def early_keys(run):
+        return _fold(run, q_BTKGH, k_BSKH[:, early], v_BSKH[:, early], who, _rows(keys, early), scale)
+
+    def late_queries(run):
+        return run.with_rows(late, _fold(run.rows(late), q_BTKGH[:, late], k_BSKH, v_BSKH, _rows(who, late), keys,
+                                         scale))
+
+    return jax.lax.cond(_keys_early(step), early_keys, late_queries, run)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring_softmax(q_BTKGH, k_BSKH, v_BSKH, who: DocumentOrder, static: tuple):
+    return _ring_forward(q_BTKGH, k_BSKH, v_BSKH, who, static)[0]
+
+
+def _ring_forward(q_BTKGH, k_BSKH, v_BSKH, who: DocumentOrder, static: tuple):
+    """(output [B, K, G, T, H] float32, log-sum-exp of each query's scores [B, K, G, T]); `static` is (scale,
+    shards, balanced)."""
+    scale, shards, balanced = static
+    B, T, K, G, H = q_BTKGH.shape
+    run = _Running(jnp.full((B, K, G, T), _MASKED, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+                   jnp.zeros((B, K, G, T, H), jnp.float32))
+    block = (k_BSKH, v_BSKH, who)
+    for step in range(shards):  # unrolled: XLA may overlap the next block's permute with this block's work
+        if step:
+            block = _pass_on(block, shards)
+        k, v, keys = block
+        if step and balanced:
+            run = _fold_visible_half(run, q_BTKGH, k, v, who, keys, scale, step)
+        else:
+            run = _fold(run, q_BTKGH, k, v, who, keys, scale)
+    safe = jnp.where(run.total > 0, run.total, 1.0)  # every token sees itself; padding-only rows would have nothing
+    return run.acc / safe[..., None], run.peak + jnp.log(safe)
+
+
+def _ring_fwd(q_BTKGH, k_BSKH, v_BSKH, who, static):
+    out, lse = _ring_forward(q_BTKGH, k_BSKH, v_BSKH, who, static)
+    return out, (q_BTKGH, k_BSKH, v_BSKH, who, out, lse)
+
+
+class _Backward(NamedTuple):
+    """What every block's gradients need of the queries' side: the output's gradient `d_out` [B, K, G, T, H],
+    the log-sum-exp `lse` and softmax's backward term `row_dot` = sum_s p * dp [B, K, G, T], float32."""
+
+    d_out: jax.Array
+    lse: jax.Array
+    row_dot: jax.Array
+
+    def rows(self, part: slice) -> "_Backward":
+        return _Backward(self.d_out[..., part, :], self.lse[..., part], self.row_dot[..., part])
+
+
+def _block_grads(q_BTKGH, k_BSKH, v_BSKH, back: _Backward, queries: DocumentOrder, keys: DocumentOrder,
+                 scale: float):
+    """(d_q [B, T, K, G, H], d_k, d_v [B, S, K, H]), float32, of one block."""
+    scores, seen = _block_scores(q_BTKGH, k_BSKH, queries, keys, scale)
+    probs = jnp.where(seen, jnp.exp(scores - back.lse[..., None]), 0.0)
+    d_v = jnp.einsum("BKGTS,BKGTH->BSKH", probs, back.d_out)
+    d_probs = jnp.einsum("BKGTH,BSKH->BKGTS", back.d_out, v_BSKH.astype(jnp.float32))
+    d_scores = probs * (d_probs - back.row_dot[..., None]) * scale
+    d_q = jnp.einsum("BKGTS,BSKH->BTKGH", d_scores, k_BSKH.astype(jnp.float32))
+    d_k = jnp.einsum("BKGTS,BTKGH->BSKH", d_scores, q_BTKGH.astype(jnp.float32))
+    return d_q, d_k, d_v
+
+
+def _visible_half_grads(q_BTKGH, k_BSKH, v_BSKH, back: _Backward, who: DocumentOrder, keys: DocumentOrder,
+                        scale: float, step: int):
+    """`_block_grads` of the half of a block the causal mask leaves visible, as the forward's
+    `_fold_visible_half`, padded with zeros to the whole block's shapes."""
+    early, late = _halves(q_BTKGH.shape[1])
+
+    def early_keys():
+        d_q, d_k, d_v = _block_grads(q_BTKGH, k_BSKH[:, early], v_BSKH[:, early], back, who, _rows(keys, early),
+                                     scale)
+        pad = lambda g: jnp.zeros(k_BSKH.shape, jnp.float32).at[:, early].set(g)
+        return d_q, pad(d_k), pad(d_v)
+
+    def late_queries():
+        d_q, d_k, d_v = _block_grads(q_BTKGH[:, late], k_BSKH, v_BSKH, back.rows(late), _rows(who, late), keys,
+                                     scale)
+        return jnp.zeros(q_BTKGH.shape, jnp.float32).at[:, late].set(d_q), d_k, d_v
+
+    return jax.lax.cond(_keys_early(step), early_keys, late_queries)
+
+
+def _ring_bwd(static, residuals, d_out_BKGTH):
+    """The flash-attention backward around the ring: each block's key/value gradients travel with it and, after
+    one more hop than the forward's, arrive back at the device that owns the block."""
+    scale, shards, balanced = static
+    q_BTKGH, k_BSKH, v_BSKH, who, out, lse = residuals
+    d_out = d_out_BKGTH.astype(jnp.float32)
+    back = _Backward(d_out, lse, jnp.sum(d_out * out, axis=-1))
+    d_q = jnp.zeros(q_BTKGH.shape, jnp.float32)
+    block = (k_BSKH, v_BSKH, who)
+    grads = (jnp.zeros(k_BSKH.shape, jnp.float32), jnp.zeros(v_BSKH.shape, jnp.float32))
+    for step in range(shards):
+        if step:
+            block, grads = _pass_on((block, grads), shards)
+        k, v, keys = block
+        if step and balanced:
+            step_q, step_k, step_v = _visible_half_grads(q_BTKGH, k, v, back, who, keys, scale, step)
+        else:
+            step_q, step_k, step_v = _block_grads(q_BTKGH, k, v, back, who, keys, scale)
+        d_q, grads = d_q + step_q, (grads[0] + step_k, grads[1] + step_v)
+    d_k, d_v = _pass_on(grads, shards)
+    no_grad = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), who)
+    return d_q.astype(q_BTKGH.dtype), d_k.astype(k_BSKH.dtype), d_v.astype(v_BSKH.dtype), no_grad
+
+
+_ring_softmax.defvjp(_ring_fwd, _ring_bwd)
