@@ -200,18 +200,24 @@ def test_unrolled_layers_a_chunked_head_and_micro_batches_give_the_same_statisti
 
 # The pipeline case runs the circular schedule (2 stages x 2 repeats of 1 layer): its stats come back from
 # stages in neither layer nor row order.
-@pytest.mark.parametrize("mesh_shape, pipeline, sequence_parallel",
-                         [((2, 2, 2, 1), PipelineConfig(), True),
-                          ((2, 1, 2, 2), PipelineConfig(microbatches=2, repeats=2), False)],
-                         ids=["data-fsdp-tensor-sequence-parallel", "pipeline-2-stages-circular"])
-def test_sharded_statistics_equal_single_device(plain, monkeypatch, mesh_shape, pipeline, sequence_parallel):
+# The context cases: per-token statistics taken in the balanced layout come back in sequence order.
+@pytest.mark.parametrize("mesh_shape, pipeline, sequence_parallel, context_attention",
+                         [((2, 2, 2, 1), PipelineConfig(), True, "all_gather"),
+                          ((2, 1, 2, 2), PipelineConfig(microbatches=2, repeats=2), False, "all_gather"),
+                          (MeshConfig(data=2, fsdp=2, context=2), PipelineConfig(), False, "ring"),
+                          (MeshConfig(data=2, context=4), PipelineConfig(), False, "all_gather")],
+                         ids=["data-fsdp-tensor-sequence-parallel", "pipeline-2-stages-circular", "context-ring",
+                              "context-all-gather"])
+def test_sharded_statistics_equal_single_device(plain, monkeypatch, mesh_shape, pipeline, sequence_parallel,
+                                                context_attention):
     graphdef, params, want = plain
     # The layout the pipeline is meant for (tests/test_pipeline.py): stacked layers split over `stage`.
     monkeypatch.setitem(sharding.RULES, "layers", ("stage", None))
-    config = MeshConfig(*mesh_shape)
+    config = mesh_shape if isinstance(mesh_shape, MeshConfig) else MeshConfig(*mesh_shape)
     mesh = make_mesh(config, jax.devices()[:config.num_devices])
     with jax.set_mesh(mesh):
-        model = build_model(MODEL, F32, jax.random.key(0), pipeline, sequence_parallel=sequence_parallel)
+        model = build_model(dataclasses.replace(MODEL, context_attention=context_attention), F32,
+                            jax.random.key(0), pipeline, sequence_parallel=sequence_parallel)
         mesh_graphdef, _ = nnx.split(model)
         placed = jax.device_put(params, sharding_tree(params, mesh))
         batch = to_global(BATCH, batch_sharding(mesh), B)

@@ -112,7 +112,7 @@ def test_ring_equals_plain_attention(causal, window):
 
     def ring(q, k, v):
         q, k, v, seg = (to_balanced(a, shards) for a in (q, k, v, segments))
-        who = DocumentOrder(seg, rows(order), jnp.full((B,), window, jnp.int32))
+        who = DocumentOrder(seg, rows(order), jnp.full((B, T), window, jnp.int32))
         return from_balanced(ring_attention(q, k, v, who, scale, balanced=causal), shards)
 
     plain = lambda q, k, v: xla_attention(q, k, v, mask, scale)

@@ -404,6 +404,9 @@ class Transformer(nnx.Module):
                                       self.cfg.remat_offload, probe, local_L)
         if shards > 1:
             x_BTD = constrain(from_balanced(x_BTD, shards), ("batch", self.seq_axis, "embed"))
+            if probe is not None:  # a probe's statistics are per token [L, B, T]: back in order as well
+                in_order = jax.vmap(lambda per_token_BT: from_balanced(per_token_BT, shards))
+                stats = jax.tree.map(in_order, stats)
         # The final norm runs on the split sequence too; the head's vocabulary-parallel matmul gathers it (`logits`).
         return self.norm(x_BTD), stats
 

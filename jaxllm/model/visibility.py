@@ -27,7 +27,7 @@ def attention_mask(segment_ids_BT: jax.Array, window: int = 0, order_BT: jax.Arr
     `order_BT`: each token's index in its unpermuted row, when the row is laid out in another order (context
     parallelism's balanced layout); None: the row is in order."""
     if order_BT is not None:
-        tokens = DocumentOrder(segment_ids_BT, order_BT, jnp.full(order_BT.shape[:1], window, jnp.int32))
+        tokens = DocumentOrder(segment_ids_BT, order_BT, jnp.full(order_BT.shape, window, jnp.int32))
         return visible(tokens, tokens)
     T = segment_ids_BT.shape[1]
     behind_TS = jnp.arange(T)[:, None] - jnp.arange(T)[None, :]
@@ -91,5 +91,5 @@ def attention_visibility(impl: str, segment_ids_BT: jax.Array, window: int = 0, 
     if impl == "cudnn":
         return packed_segments(segment_ids_BT)
     if impl == "ring":
-        return DocumentOrder(segment_ids_BT, order_BT, jnp.full(order_BT.shape[:1], window, jnp.int32))
+        return DocumentOrder(segment_ids_BT, order_BT, jnp.full(order_BT.shape, window, jnp.int32))
     return attention_mask(segment_ids_BT, window, order_BT)

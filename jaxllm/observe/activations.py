@@ -35,6 +35,8 @@ from flax import nnx
 
 from jaxllm.model.head import chunked as chunked_head  # the head's own chunking: the same memory bound
 from jaxllm.model.reward import RewardModel
+from jaxllm.parallel.context import DocumentOrder
+from jaxllm.parallel.context import visible as visible_pairs
 from jaxllm.parallel.pipeline import split_microbatches
 
 # A SwiGLU unit computes silu(g) * up with silu(g) = g * sigmoid(g). For g < -6 the gate is shut: its output
@@ -70,13 +72,16 @@ def probe_layer(layer, x_BTD, visible, sin_BTh, cos_BTh, key, local=None):
 
 def _attention_logits(impl: str, q_BTNH, k_BSKH, visible) -> dict:
     """Per query token: the max scaled score over the keys it sees and every head (einsum paths, `visible` the
-    [B, T, S] mask), or for cuDNN (whose scores never exist) each token's largest query and key norm."""
+    [B, T, S] mask or the ring's `DocumentOrder`), or for cuDNN (whose scores never exist) each token's largest
+    query and key norm."""
     H = q_BTNH.shape[-1]
     if impl == "cudnn":
         norm = lambda a: jnp.max(jnp.linalg.norm(a.astype(jnp.float32), axis=-1), axis=-1)
         return {"q_norm": norm(q_BTNH), "k_norm": norm(k_BSKH)}
     B, T, N, _ = q_BTNH.shape
     K = k_BSKH.shape[2]
+    if isinstance(visible, DocumentOrder):  # the ring's visibility over a split sequence: as a mask here
+        visible = visible_pairs(visible, visible)
     # The scores of jaxllm.model.layers.xla_attention (same einsum, dtype and scale).
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32) * H**-0.5

@@ -72,8 +72,10 @@ def from_balanced(x: jax.Array, shards: int) -> jax.Array:
 
 class DocumentOrder(NamedTuple):
     """Who may see whom, for attention over a split sequence: per token [B, T] its packed document (`segment_ids`,
-    0 for padding) and its index in the unpermuted row (`order`); `window` [B] (int32, 0: none) limits a query to
-    the last `window` positions of its document, itself included (per row, so micro-batches can slice it)."""
+    0 for padding), its index in the unpermuted row (`order`), and its `window` (0: none), which limits it as a
+    query to the last `window` positions of its document, itself included. All int32, per token: every field
+    splits and travels like the tokens (a per-row or scalar window inside the pipeline's shard_map trips the
+    nested shard_maps' sharding checks)."""
 
     segment_ids: jax.Array
     order: jax.Array
@@ -84,7 +86,7 @@ def visible(queries: DocumentOrder, keys: DocumentOrder) -> jax.Array:
     """[B, T, S] boolean: key s is in query t's document, not after it, and within its window."""
     q_order, k_order = queries.order[:, :, None], keys.order[:, None, :]
     behind = q_order - k_order
-    window = queries.window[:, None, None]
+    window = queries.window[:, :, None]
     in_window = (window == 0) | (behind < window)
     same = queries.segment_ids[:, :, None] == keys.segment_ids[:, None, :]
     return same & (behind >= 0) & in_window
@@ -97,21 +99,75 @@ def ring_attention(q_BTNH, k_BSKH, v_BSKH, who: DocumentOrder, scale: float, bal
     `balanced`: the tokens are in the balanced layout (`to_balanced`) under a causal mask, so at every step but
     the first each device computes only the half of the block the mask leaves visible: with the keys of device j
     < i, device i's queries see only j's early chunk; with j > i only its late chunk sees j's keys at all.
+
+    The custom VJP wraps two shard_maps (forward, backward) rather than sitting inside one, so autodiff never
+    differentiates a shard_map here. Inside the pipeline's shard_map (manual over `stage`) the program still fails
+    to verify on jax 0.10 (an operand's local shape off by the `data` split, as jax-ml/jax#26588): the config
+    refuses the ring with `mesh.stage > 1`.
     """
-    mesh = active_mesh()
-    shards = mesh_sizes(mesh)[CONTEXT]
+    static = (scale, mesh_sizes(active_mesh())[CONTEXT], balanced)
+    return _ring_attention(q_BTNH, k_BSKH, v_BSKH, who, static)
+
+
+def _on_each_device(per_device, num_arrays: int, num_out: int):
+    """`per_device` as a shard_map manual over `context` of `num_arrays` arrays split along their second
+    dimension, then a `DocumentOrder`, returning `num_out` arrays split the same way."""
     seq = P(None, CONTEXT)
-    per_device = partial(_ring, scale=scale, shards=shards, balanced=balanced)
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(seq, seq, seq, DocumentOrder(seq, seq, P())),
-                         out_specs=seq, axis_names={CONTEXT})(q_BTNH, k_BSKH, v_BSKH, who)
+    in_specs = (seq,) * 3 + (DocumentOrder(seq, seq, seq),) + (seq,) * (num_arrays - 3)
+    return jax.shard_map(per_device, mesh=active_mesh(), in_specs=in_specs, out_specs=(seq,) * num_out,
+                         axis_names={CONTEXT})
 
 
-def _ring(q_BTNH, k_BSKH, v_BSKH, who: DocumentOrder, *, scale: float, shards: int, balanced: bool):
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    out_BKGTH = _ring_softmax(q_BTKGH, k_BSKH, v_BSKH, who, (scale, shards, balanced))
-    return jnp.einsum("BKGTH->BTKGH", out_BKGTH).reshape(B, T, N, H).astype(v_BSKH.dtype)
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring_attention(q_BTNH, k_BSKH, v_BSKH, who: DocumentOrder, static: tuple):
+    return _ring_fwd(q_BTNH, k_BSKH, v_BSKH, who, static)[0]
+
+
+def _grouped(x_BTNX, kv_heads: int):
+    """[B, T, N, ...] -> [B, K, G, T, ...]: query heads as (kv head, group) with the sequence after them."""
+    B, T, N = x_BTNX.shape[:3]
+    x = x_BTNX.reshape((B, T, kv_heads, N // kv_heads) + x_BTNX.shape[3:])
+    return jnp.moveaxis(x, 1, 3)
+
+
+def _ungrouped(x_BKGTX):
+    """`_grouped` undone: [B, K, G, T, ...] -> [B, T, N, ...]."""
+    x = jnp.moveaxis(x_BKGTX, 3, 1)
+    return x.reshape(x.shape[:2] + (x.shape[2] * x.shape[3],) + x.shape[4:])
+
+
+def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, who, static):
+    def per_device(q_BTNH, k_BSKH, v_BSKH, who):
+        B, T, N, H = q_BTNH.shape
+        K = k_BSKH.shape[2]
+        q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+        out_BKGTH, lse_BKGT = _ring_forward(q_BTKGH, k_BSKH, v_BSKH, who, static)
+        return _ungrouped(out_BKGTH).astype(v_BSKH.dtype), _ungrouped(lse_BKGT)
+
+    out_BTNH, lse_BTN = _on_each_device(per_device, 3, 2)(q_BTNH, k_BSKH, v_BSKH, who)
+    return out_BTNH, (q_BTNH, k_BSKH, v_BSKH, who, out_BTNH, lse_BTN)
+
+
+def _ring_bwd(static, residuals, d_out_BTNH):
+    """The flash-attention backward around the ring (`_ring_backward`)."""
+    q_BTNH, k_BSKH, v_BSKH, who, out_BTNH, lse_BTN = residuals
+
+    def per_device(q_BTNH, k_BSKH, v_BSKH, who, out_BTNH, lse_BTN, d_out_BTNH):
+        K = k_BSKH.shape[2]
+        d_out = _grouped(d_out_BTNH, K).astype(jnp.float32)
+        back = _Backward(d_out, _grouped(lse_BTN, K), jnp.sum(d_out * _grouped(out_BTNH, K), axis=-1))
+        B, T, N, H = q_BTNH.shape
+        q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+        d_q_BTKGH, d_k, d_v = _ring_backward(q_BTKGH, k_BSKH, v_BSKH, who, back, static)
+        d_q = d_q_BTKGH.reshape(q_BTNH.shape).astype(q_BTNH.dtype)
+        return d_q, d_k.astype(k_BSKH.dtype), d_v.astype(v_BSKH.dtype)
+
+    grads = _on_each_device(per_device, 6, 3)(q_BTNH, k_BSKH, v_BSKH, who, out_BTNH, lse_BTN, d_out_BTNH)
+    no_grad = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), who)
+    return (*grads, no_grad)
+
+
+_ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _pass_on(tree, shards: int):
@@ -120,7 +176,7 @@ def _pass_on(tree, shards: int):
 
 
 def _rows(who: DocumentOrder, part: slice) -> DocumentOrder:
-    return DocumentOrder(who.segment_ids[:, part], who.order[:, part], who.window)
+    return DocumentOrder(*(field[:, part] for field in who))
 
 
 def _halves(length: int) -> tuple[slice, slice]:
@@ -182,11 +238,6 @@ def _fold_visible_half(run: _Running, q_BTKGH, k_BSKH, v_BSKH, who: DocumentOrde
     return jax.lax.cond(_keys_early(step), early_keys, late_queries, run)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ring_softmax(q_BTKGH, k_BSKH, v_BSKH, who: DocumentOrder, static: tuple):
-    return _ring_forward(q_BTKGH, k_BSKH, v_BSKH, who, static)[0]
-
-
 def _ring_forward(q_BTKGH, k_BSKH, v_BSKH, who: DocumentOrder, static: tuple):
     """(output [B, K, G, T, H] float32, log-sum-exp of each query's scores [B, K, G, T]); `static` is (scale,
     shards, balanced)."""
@@ -205,11 +256,6 @@ def _ring_forward(q_BTKGH, k_BSKH, v_BSKH, who: DocumentOrder, static: tuple):
             run = _fold(run, q_BTKGH, k, v, who, keys, scale)
     safe = jnp.where(run.total > 0, run.total, 1.0)  # every token sees itself; padding-only rows would have nothing
     return run.acc / safe[..., None], run.peak + jnp.log(safe)
-
-
-def _ring_fwd(q_BTKGH, k_BSKH, v_BSKH, who, static):
-    out, lse = _ring_forward(q_BTKGH, k_BSKH, v_BSKH, who, static)
-    return out, (q_BTKGH, k_BSKH, v_BSKH, who, out, lse)
 
 
 class _Backward(NamedTuple):
@@ -257,13 +303,10 @@ def _visible_half_grads(q_BTKGH, k_BSKH, v_BSKH, back: _Backward, who: DocumentO
     return jax.lax.cond(_keys_early(step), early_keys, late_queries)
 
 
-def _ring_bwd(static, residuals, d_out_BKGTH):
-    """The flash-attention backward around the ring: each block's key/value gradients travel with it and, after
-    one more hop than the forward's, arrive back at the device that owns the block."""
+def _ring_backward(q_BTKGH, k_BSKH, v_BSKH, who: DocumentOrder, back: "_Backward", static: tuple):
+    """(d_q [B, T, K, G, H], d_k, d_v [B, S, K, H]) float32 on one device: each block's key/value gradients travel
+    with it and, after one more hop than the forward's, arrive back at the device that owns the block."""
     scale, shards, balanced = static
-    q_BTKGH, k_BSKH, v_BSKH, who, out, lse = residuals
-    d_out = d_out_BKGTH.astype(jnp.float32)
-    back = _Backward(d_out, lse, jnp.sum(d_out * out, axis=-1))
     d_q = jnp.zeros(q_BTKGH.shape, jnp.float32)
     block = (k_BSKH, v_BSKH, who)
     grads = (jnp.zeros(k_BSKH.shape, jnp.float32), jnp.zeros(v_BSKH.shape, jnp.float32))
@@ -276,9 +319,4 @@ def _ring_bwd(static, residuals, d_out_BKGTH):
         else:
             step_q, step_k, step_v = _block_grads(q_BTKGH, k, v, back, who, keys, scale)
         d_q, grads = d_q + step_q, (grads[0] + step_k, grads[1] + step_v)
-    d_k, d_v = _pass_on(grads, shards)
-    no_grad = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), who)
-    return d_q.astype(q_BTKGH.dtype), d_k.astype(k_BSKH.dtype), d_v.astype(v_BSKH.dtype), no_grad
-
-
-_ring_softmax.defvjp(_ring_fwd, _ring_bwd)
+    return (d_q, *_pass_on(grads, shards))
