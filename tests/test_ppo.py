@@ -103,7 +103,7 @@ def _losses(layout):
 def test_first_updates_agree_across_layouts_and_stages():
     reference = _losses((8, 1, 1, 1))
     assert reference[-1][0] < reference[0][0] and reference[-1][1] != reference[0][1]  # both move
-    for layout in ((2, 2, 2, 1), (4, 1, 1, 2)):
+    for layout in ((2, 2, 2, 1), (4, 1, 1, 2), MeshConfig(data=4, context=2)):
         np.testing.assert_allclose(_losses(layout), reference, rtol=1e-5, atol=1e-6, err_msg=str(layout))
 
 

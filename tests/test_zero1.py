@@ -41,6 +41,10 @@ def test_replicas_split(spec, shape, expected):
     assert replicas_split(spec, shape, SIZES) == expected
 
 
+def test_replicas_split_takes_the_context_axis_too():  # gradients reduce over it as over data
+    assert replicas_split(P("fsdp", None), (32, 64), dict(SIZES, context=2)) == P(("fsdp", "data", "context"), None)
+
+
 def _batch(mesh, seed):
     return to_global(synthetic_batch(seed, ROWS, SEQ, MODEL.vocab_size), batch_sharding(mesh), ROWS)
 
@@ -61,7 +65,8 @@ def _train(layout: MeshConfig, zero1: bool, steps: int = STEPS, start=None):
     return losses, state, shardings, hlo
 
 
-LAYOUTS = {"data8": MeshConfig(8, 1, 1, 1), "data2-fsdp2-tensor2": MeshConfig(2, 2, 2, 1)}
+LAYOUTS = {"data8": MeshConfig(8, 1, 1, 1), "data2-fsdp2-tensor2": MeshConfig(2, 2, 2, 1),
+           "data2-fsdp2-context2": MeshConfig(data=2, fsdp=2, context=2)}
 
 
 @pytest.fixture(scope="module")

@@ -182,14 +182,16 @@ def spec_leaves(tree: Any, mesh) -> list[PartitionSpec]:
 
 
 def replicas_split(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) -> PartitionSpec:
-    """`spec` (of an array of `shape`) with the batch mesh axes it leaves out (RULES' `batch` activation axes of
-    size > 1: the axes over which the array is replicated while gradients are reduced over them) added to one
-    dimension they divide: the layout of the optimizer's share of the work under ZeRO-1 (`optim.zero1`).
+    """`spec` (of an array of `shape`) with the batch and sequence mesh axes it leaves out (RULES' `batch` and
+    `seq` activation axes of size > 1: the axes over which the array is replicated while gradients are reduced
+    over them) added to one dimension they divide: the layout of the optimizer's share of the work under ZeRO-1
+    (`optim.zero1`).
 
     All the axes go to the first dimension that takes them all; failing that, as many of them (in order) as one
     dimension takes; a dimension already split keeps its axes first. With no dimension to take any, `spec`."""
     used = _axes_of(spec)
-    free = tuple(a for a in _as_tuple(RULES["batch"][1]) if sizes.get(a, 1) > 1 and a not in used)
+    replicas = _as_tuple(RULES["batch"][1]) + _as_tuple(RULES["seq"][1])
+    free = tuple(a for a in replicas if sizes.get(a, 1) > 1 and a not in used)
     entries = [_as_tuple(spec[d] if d < len(spec) else None) for d in range(len(shape))]
     for count in range(len(free), 0, -1):
         extra = free[:count]
