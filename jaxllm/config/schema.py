@@ -874,8 +874,8 @@ def _check_context(model: ModelConfig, mesh: MeshConfig, seq_len: int) -> None:
                                                     f"{mesh.context * mesh.tensor}, which does not divide "
                                                     f"train.seq_len={seq_len}")
     if model.context_attention == "ring" and mesh.stage > 1:
-        # The ring's shard_map inside the pipeline's: autodiff gives the nested manual computation residuals
-        # sharded over `stage` too, and the program fails to verify (jax 0.10 and 0.12, jax-ml/jax#26588).
+        # The ring's shard_maps inside the pipeline's fail to verify (jax 0.10 and 0.12, as jax-ml/jax#26588;
+        # jaxllm/parallel/context.py's ring_attention).
         raise ConfigError("model.context_attention", f"'ring' does not run inside the pipeline (mesh.stage="
                                                      f"{mesh.stage}) yet: use 'all_gather'")
     if model.attention not in ("auto", "xla"):

@@ -102,8 +102,8 @@ def ring_attention(q_BTNH, k_BSKH, v_BSKH, who: DocumentOrder, scale: float, bal
 
     The custom VJP wraps two shard_maps (forward, backward) rather than sitting inside one, so autodiff never
     differentiates a shard_map here. Inside the pipeline's shard_map (manual over `stage`) the program still fails
-    to verify on jax 0.10 (an operand's local shape off by the `data` split, as jax-ml/jax#26588): the config
-    refuses the ring with `mesh.stage > 1`.
+    to verify on jax 0.10 and 0.12 (a small int32 operand of the nested manual computation given a local shape
+    split once too often, as jax-ml/jax#26588): the config refuses the ring with `mesh.stage > 1`.
     """
     static = (scale, mesh_sizes(active_mesh())[CONTEXT], balanced)
     return _ring_attention(q_BTNH, k_BSKH, v_BSKH, who, static)
