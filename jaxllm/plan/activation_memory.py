@@ -76,6 +76,18 @@ _SAVED = {
 }
 
 
+def _softmax_backward(cfg: Config, rows: float, attention: str) -> float:
+    """Bytes of the einsum attention's softmax backward working set beyond its forward's: the gradients of the
+    probabilities and of the scores, float32, one [T, S] pair per head. Without it the formula kept a third of
+    what a compiled llama_1b step at T = 8k-32k holds (docs/benchmarks.md, long context)."""
+    if attention == "cudnn":
+        return 0.0
+    T, heads = cfg.train.seq_len, cfg.model.num_heads / cfg.mesh.tensor
+    queries = T / cfg.mesh.context
+    keys = queries if attention == "ring" else T
+    return 2 * rows * heads * queries * keys * FLOAT32
+
+
 def _rows(cfg: Config) -> float:
     """Rows of one micro-batch on one device."""
     return cfg.train.batch_size / cfg.mesh.batch_shards / cfg.optim.grad_accum
@@ -122,7 +134,7 @@ def step_temp_bytes(cfg: Config, attention: str, trainable_bytes: int) -> dict[s
     return {
         "saved_activations": kept * m.num_layers / mesh.stage,
         # a layer's backward working set: its recomputed forward (under remat none, its gradients instead)
-        "layer_backward": whole_layer,
+        "layer_backward": whole_layer + _softmax_backward(cfg, rows, attention),
         "head": head,
         # the gradients; the update is written over the parameters and moments in place (jaxllm/train/step.py)
         "gradients": trainable_bytes,
