@@ -20,8 +20,8 @@ SFT_TASK := build/data/sft_task
 PAIRS := build/data/preference
 CPU_DEVICES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=180" JAX_PLATFORMS=cpu
 
-.PHONY: install data train sft reward dpo grpo ppo pipeline test test-smoke bench bench-peers docs docs-check clean \
-	check-sft check-reward check-dpo check-grpo check-ppo
+.PHONY: install data train sft reward dpo grpo ppo pipeline long-context test test-smoke bench bench-peers docs docs-check clean \
+	check-sft check-reward check-dpo check-grpo check-ppo check-long-context
 
 # `make install` installs what training needs (the package and its dependencies); `make test` adds the test extra
 # (the reference libraries of the parity tests: torch, transformers, peft, trl; pytest and its plugins) on top.
@@ -47,7 +47,7 @@ train: data
 
 # A post-training target first checks that the run it starts from exists, before it installs or builds anything
 # (make runs a target's prerequisites left to right).
-$(addprefix check-,sft reward): check-%:
+$(addprefix check-,sft reward long-context): check-%:
 	@test -d runs/pretrain/checkpoints || { echo "error: make $* starts from the model of make train (runs/pretrain): run make train first" >&2; exit 2; }
 
 $(addprefix check-,dpo grpo ppo): check-%:
@@ -61,6 +61,10 @@ sft: check-sft $(SFT_TASK)/train.jsonl
 
 $(PAIRS)/train.jsonl: $(VENV)/.installed data/shakespeare.jsonl.gz scripts/make_preference_set.py scripts/make_sft_task.py
 	$(BIN)/python scripts/make_preference_set.py --out $(PAIRS)
+
+# Context extension of make train's model to 2048 tokens over context=4 (docs/long-context.md)
+long-context: check-long-context data
+	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/long_context.py $(ARGS)
 
 reward: check-reward $(PAIRS)/train.jsonl
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/reward.py --config.checkpoint.restore_from=runs/pretrain $(ARGS)

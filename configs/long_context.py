@@ -1,7 +1,8 @@
 """Context extension of the `make train` model from its 128-token context to 2048 tokens (docs/long-context.md).
 
     make train
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/train.py --config configs/long_context.py
+    make long-context   # or: XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/train.py \
+                        #         --config configs/long_context.py
 
 Restores the parameters of runs/pretrain into the same model, rescales its rotary positions with YaRN (factor 16 over
 the original 128 positions) and trains every parameter on 2048-token rows of the shipped corpus, whose documents

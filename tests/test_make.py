@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-STARTS_FROM = {"sft": "train", "reward": "train", "dpo": "sft", "grpo": "sft", "ppo": "sft"}
+STARTS_FROM = {"sft": "train", "reward": "train", "dpo": "sft", "grpo": "sft", "ppo": "sft", "long-context": "train"}
 
 
 def _make(directory: Path, *args: str) -> subprocess.CompletedProcess:
