@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxllm.parallel.context import DocumentOrder, visible
+from jaxllm.parallel.context import document_order, visible
 
 # Documents per row that cuDNN's packed layout is built for. cuDNN's workspace grows with this bound (T = 4096
 # slots asked for 1 TiB on an H200; 64 fit, as fast as 4 documents need); rows with more documents fall back to
@@ -27,7 +27,7 @@ def attention_mask(segment_ids_BT: jax.Array, window: int = 0, order_BT: jax.Arr
     `order_BT`: each token's index in its unpermuted row, when the row is laid out in another order (context
     parallelism's balanced layout); None: the row is in order."""
     if order_BT is not None:
-        tokens = DocumentOrder(segment_ids_BT, order_BT, jnp.full(order_BT.shape, window, jnp.int32))
+        tokens = document_order(segment_ids_BT, order_BT, window)
         return visible(tokens, tokens)
     T = segment_ids_BT.shape[1]
     behind_TS = jnp.arange(T)[:, None] - jnp.arange(T)[None, :]
@@ -91,5 +91,5 @@ def attention_visibility(impl: str, segment_ids_BT: jax.Array, window: int = 0, 
     if impl == "cudnn":
         return packed_segments(segment_ids_BT)
     if impl == "ring":
-        return DocumentOrder(segment_ids_BT, order_BT, jnp.full(order_BT.shape, window, jnp.int32))
+        return document_order(segment_ids_BT, order_BT, window)
     return attention_mask(segment_ids_BT, window, order_BT)

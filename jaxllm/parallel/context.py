@@ -82,6 +82,11 @@ class DocumentOrder(NamedTuple):
     window: jax.Array
 
 
+def document_order(segment_ids_BT: jax.Array, order_BT: jax.Array, window: int = 0) -> DocumentOrder:
+    """The `DocumentOrder` of tokens whose layers all look back `window` positions (0: the whole document)."""
+    return DocumentOrder(segment_ids_BT, order_BT, jnp.full(order_BT.shape, window, jnp.int32))
+
+
 def visible(queries: DocumentOrder, keys: DocumentOrder) -> jax.Array:
     """[B, T, S] boolean: key s is in query t's document, not after it, and within its window."""
     q_order, k_order = queries.order[:, :, None], keys.order[:, None, :]
