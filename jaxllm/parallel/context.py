@@ -107,8 +107,11 @@ def ring_attention(q_BTNH, k_BSKH, v_BSKH, who: DocumentOrder, scale: float, bal
 
     The custom VJP wraps two shard_maps (forward, backward) rather than sitting inside one, so autodiff never
     differentiates a shard_map here. Inside the pipeline's shard_map (manual over `stage`) the program still fails
-    to verify on jax 0.10 and 0.12 (a small int32 operand of the nested manual computation given a local shape
-    split once too often, as jax-ml/jax#26588): the config refuses the ring with `mesh.stage > 1`.
+    to verify on jax 0.10 and 0.12, in the gradient only (the forward compiles): the pipeline body's remat
+    partially evaluates the forward shard_map, and its int32 residuals that vary over `context` but not `stage`
+    get a local shape split once too often (as jax-ml/jax#26588; reading the device index from the tokens, or
+    casting it to vary over `stage`, leaves another such residual). The config refuses the ring with
+    `mesh.stage > 1`.
     """
     static = (scale, mesh_sizes(active_mesh())[CONTEXT], balanced)
     return _ring_attention(q_BTNH, k_BSKH, v_BSKH, who, static)
