@@ -76,6 +76,8 @@ COMPOSED = {  # name: (mesh, model, lora, stages); each against the same model a
     "remat_context": (MeshConfig(fsdp=2, tensor=2, context=2),
                       dataclasses.replace(RING, remat="minimal_with_context"), None, 1),
     "loss_chunk": (MeshConfig(data=2, context=4), dataclasses.replace(RING, loss_chunk=8), None, 1),
+    "unrolled_layers": (MeshConfig(fsdp=2, tensor=2, context=2), dataclasses.replace(RING, scan_layers=False), None,
+                        1),
     "lora": (MeshConfig(fsdp=2, tensor=2, context=2), RING, LoRAConfig(rank=4, alpha=8.0), 1),
     "pipeline": (MeshConfig(data=2, context=2, stage=2), MODEL, None, 2),  # all-gather (ring: config refuses)
     "experts": (MeshConfig(data=2, expert=2, context=2), MOE, None, 1),
