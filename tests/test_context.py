@@ -72,13 +72,12 @@ GEMMA3 = dataclasses.replace(RING, family="gemma3", sliding_window=6, global_eve
                              rope_theta=1e6)
 COMPOSED = {  # name: (mesh, model, lora, stages); each against the same model and adapters on PLAIN
     "sequence_parallel": (MeshConfig(data=2, tensor=2, context=2, sequence_parallel=True), RING, None, 1),
-    "remat_full": (MeshConfig(fsdp=2, tensor=2, context=2), dataclasses.replace(RING, remat="full"), None, 1),
-    "remat_context": (MeshConfig(fsdp=2, tensor=2, context=2),
-                      dataclasses.replace(RING, remat="minimal_with_context"), None, 1),
-    "loss_chunk": (MeshConfig(data=2, context=4), dataclasses.replace(RING, loss_chunk=8), None, 1),
+    "remat_full_loss_chunk": (MeshConfig(data=2, context=4), dataclasses.replace(RING, remat="full", loss_chunk=8),
+                              None, 1),
     "unrolled_layers": (MeshConfig(fsdp=2, tensor=2, context=2), dataclasses.replace(RING, scan_layers=False), None,
                         1),
-    "lora": (MeshConfig(fsdp=2, tensor=2, context=2), RING, LoRAConfig(rank=4, alpha=8.0), 1),
+    "lora_remat_context": (MeshConfig(fsdp=2, tensor=2, context=2),
+                           dataclasses.replace(RING, remat="minimal_with_context"), LoRAConfig(rank=4, alpha=8.0), 1),
     "pipeline": (MeshConfig(data=2, context=2, stage=2), MODEL, None, 2),  # all-gather (ring: config refuses)
     "experts": (MeshConfig(data=2, expert=2, context=2), MOE, None, 1),
     "local_global": (MeshConfig(fsdp=2, tensor=2, context=2), GEMMA3, None, 1),

@@ -65,8 +65,7 @@ def _train(layout: MeshConfig, zero1: bool, steps: int = STEPS, start=None):
     return losses, state, shardings, hlo
 
 
-LAYOUTS = {"data8": MeshConfig(8, 1, 1, 1), "data2-fsdp2-tensor2": MeshConfig(2, 2, 2, 1),
-           "data2-fsdp2-context2": MeshConfig(data=2, fsdp=2, context=2)}
+LAYOUTS = {"data8": MeshConfig(8, 1, 1, 1), "data2-fsdp2-tensor2": MeshConfig(2, 2, 2, 1)}
 
 
 @pytest.fixture(scope="module")
