@@ -255,24 +255,40 @@ def test_schedule_checks():
 
 
 @pytest.mark.smoke
-def test_train_script_stage_2_matches_stage_1(shakespeare_store, tmp_path):
-    """Three steps through scripts/train.py: a (2,1,2,2) pipelined run equals the (2,2,2,1) run."""
+def test_train_script_schedules_match_stage_1_and_resume_across_them(shakespeare_store, tmp_path):
+    """Four steps through scripts/train.py (checkpoints at 2 and 4): a (2,1,2,2) 1F1B run equals the (2,2,2,1)
+    run; resumed from its step 2 it is bitwise the same; the unpipelined run's step-2 checkpoint resumed as a
+    2-stage ZB-H1 run continues it (checkpoints hold [L, ...] layers whatever the schedule)."""
+    import shutil
     import subprocess
 
     from train_runs import losses as train_losses
-    from train_runs import train_command, train_env
+    from train_runs import resume_command, train_env
 
-    def losses(name, *mesh):
-        workdir = tmp_path / name
-        cmd = train_command(shakespeare_store, workdir, "--config.train.steps=3",
-                            "--config.pipeline.microbatches=2", *mesh)
+    flat_mesh = ("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.stage=1")
+    piped_mesh = ("--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=2", "--config.mesh.stage=2")
+
+    def run(workdir, *args, resume_from=None):
+        if resume_from is not None:  # a copy of that run, cut back to its step-2 checkpoint
+            shutil.copytree(resume_from, workdir)
+            shutil.rmtree(workdir / "checkpoints" / "4")
+        cmd = resume_command(shakespeare_store, workdir, "--config.train.steps=4",
+                             "--config.pipeline.microbatches=2", *args)
         proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env(), timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert resume_from is None or "resuming from checkpoint step 2" in proc.stdout
         return [loss for _, loss in sorted(train_losses(workdir).items())]
 
-    flat = losses("flat", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-                  "--config.mesh.stage=1")
-    piped = losses("piped", "--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=2",
-                   "--config.mesh.stage=2")
-    assert len(flat) == len(piped) == 3
+    flat = run(tmp_path / "flat", *flat_mesh)
+    piped = run(tmp_path / "1f1b", *piped_mesh, "--config.pipeline.schedule=1f1b")
+    assert len(flat) == len(piped) == 4
     np.testing.assert_allclose(piped, flat, rtol=1e-5)
+    resumed = run(tmp_path / "1f1b_resumed", *piped_mesh, "--config.pipeline.schedule=1f1b",
+                  resume_from=tmp_path / "1f1b")
+    assert resumed == piped
+    from test_checkpoint import _final_params
+    for a, b in zip(_final_params(tmp_path / "1f1b_resumed", 4), _final_params(tmp_path / "1f1b", 4)):
+        assert np.array_equal(a, b, equal_nan=True)
+    moved = run(tmp_path / "zb_from_flat", *piped_mesh, "--config.pipeline.schedule=zb_h1",
+                resume_from=tmp_path / "flat")
+    np.testing.assert_allclose(moved, flat, rtol=1e-5)

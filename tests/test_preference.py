@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxllm.interop import hf
 from jaxllm.config.fine_tuning import DPOConfig
-from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
+from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, PrecisionConfig
 from jaxllm.data.preference import encode_pairs, pack_pairs, prepare_preference, read_pairs
 from jaxllm.data.row_prep import PreparedDataError, PreparedRows
 from jaxllm.data.tokenizer import load_tokenizer
@@ -289,9 +289,9 @@ def _losses(objective, layout, steps=3):
     return out
 
 
-def _dpo_objective():
-    policy = lm_objective(MODEL, F32, lora=LORA)
-    plain = lm_objective(MODEL, F32).graphdef
+def _dpo_objective(pipeline=PipelineConfig()):
+    policy = lm_objective(MODEL, F32, pipeline, lora=LORA)
+    plain = lm_objective(MODEL, F32, pipeline).graphdef
     return dataclasses.replace(policy, loss_fn=functools.partial(dpo_loss_fn, plain_graphdef=plain, pairs_per_row=K,
                                                                  dpo=DPOConfig(beta=0.5)))
 
@@ -306,3 +306,12 @@ def test_objectives_agree_across_layouts(make):
     # the last: each row's sequence split over `context` (the scores read at each sequence's last token)
     for layout in ((1, 8, 1, 1), (2, 2, 2, 1), MeshConfig(data=4, context=2)):
         np.testing.assert_allclose(_losses(objective, layout), reference, rtol=1e-5, err_msg=str(layout))
+
+
+def test_dpo_through_1f1b_equals_unpipelined():
+    """The explicit schedule trains the policy's pass; the reference's (the same base, adapters off) runs forward
+    before it and reaches the loss at the last stage."""
+    reference = _losses(_dpo_objective(), (8, 1, 1, 1))
+    piped = _losses(_dpo_objective(PipelineConfig(microbatches=2, schedule="1f1b")),
+                    MeshConfig(data=2, fsdp=2, stage=2))
+    np.testing.assert_allclose(piped, reference, rtol=1e-5)

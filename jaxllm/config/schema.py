@@ -617,22 +617,37 @@ class LoRAConfig:
 
 
 ANOMALY_POLICIES = ("rollback", "skip", "abort")
+# jaxllm/parallel/schedules.py's SCHEDULES (config sits below parallel, so the names are repeated, and a test
+# holds them equal); the last three run the explicit forward-backward.
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1")
+EXPLICIT_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline schedule over the `stage` mesh axis: p = mesh.stage stages, m micro-batches, r repeats.
 
-    r = 1 is GPipe; r > 1 is the circular (interleaved) schedule, bubble (p-1)/(r*m+p-1).
+    `schedule` (jaxllm/parallel/schedules.py): "gpipe" (r = 1) and "circular" (r > 1) run the layers as one
+    forward scan and differentiate it (every micro-batch's stage inputs live until the backward); "1f1b",
+    "interleaved_1f1b" (r > 1) and "zb_h1" run an explicit forward-backward (jaxllm/parallel/scheduled.py) that
+    holds at most about p micro-batches per stage. Bubble (p-1)/(r*m+p-1); zb_h1's about a third of 1f1b's.
+    "gpipe" with r > 1 is the circular schedule (the name it had before schedules had names).
     """
 
     microbatches: int = 1
     repeats: int = 1
+    schedule: str = "gpipe"
 
     def check(self) -> None:
         """This section's fields (the schedule against the mesh and the model: `check_across`)."""
         check_positive("pipeline.microbatches", self.microbatches)
         check_positive("pipeline.repeats", self.repeats)
+        check_choice("pipeline.schedule", self.schedule, PIPELINE_SCHEDULES)
+        if self.schedule in ("circular", "interleaved_1f1b") and self.repeats == 1:
+            raise ConfigError("pipeline.repeats", f"schedule {self.schedule!r} runs r > 1 chunks per stage, got 1")
+        if self.schedule in ("1f1b", "zb_h1") and self.repeats > 1:
+            raise ConfigError("pipeline.repeats", f"schedule {self.schedule!r} runs one chunk per stage, got "
+                                                  f"{self.repeats} (interleaved_1f1b takes repeats)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -809,6 +824,7 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
     if mesh.stage > 1 and pipeline.microbatches < mesh.stage:
         raise ConfigError("pipeline.microbatches", f"{pipeline.microbatches} micro-batches cannot fill {mesh.stage} "
                                                    f"stages (need at least mesh.stage)")
+    _check_schedule(cfg)
     _check_compression(optim, mesh)
     _check_experts(cfg)
     _check_batch(train.batch_size, mesh, optim.grad_accum, pipeline.microbatches, check_batch)
@@ -820,6 +836,24 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
                                                 f"(model.num_experts=0), got {debug.router_scale:g}")
     if debug.hold_at_step and num_processes is not None and num_processes > 1:
         raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
+
+
+def _check_schedule(cfg: Config) -> None:
+    """The explicit schedules against what they cannot run yet (refused, not ignored): a mixture of experts (its
+    auxiliary loss needs every layer's router sums at the last stage) and PPO (policy and critic are two trained
+    passes through the layers); interleaved 1F1B needs micro-batches in multiples of the stages."""
+    pipeline, stages = cfg.pipeline, cfg.mesh.stage
+    if pipeline.schedule not in EXPLICIT_SCHEDULES or stages == 1:
+        return
+    if cfg.model.num_experts:
+        raise ConfigError("pipeline.schedule", f"{pipeline.schedule!r} does not run a mixture of experts yet: use "
+                                               f"gpipe or circular with model.num_experts > 0")
+    if cfg.train.objective == "ppo":
+        raise ConfigError("pipeline.schedule", f"{pipeline.schedule!r} does not run PPO's actor-critic yet: use "
+                                               f"gpipe or circular")
+    if pipeline.schedule == "interleaved_1f1b" and pipeline.microbatches % stages:
+        raise ConfigError("pipeline.microbatches", f"interleaved_1f1b needs a multiple of mesh.stage={stages}, "
+                                                   f"got {pipeline.microbatches}")
 
 
 def _check_experts(cfg: Config) -> None:
@@ -923,6 +957,22 @@ def probe_environment(cfg: Config) -> None:
     if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.wandb", "needs the wandb package: pip install 'jaxllm[wandb]' (or set it false)")
     check_quant_backend(cfg.precision, cfg.debug.emulate_fp8)
+    _check_schedule_backend(cfg)
+
+
+def _check_schedule_backend(cfg: Config) -> None:
+    """XLA:CPU runs a collective-permute only when every device joins it; inside an explicit schedule's per-stage
+    branch only one stage's devices do, and the adapters' backward under fsdp and tensor together reshards with
+    one. Refused there (GPUs run it), not left to hang."""
+    mesh = cfg.mesh
+    if cfg.pipeline.schedule not in EXPLICIT_SCHEDULES or mesh.stage == 1 or not cfg.lora.rank:
+        return
+    if mesh.fsdp > 1 and mesh.tensor > 1:
+        import jax  # start-up speed: configs load and are checked before JAX does
+
+        if jax.default_backend() == "cpu":
+            raise ConfigError("pipeline.schedule", f"{cfg.pipeline.schedule!r} with adapters (lora.rank > 0) on "
+                                                   f"both mesh.fsdp and mesh.tensor > 1 hangs XLA:CPU: use one of them")
 
 
 def check_quant_backend(precision: PrecisionConfig, emulate_fp8: bool = False) -> None:

@@ -25,11 +25,13 @@ class ActorCritic(Transformer):
 
     def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
                  rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1,
-                 lora: LoRAConfig | None = None, sequence_parallel: bool = False):
+                 lora: LoRAConfig | None = None, sequence_parallel: bool = False,
+                 pipeline_schedule: str = "gpipe"):
         if lora is None or not lora.rank:
             raise ValueError("ActorCritic shares a frozen base between policy and critic: it needs LoRA adapters")
         shape = dict(rope_scaling=rope_scaling, pipeline_microbatches=pipeline_microbatches,
-                     pipeline_repeats=pipeline_repeats, lora=lora, sequence_parallel=sequence_parallel)
+                     pipeline_repeats=pipeline_repeats, lora=lora, sequence_parallel=sequence_parallel,
+                     pipeline_schedule=pipeline_schedule)
         super().__init__(cfg, precision, rngs=rngs, **shape)
         self.value = RewardModel(cfg, precision, rngs=rngs, **shape)
         _tie_base(self.value, self)

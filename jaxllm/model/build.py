@@ -19,7 +19,7 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, key: jax.Array,
     with nnx.use_eager_sharding(False):
         return model_class(cfg, precision, rngs=nnx.Rngs(params=key), pipeline_microbatches=pipeline.microbatches,
                            pipeline_repeats=pipeline.repeats, lora=lora, rope_scaling=rope_scaling,
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, pipeline_schedule=pipeline.schedule)
 
 
 def abstract_model(cfg: ModelConfig, precision: PrecisionConfig,

@@ -117,7 +117,8 @@ def merge(model):
                                          rope_scaling=model.rope_scaling,
                                          pipeline_microbatches=model.pipeline_microbatches,
                                          pipeline_repeats=model.pipeline_repeats,
-                                         sequence_parallel=model.sequence_parallel))[0]
+                                         sequence_parallel=model.sequence_parallel,
+                                         pipeline_schedule=model.pipeline_schedule))[0]
 
     # New Variables around the same arrays: the merged model must not share (and so rewrite) `model`'s.
     base = jax.tree.map(lambda x: x, nnx.state(model, nnx.Not(nnx.LoRAParam)))

@@ -21,10 +21,12 @@ class RewardModel(Transformer):
 
     def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
                  rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1,
-                 lora: LoRAConfig | None = None, sequence_parallel: bool = False):
+                 lora: LoRAConfig | None = None, sequence_parallel: bool = False,
+                 pipeline_schedule: str = "gpipe"):
         super().__init__(cfg, precision, rngs=rngs, rope_scaling=rope_scaling,
                          pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats, lora=lora,
-                         lm_head=False, sequence_parallel=sequence_parallel)
+                         lm_head=False, sequence_parallel=sequence_parallel,
+                         pipeline_schedule=pipeline_schedule)
         # transformers initialises the score head like its other Linear layers: N(0, initializer_range^2).
         self.score = param(rngs, (cfg.dim, 1), ("embed", None), jnp.dtype(precision.params), cfg.init_std)
 

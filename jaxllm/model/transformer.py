@@ -8,8 +8,10 @@ compile time flat in depth.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -306,6 +308,36 @@ def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, rema
     return out if with_stats else (out, None)
 
 
+class LayerStackCall(NamedTuple):
+    """What a model hands its layer stack besides the activations (`layer_stack_runner`): the per-token inputs
+    every layer takes, the per-layer keys and kinds ([L, ...] arrays or None), and `run_as_usual(x_BTD)`, the
+    model's own run of the whole stack (scanned, unrolled or pipelined) -> (x_BTD, stats)."""
+
+    visible: object
+    sin_BTh: object
+    cos_BTh: object
+    keys_L: jax.Array | None
+    local_L: jax.Array | None
+    run_chunk: Callable  # (layers, x_BTD, keys_L, local_L) -> (x_BTD, stats): the usual loop over given layers
+    run_as_usual: Callable
+
+
+_LAYER_STACK_RUNNER: contextvars.ContextVar = contextvars.ContextVar("layer_stack_runner", default=None)
+
+
+@contextlib.contextmanager
+def layer_stack_runner(run: Callable):
+    """While active (at trace time), every model runs its stacked layers as `run(layers, x_BTD, call)` ->
+    (x_BTD, stats), `call` a `LayerStackCall`; embedding before and norm, head and loss after are the model's own.
+    The explicit pipeline schedules (jaxllm/train/scheduled_grads.py) split a loss function at its layer stack
+    with it: up to the stack, one chunk of the stack, and from the stack on."""
+    token = _LAYER_STACK_RUNNER.set(run)
+    try:
+        yield
+    finally:
+        _LAYER_STACK_RUNNER.reset(token)
+
+
 def _rope_scaling(cfg: ModelConfig, given: RopeScaling | None) -> RopeScaling | None:
     """The one rotary scaling of a model: `given` (an imported checkpoint's) or the config's; a config that asks
     for another than the checkpoint carries is refused rather than one of them silently ignored."""
@@ -325,7 +357,8 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
                  rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1,
-                 lora: LoRAConfig | None = None, lm_head: bool = True, sequence_parallel: bool = False):
+                 lora: LoRAConfig | None = None, lm_head: bool = True, sequence_parallel: bool = False,
+                 pipeline_schedule: str = "gpipe"):
         dtype = jnp.dtype(precision.params)
         cfg = dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, precision.compute))
         self.cfg = cfg
@@ -333,6 +366,7 @@ class Transformer(nnx.Module):
         # attributes, not parameters: they live in the graphdef and leave the parameter tree untouched.
         self.pipeline_microbatches = pipeline_microbatches
         self.pipeline_repeats = pipeline_repeats
+        self.pipeline_schedule = pipeline_schedule  # explicit ones are run by the train step (scheduled_grads)
         self.pipeline_debug_nan_bubbles = False  # tests: feed NaN into bubble iterations
         # Megatron-style sequence parallelism (config.MeshConfig.sequence_parallel): the residual stream's
         # sequence splits over `tensor`. Static too: the parameter tree and checkpoints do not change.
@@ -393,15 +427,26 @@ class Transformer(nnx.Module):
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
         keys_L = layer_keys(rng if self.lora is not None else None, self.cfg.num_layers)
         layer_loop = scan_layers if self.cfg.scan_layers else unroll_layers
-        if num_stages() > 1:
-            x_BTD, stats = pipeline_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat,
-                                           microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
-                                           debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L,
-                                           remat_offload=self.cfg.remat_offload, layer_loop=layer_loop,
-                                           probe=probe, local_L=local_L)
+
+        def run_chunk(layers, x_BTD, keys_L, local_L):
+            return layer_loop(layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,
+                              self.cfg.remat_offload, probe, local_L)
+
+        def run_as_usual(x_BTD):
+            if num_stages() == 1:
+                return run_chunk(self.layers, x_BTD, keys_L, local_L)
+            return pipeline_layers(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat,
+                                   microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
+                                   debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L,
+                                   remat_offload=self.cfg.remat_offload, layer_loop=layer_loop, probe=probe,
+                                   local_L=local_L)
+
+        runner = _LAYER_STACK_RUNNER.get()
+        if runner is None:
+            x_BTD, stats = run_as_usual(x_BTD)
         else:
-            x_BTD, stats = layer_loop(self.layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,
-                                      self.cfg.remat_offload, probe, local_L)
+            call = LayerStackCall(visible, sin_BTh, cos_BTh, keys_L, local_L, run_chunk, run_as_usual)
+            x_BTD, stats = runner(self.layers, x_BTD, call)
         if shards > 1:
             x_BTD = constrain(from_balanced(x_BTD, shards), ("batch", self.seq_axis, "embed"))
             if probe is not None:  # a probe's statistics are per token [L, B, T]: back in order as well

@@ -1,4 +1,6 @@
-"""Pipeline parallelism over the `stage` mesh axis: GPipe (repeats=1) and circular (repeats>1) schedules, SPMD.
+"""Pipeline parallelism over the `stage` mesh axis: GPipe (repeats=1) and circular (repeats>1) schedules, SPMD,
+as a forward scan that autodiff reverses (the explicit 1F1B-family schedules: jaxllm/parallel/scheduled.py, which
+shares the chunk layout below).
 
 Letters: p stages, m micro-batches, r repeats, L layers, Lc = L/(p*r) layers per chunk (one stage, one repeat).
 
@@ -93,7 +95,7 @@ def circular_rounds(stages: int, repeats: int) -> list[tuple[list[tuple[int, int
     return rounds
 
 
-def _to_circular(w_rL: jax.Array, stages: int, rounds) -> jax.Array:
+def to_circular(w_rL: jax.Array, stages: int, rounds) -> jax.Array:
     """Inside the stage shard_map: this device's stored chunks [r, Lc, ...] -> its circular chunks [r, Lc, ...]."""
     s = jax.lax.axis_index(STAGE)
     out = jnp.zeros_like(w_rL)
@@ -101,6 +103,17 @@ def _to_circular(w_rL: jax.Array, stages: int, rounds) -> jax.Array:
         chunk = jax.lax.dynamic_index_in_dim(w_rL, jnp.asarray(send)[s], 0, keepdims=False)
         chunk = jax.lax.ppermute(chunk, STAGE, pairs)
         out = jax.lax.dynamic_update_index_in_dim(out, chunk, jnp.asarray(recv)[s], 0)
+    return out
+
+
+def from_circular(w_rL: jax.Array, rounds) -> jax.Array:
+    """The inverse of `to_circular` (the explicit schedules' weight gradients back to the stored order)."""
+    s = jax.lax.axis_index(STAGE)
+    out = jnp.zeros_like(w_rL)
+    for pairs, send, recv in rounds:
+        chunk = jax.lax.dynamic_index_in_dim(w_rL, jnp.asarray(recv)[s], 0, keepdims=False)
+        chunk = jax.lax.ppermute(chunk, STAGE, [(dst, src) for src, dst in pairs])
+        out = jax.lax.dynamic_update_index_in_dim(out, chunk, jnp.asarray(send)[s], 0)
     return out
 
 
@@ -116,7 +129,8 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-def _index(tree, i):
+def index_leading(tree, i):
+    """Every leaf of `tree` at index `i` (traced) of its leading axis."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
@@ -165,14 +179,14 @@ def pipeline(
     @jax.checkpoint
     def body(w_local, aux_all, x_in, rep, mb):
         # Slicing inside the checkpoint keeps the residuals loop-invariant (whole weights / aux), not per step.
-        out = stage_fn(_index(w_local, rep), x_in, _index(aux_all, mb))
+        out = stage_fn(index_leading(w_local, rep), x_in, index_leading(aux_all, mb))
         return out if stage_stats else (out, None)
 
     def per_stage(w_local, x_in_mBTD, aux_all):
         # This device's contiguous block of stored layers, as [r, Lc, ...]: already its chunks when r == 1.
         w_local = jax.tree.map(lambda w: w.reshape((r, chunk) + w.shape[1:]), w_local)
         if rounds is not None:
-            w_local = jax.tree.map(lambda w: _to_circular(w, p, rounds), w_local)
+            w_local = jax.tree.map(lambda w: to_circular(w, p, rounds), w_local)
         s = jax.lax.axis_index(STAGE)
         ring = [(i, (i + 1) % p) for i in range(p)]
         buf = jax.lax.pcast(x_in_mBTD, STAGE, to="varying")
@@ -186,7 +200,7 @@ def pipeline(
             state, buf, filed_stats = carry
             k = t - s  # virtual micro-batch of this stage: micro-batch k % m, repeat k // m
             valid = (k >= 0) & (k < m * r)
-            x = jnp.where(s == 0, _index(buf, t % m), state)
+            x = jnp.where(s == 0, index_leading(buf, t % m), state)
             if debug_nan_bubbles:
                 x = jnp.where(valid, x, jnp.nan)
             x = jnp.where(valid, x, jnp.zeros_like(x))  # select, not multiply: garbage cannot leak
@@ -201,7 +215,7 @@ def pipeline(
             k_last = t - (p - 1)
             slot = jnp.mod(k_last, m)
             keep = (s == 0) & (k_last >= 0) & (k_last < m * r)
-            filed = jnp.where(keep, y, _index(buf, slot))
+            filed = jnp.where(keep, y, index_leading(buf, slot))
             buf = jax.lax.dynamic_update_index_in_dim(buf, filed, slot, 0)
             return (y, constrain(buf, (None, *residual)), filed_stats), None
 

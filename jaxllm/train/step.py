@@ -27,6 +27,7 @@ from jaxllm.optim.powersgd import PowerSGD, compressed_grads_and_loss
 from jaxllm.optim.veto import VetoableTransformation, keep_if
 from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, spec_leaves, split_over_replicas
 from jaxllm.train.anomaly import detect, push
+from jaxllm.train.scheduled_grads import runs_explicit_schedule, scheduled_grads
 from jaxllm.train.state import TrainState
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -124,6 +125,10 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn, fro
             loss_sum, count, metrics = loss_of(p, _constrain_rows(mb), key)
             return loss_sum if scale is None else loss_sum * scale, (loss_sum, count, metrics)
 
+        if runs_explicit_schedule(nnx.merge(graphdef, params, frozen)):  # 1F1B and the like: written-out backward
+            (loss_sum, count, metrics), grads = scheduled_grads(graphdef, params, frozen, _constrain_rows(mb), key,
+                                                                loss_fn, scale)
+            return _like_params(grads, params, layout), loss_sum, count, metrics
         (_, (loss_sum, count, metrics)), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params)
         return _like_params(grads, params, layout), loss_sum, count, metrics
 

@@ -1,0 +1,227 @@
+"""The explicit forward-backward pipeline: one jitted program that runs a schedule table (1F1B, interleaved 1F1B,
+ZB-H1; jaxllm/parallel/schedules.py) over the `stage` mesh axis.
+
+`jaxllm.parallel.pipeline` runs the forward as a scan and lets autodiff reverse it, so every micro-batch's stage
+inputs live until the backward starts. Here the backward is written out instead: a `lax.scan` over the table's
+ticks inside a `jax.shard_map` manual over `stage` (data, fsdp, tensor stay automatic, as in the GPipe scan),
+where each stage runs its tick's operation through `lax.switch`:
+  F  the chunk's layers on the micro-batch's input (the first chunk embeds the tokens itself); the output goes to
+     the next chunk's stage. The last chunk's F does nothing: its B runs the forward again anyway.
+  B  `jax.vjp` of the chunk (the last chunk: of the chunk, the head and the loss, seeded with the loss scale) at
+     the kept input, applied to the output gradient that came back from the next chunk; the input gradient goes
+     to the previous chunk's stage, the weight gradients add into the carry. With ZB-H1, B takes the input
+     gradient only and W, later, the weight gradients (each recomputes the chunk's forward from the kept input).
+After each tick two collective permutes move what the stages produced, one stage on (activations) and one stage
+back (gradients), and each stage files what it received into the buffer slot the table assigned; a buffer holds
+only the values in flight at once (about p micro-batches per stage for 1F1B, against all m for the scan).
+
+Activations are recomputed once per B (and W) from the kept stage input, like the GPipe scan's checkpointed
+iterations: the same FLOPs, and the model's remat policy applies inside the chunk. Ticks run in lockstep, so a
+tick lasts as long as its slowest stage's operation (a B is about twice an F); the table's bubble counts every
+operation as one tick.
+
+The caller supplies the model as three functions (`StageFunctions`) over (trained, frozen) pairs of parameter
+trees: the layers' trees stacked [L, ...] (split over `stage` like the stored parameters) and the other
+parameters' ("outer": embedding, final norm, head), whole on every stage.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.parallel.pipeline import (STAGE, circular_rounds, from_circular, index_leading, num_stages,
+                                      to_circular)
+from jaxllm.parallel.schedules import BACKWARD, FORWARD, KIND_CODES, WEIGHT, Program, Schedule, program
+from jaxllm.parallel.sharding import active_mesh
+
+
+class StageFunctions(NamedTuple):
+    """The model cut at its layer stack; `outer` and `layers` are (trained, frozen) pairs.
+
+    embed(outer, layers, mb) -> x [b, T, D]: the first chunk's input from micro-batch `mb` (a pytree of [b, ...]);
+    chunk(outer, layers, x, mb, c) -> x: the Lc layers `layers` (leaves [Lc, ...]) of global chunk `c` (traced);
+    tail(outer, layers, x, mb) -> (loss, aux): the loss of the stack's output, aux a pytree of float32 sums.
+    `layers` in embed and tail is only there to build the model; its values are not used.
+    """
+
+    embed: Callable
+    chunk: Callable
+    tail: Callable
+
+
+def _branch_key(kind: int, first: bool, last: bool, split_weights: bool) -> tuple:
+    """Which compiled branch runs an operation; operations with nothing to do share the idle branch."""
+    if kind == KIND_CODES[FORWARD]:
+        return ("idle",) if last else ("F", first)
+    if kind == KIND_CODES[BACKWARD]:
+        if split_weights and first:  # the input gradient of the first chunk goes nowhere
+            return ("idle",)
+        return ("B", first, last)
+    if kind == KIND_CODES[WEIGHT]:
+        return ("W", first, last)
+    return ("idle",)
+
+
+def _branches(prog: Program, split_weights: bool) -> tuple[list[tuple], jax.Array]:
+    """(the distinct branch keys the program uses, idle first; the branch index of every [tick, stage])."""
+    keys = [("idle",)]
+    index = np.zeros(prog.kind.shape, np.int32)
+    for t, s in np.ndindex(*prog.kind.shape):
+        key = _branch_key(int(prog.kind[t, s]), bool(prog.first[t, s]), bool(prog.last[t, s]), split_weights)
+        if key not in keys:
+            keys.append(key)
+        index[t, s] = keys.index(key)
+    return keys, index
+
+
+def _vjp(f: Callable, args: dict, diff: tuple[str, ...], cotangent):
+    """(f's output, aux, {name: gradient}) of `f(**args) -> (out, aux)`, differentiating the `diff` args only."""
+    def of_diff(*values):
+        return f(**{**args, **dict(zip(diff, values))})
+
+    out, pullback, aux = jax.vjp(of_diff, *[args[n] for n in diff], has_aux=True)
+    return out, aux, dict(zip(diff, pullback(cotangent)))
+
+
+def _varying(tree):
+    """`tree`, invariant over `stage`, marked as varying over it."""
+    return jax.tree.map(lambda a: jax.lax.pcast(a, STAGE, to="varying"), tree)
+
+
+def scheduled_value_and_grad(fns: StageFunctions, layers: tuple[Any, Any], outer: tuple[Any, Any], mbs: Any,
+                             schedule: Schedule, seed: jax.Array):
+    """((loss summed over micro-batches, aux summed), (gradients of the trained layers [L, ...], of the trained
+    outer parameters)) of the model `fns` over the micro-batches `mbs` (leaves [m, b, ...]), run as `schedule`
+    on the active mesh's `stage` axis; the loss's cotangent is `seed` (a loss scale, or 1)."""
+    mesh = active_mesh()
+    p, r = num_stages(mesh), schedule.repeats
+    if p != schedule.stages:
+        raise ValueError(f"schedule for {schedule.stages} stages on a mesh with {p}")
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    if num_layers % (p * r):
+        raise ValueError(f"{num_layers} layers do not split into stages*repeats = {p}*{r} chunks")
+    prog = program(schedule)
+    keys, branch = _branches(prog, schedule.split_weights)
+    table = dict(branch=branch, mb=prog.mb, repeat=prog.repeat, act=prog.act, grad=prog.grad,
+                 file_act=prog.file_act, file_grad=prog.file_grad)
+    lc = num_layers // (p * r)
+    rounds = circular_rounds(p, r) if r > 1 else None
+
+    def per_stage(layers_t, layers_f, outer_t, outer_f, mbs, seed):
+        s = jax.lax.axis_index(STAGE)
+        as_chunks = lambda w: w.reshape((r, lc) + w.shape[1:])
+        layers_t, layers_f = (jax.tree.map(as_chunks, t) for t in (layers_t, layers_f))
+        if rounds is not None:
+            layers_t, layers_f = (jax.tree.map(lambda w: to_circular(w, p, rounds), t) for t in (layers_t, layers_f))
+        # Everything varies over `stage` from here: a gradient of an invariant input would otherwise get an
+        # implicit psum over `stage` inside a branch that only some stages take.
+        outer_t, outer_f, mbs, seed = _varying((outer_t, outer_f, mbs, seed))
+        weights = lambda rep: (index_leading(layers_t, rep), index_leading(layers_f, rep))
+        outer = lambda ot: (ot, outer_f)
+        mb0 = index_leading(mbs, 0)
+        x_spec = jax.eval_shape(fns.embed, outer(outer_t), weights(0), mb0)
+        aux_spec = jax.eval_shape(lambda: fns.tail(outer(outer_t), weights(0),
+                                                   jnp.zeros(x_spec.shape, x_spec.dtype), mb0)[1])
+        zeros_x = jnp.zeros(x_spec.shape, x_spec.dtype)
+        carry = dict(_varying(dict(
+            acts=jnp.zeros((prog.act_slots,) + x_spec.shape, x_spec.dtype),
+            grads=jnp.zeros((prog.grad_slots,) + x_spec.shape, x_spec.dtype),
+            outer_grads=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), outer_t),
+            loss=jnp.zeros((), jnp.float32), aux=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_spec))),
+            layer_grads=jax.tree.map(jnp.zeros_like, layers_t))  # varies already, like the layers
+        zeros_x = _varying(zeros_x)
+
+        zeros_chunk = _varying(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), layers_t))
+
+        # A branch returns what its operation sends on and back and the chunk's weight gradients; the carry's
+        # accumulators are updated after the switch, by every stage alike. A resharding of those gradients inside
+        # a branch that only some stages take would be a collective over all devices that the others never join
+        # (XLA:CPU waits for them forever). The outer parameters' gradients (embedding, head) add up inside their
+        # first/last-chunk branches: outside, every stage would pass over them every tick.
+        def idle(carry, op):
+            return carry, (zeros_x, zeros_x, zeros_chunk)
+
+        def forward(carry, op, first):
+            mb, rep, act, _ = op
+            x = fns.embed(outer(outer_t), weights(rep), index_leading(mbs, mb)) if first else carry["acts"][act]
+            y = fns.chunk(outer(outer_t), weights(rep), x, index_leading(mbs, mb), rep * p + s)
+            return carry, (y, zeros_x, zeros_chunk)
+
+        def backward(carry, op, first, last, input_grad, weight_grads):
+            """B (input_grad, and weight_grads unless ZB) or ZB's W (weight_grads only) of one operation."""
+            mb_index, rep, act, grad = op
+            mb = index_leading(mbs, mb_index)
+            frozen_chunk = index_leading(layers_f, rep)
+
+            def f(chunk_t, ot, x):
+                x = fns.embed(outer(ot), (chunk_t, frozen_chunk), mb) if first else x
+                y = fns.chunk(outer(ot), (chunk_t, frozen_chunk), x, mb, rep * p + s)
+                return fns.tail(outer(ot), (chunk_t, frozen_chunk), y, mb) if last else (y, None)
+
+            diff = (("chunk_t",) if weight_grads else ()) + (("ot",) if weight_grads and (first or last) else ())
+            diff += ("x",) if input_grad and not first else ()
+            args = dict(chunk_t=index_leading(layers_t, rep), ot=outer_t, x=None if first else carry["acts"][act])
+            cotangent = seed.astype(jnp.float32) if last else carry["grads"][grad]
+            loss, aux, g = _vjp(f, args, diff, cotangent)
+            carry = dict(carry)
+            if "ot" in g:
+                carry["outer_grads"] = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), carry["outer_grads"],
+                                                    g["ot"])
+            if last and input_grad:  # the loss counts once: in B, which every schedule runs
+                carry["loss"] = carry["loss"] + loss
+                carry["aux"] = jax.tree.map(jnp.add, carry["aux"], aux)
+            chunk_grads = jax.tree.map(lambda z, d: d.astype(z.dtype), zeros_chunk, g["chunk_t"]) \
+                if "chunk_t" in g else zeros_chunk
+            return carry, (zeros_x, g["x"] if "x" in g else zeros_x, chunk_grads)
+
+        split = schedule.split_weights
+
+        def make(key):
+            if key[0] == "F":
+                return functools.partial(forward, first=key[1])
+            if key[0] == "B":
+                return functools.partial(backward, first=key[1], last=key[2], input_grad=True,
+                                         weight_grads=not split)
+            if key[0] == "W":
+                return functools.partial(backward, first=key[1], last=key[2], input_grad=False, weight_grads=True)
+            return idle
+
+        branches = [make(key) for key in keys]
+        forward_ring = [(i, (i + 1) % p) for i in range(p)]
+        backward_ring = [(i, (i - 1) % p) for i in range(p)]
+
+        def tick(carry, row):
+            row = {k: v[s] for k, v in row.items()}
+            op = (row["mb"], row["repeat"], row["act"], row["grad"])
+            carry, (send_act, send_grad, chunk_grads) = jax.lax.switch(row["branch"], branches, carry, op)
+            carry = dict(carry)
+            carry["layer_grads"] = jax.tree.map(lambda acc, d: acc.at[row["repeat"]].add(d), carry["layer_grads"],
+                                                chunk_grads)
+            came_act = jax.lax.ppermute(send_act, STAGE, forward_ring)
+            came_grad = jax.lax.ppermute(send_grad, STAGE, backward_ring)
+            for buffer, slot, came in (("acts", row["file_act"], came_act), ("grads", row["file_grad"], came_grad)):
+                at = jnp.maximum(slot, 0)
+                kept = jnp.where(slot >= 0, came, carry[buffer][at])
+                carry[buffer] = jax.lax.dynamic_update_index_in_dim(carry[buffer], kept, at, 0)
+            return carry, None
+
+        carry, _ = jax.lax.scan(tick, carry, {k: jnp.asarray(v) for k, v in table.items()})
+        layer_grads = carry["layer_grads"]
+        if rounds is not None:
+            layer_grads = jax.tree.map(lambda g: from_circular(g, rounds), layer_grads)
+        layer_grads = jax.tree.map(lambda g: g.reshape((r * lc,) + g.shape[2:]), layer_grads)
+        summed = jax.lax.psum((carry["loss"], carry["aux"], carry["outer_grads"]), STAGE)
+        return layer_grads, summed
+
+    (layers_t, layers_f), (outer_t, outer_f) = layers, outer
+    layer_grads, (loss, aux, outer_grads) = jax.shard_map(
+        per_stage, mesh=mesh, in_specs=(P(STAGE), P(STAGE), P(), P(), P(), P()), out_specs=(P(STAGE), P()),
+        axis_names={STAGE},
+    )(layers_t, layers_f, outer_t, outer_f, mbs, seed)
+    return (loss, aux), (layer_grads, outer_grads)
