@@ -962,17 +962,24 @@ def probe_environment(cfg: Config) -> None:
 
 def _check_schedule_backend(cfg: Config) -> None:
     """XLA:CPU runs a collective-permute only when every device joins it; inside an explicit schedule's per-stage
-    branch only one stage's devices do, and the adapters' backward under fsdp and tensor together reshards with
-    one. Refused there (GPUs run it), not left to hang."""
-    mesh = cfg.mesh
-    if cfg.pipeline.schedule not in EXPLICIT_SCHEDULES or mesh.stage == 1 or not cfg.lora.rank:
+    branch only one stage's devices do. Two layouts put one there: the balanced layout of `context` (its
+    permutes at the model's edges, in the first and last chunks' branches) and adapters under fsdp and tensor
+    together (their backward reshards with one). Refused on CPU (GPUs run them), not left to hang."""
+    mesh, schedule = cfg.mesh, cfg.pipeline.schedule
+    if schedule not in EXPLICIT_SCHEDULES or mesh.stage == 1:
         return
-    if mesh.fsdp > 1 and mesh.tensor > 1:
-        import jax  # start-up speed: configs load and are checked before JAX does
+    adapters_on_both = cfg.lora.rank and mesh.fsdp > 1 and mesh.tensor > 1
+    if mesh.context == 1 and not adapters_on_both:
+        return
+    import jax  # start-up speed: configs load and are checked before JAX does
 
-        if jax.default_backend() == "cpu":
-            raise ConfigError("pipeline.schedule", f"{cfg.pipeline.schedule!r} with adapters (lora.rank > 0) on "
-                                                   f"both mesh.fsdp and mesh.tensor > 1 hangs XLA:CPU: use one of them")
+    if jax.default_backend() != "cpu":
+        return
+    if mesh.context > 1:
+        raise ConfigError("pipeline.schedule", f"{schedule!r} with mesh.context > 1 hangs XLA:CPU: use gpipe or "
+                                               f"circular there")
+    raise ConfigError("pipeline.schedule", f"{schedule!r} with adapters (lora.rank > 0) on both mesh.fsdp and "
+                                           f"mesh.tensor > 1 hangs XLA:CPU: use one of them")
 
 
 def check_quant_backend(precision: PrecisionConfig, emulate_fp8: bool = False) -> None:

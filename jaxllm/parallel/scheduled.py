@@ -27,6 +27,7 @@ parameters' ("outer": embedding, final norm, head), whole on every stage.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -94,6 +95,115 @@ def _varying(tree):
     return jax.tree.map(lambda a: jax.lax.pcast(a, STAGE, to="varying"), tree)
 
 
+def _zeros(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """One device's view inside the shard_map: the model, its stage index `s` of `p`, its layer chunks
+    (trained, frozen) as [r, Lc, ...] in circular order, the outer parameters, the micro-batches and the loss's
+    cotangent, all varying over `stage`. Its operations take the carry and (micro-batch, local chunk, activation
+    slot, gradient slot) and return the carry with what they sent on and back and their chunk's weight gradients.
+
+    The carry's layer-gradient accumulator is updated after the switch, by every stage alike: a resharding of
+    those gradients inside a branch that only some stages take would be a collective over all devices that the
+    others never join (XLA:CPU waits for them forever). The outer parameters' gradients (embedding, head) add up
+    inside their first/last-chunk branches: outside, every stage would pass over them every tick."""
+
+    fns: StageFunctions
+    s: jax.Array
+    p: int
+    layers_t: Any
+    layers_f: Any
+    outer_t: Any
+    outer_f: Any
+    mbs: Any
+    seed: jax.Array
+    zeros_x: jax.Array
+    zeros_chunk: Any
+
+    def weights(self, rep, chunk_t=None):
+        trained = index_leading(self.layers_t, rep) if chunk_t is None else chunk_t
+        return trained, index_leading(self.layers_f, rep)
+
+    def idle(self, carry, op):
+        return carry, (self.zeros_x, self.zeros_x, self.zeros_chunk)
+
+    def forward(self, carry, op, first):
+        mb, rep, act, _ = op
+        mb, outer, weights = index_leading(self.mbs, mb), (self.outer_t, self.outer_f), self.weights(rep)
+        x = self.fns.embed(outer, weights, mb) if first else carry["acts"][act]
+        return carry, (self.fns.chunk(outer, weights, x, mb, rep * self.p + self.s), self.zeros_x, self.zeros_chunk)
+
+    def backward(self, carry, op, first, last, input_grad, weight_grads):
+        """B (input_grad, and weight_grads unless ZB) or ZB's W (weight_grads only) of one operation."""
+        mb_index, rep, act, grad = op
+        mb = index_leading(self.mbs, mb_index)
+
+        def f(chunk_t, ot, x):
+            outer, weights = (ot, self.outer_f), self.weights(rep, chunk_t)
+            x = self.fns.embed(outer, weights, mb) if first else x
+            y = self.fns.chunk(outer, weights, x, mb, rep * self.p + self.s)
+            return self.fns.tail(outer, weights, y, mb) if last else (y, None)
+
+        diff = (("chunk_t",) if weight_grads else ()) + (("ot",) if weight_grads and (first or last) else ())
+        diff += ("x",) if input_grad and not first else ()
+        args = dict(chunk_t=index_leading(self.layers_t, rep), ot=self.outer_t,
+                    x=None if first else carry["acts"][act])
+        cotangent = self.seed.astype(jnp.float32) if last else carry["grads"][grad]
+        loss, aux, g = _vjp(f, args, diff, cotangent)
+        carry = dict(carry)
+        if "ot" in g:
+            carry["outer_grads"] = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), carry["outer_grads"], g["ot"])
+        if last and input_grad:  # the loss counts once: in B, which every schedule runs
+            carry["loss"] = carry["loss"] + loss
+            carry["aux"] = jax.tree.map(jnp.add, carry["aux"], aux)
+        chunk_grads = self.zeros_chunk if "chunk_t" not in g else jax.tree.map(
+            lambda z, d: d.astype(z.dtype), self.zeros_chunk, g["chunk_t"])
+        return carry, (self.zeros_x, g.get("x", self.zeros_x), chunk_grads)
+
+    def branch(self, key: tuple, split_weights: bool):
+        """The operation of a `_branch_key`."""
+        if key[0] == "F":
+            return functools.partial(self.forward, first=key[1])
+        if key[0] in ("B", "W"):
+            b = key[0] == "B"
+            return functools.partial(self.backward, first=key[1], last=key[2], input_grad=b,
+                                     weight_grads=not (b and split_weights))
+        return self.idle
+
+    def initial_carry(self, prog: Program) -> dict:
+        """Zeroed buffers (activation and gradient slots) and sums (gradients, loss, the tail's aux)."""
+        outer, weights, mb0 = (self.outer_t, self.outer_f), self.weights(0), index_leading(self.mbs, 0)
+        aux = jax.eval_shape(lambda: self.fns.tail(outer, weights, self.zeros_x, mb0)[1])
+        x = self.zeros_x
+        return dict(_varying(dict(acts=jnp.zeros((prog.act_slots,) + x.shape, x.dtype),
+                                  grads=jnp.zeros((prog.grad_slots,) + x.shape, x.dtype),
+                                  outer_grads=_zeros(self.outer_t), loss=jnp.zeros((), jnp.float32),
+                                  aux=_zeros(aux))),
+                    layer_grads=jax.tree.map(jnp.zeros_like, self.layers_t))  # varies already, like the layers
+
+
+def _tick(stage: _Stage, branches, carry, row):
+    """One tick on one stage: its operation, the weight gradients added, the two collective permutes, and what
+    came filed into the slots the table names."""
+    p = stage.p
+    row = {k: v[stage.s] for k, v in row.items()}
+    op = (row["mb"], row["repeat"], row["act"], row["grad"])
+    carry, (send_act, send_grad, chunk_grads) = jax.lax.switch(row["branch"], branches, carry, op)
+    carry = dict(carry)
+    carry["layer_grads"] = jax.tree.map(lambda acc, d: acc.at[row["repeat"]].add(d), carry["layer_grads"],
+                                        chunk_grads)
+    came_act = jax.lax.ppermute(send_act, STAGE, [(i, (i + 1) % p) for i in range(p)])
+    came_grad = jax.lax.ppermute(send_grad, STAGE, [(i, (i - 1) % p) for i in range(p)])
+    for buffer, slot, came in (("acts", row["file_act"], came_act), ("grads", row["file_grad"], came_grad)):
+        at = jnp.maximum(slot, 0)
+        kept = jnp.where(slot >= 0, came, carry[buffer][at])
+        carry[buffer] = jax.lax.dynamic_update_index_in_dim(carry[buffer], kept, at, 0)
+    return carry, None
+
+
 def scheduled_value_and_grad(fns: StageFunctions, layers: tuple[Any, Any], outer: tuple[Any, Any], mbs: Any,
                              schedule: Schedule, seed: jax.Array):
     """((loss summed over micro-batches, aux summed), (gradients of the trained layers [L, ...], of the trained
@@ -108,116 +218,34 @@ def scheduled_value_and_grad(fns: StageFunctions, layers: tuple[Any, Any], outer
         raise ValueError(f"{num_layers} layers do not split into stages*repeats = {p}*{r} chunks")
     prog = program(schedule)
     keys, branch = _branches(prog, schedule.split_weights)
-    table = dict(branch=branch, mb=prog.mb, repeat=prog.repeat, act=prog.act, grad=prog.grad,
-                 file_act=prog.file_act, file_grad=prog.file_grad)
+    table = {k: jnp.asarray(v) for k, v in dict(branch=branch, mb=prog.mb, repeat=prog.repeat, act=prog.act,
+                                                grad=prog.grad, file_act=prog.file_act,
+                                                file_grad=prog.file_grad).items()}
     lc = num_layers // (p * r)
     rounds = circular_rounds(p, r) if r > 1 else None
 
+    def chunks(w):
+        """This device's stored layers [L/p, ...] as its chunks [r, Lc, ...] in the order it runs them."""
+        w = w.reshape((r, lc) + w.shape[1:])
+        return w if rounds is None else to_circular(w, p, rounds)
+
     def per_stage(layers_t, layers_f, outer_t, outer_f, mbs, seed):
-        s = jax.lax.axis_index(STAGE)
-        as_chunks = lambda w: w.reshape((r, lc) + w.shape[1:])
-        layers_t, layers_f = (jax.tree.map(as_chunks, t) for t in (layers_t, layers_f))
-        if rounds is not None:
-            layers_t, layers_f = (jax.tree.map(lambda w: to_circular(w, p, rounds), t) for t in (layers_t, layers_f))
+        layers_t, layers_f = jax.tree.map(chunks, (layers_t, layers_f))
         # Everything varies over `stage` from here: a gradient of an invariant input would otherwise get an
         # implicit psum over `stage` inside a branch that only some stages take.
         outer_t, outer_f, mbs, seed = _varying((outer_t, outer_f, mbs, seed))
-        weights = lambda rep: (index_leading(layers_t, rep), index_leading(layers_f, rep))
-        outer = lambda ot: (ot, outer_f)
-        mb0 = index_leading(mbs, 0)
-        x_spec = jax.eval_shape(fns.embed, outer(outer_t), weights(0), mb0)
-        aux_spec = jax.eval_shape(lambda: fns.tail(outer(outer_t), weights(0),
-                                                   jnp.zeros(x_spec.shape, x_spec.dtype), mb0)[1])
-        zeros_x = jnp.zeros(x_spec.shape, x_spec.dtype)
-        carry = dict(_varying(dict(
-            acts=jnp.zeros((prog.act_slots,) + x_spec.shape, x_spec.dtype),
-            grads=jnp.zeros((prog.grad_slots,) + x_spec.shape, x_spec.dtype),
-            outer_grads=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), outer_t),
-            loss=jnp.zeros((), jnp.float32), aux=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_spec))),
-            layer_grads=jax.tree.map(jnp.zeros_like, layers_t))  # varies already, like the layers
-        zeros_x = _varying(zeros_x)
-
-        zeros_chunk = _varying(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), layers_t))
-
-        # A branch returns what its operation sends on and back and the chunk's weight gradients; the carry's
-        # accumulators are updated after the switch, by every stage alike. A resharding of those gradients inside
-        # a branch that only some stages take would be a collective over all devices that the others never join
-        # (XLA:CPU waits for them forever). The outer parameters' gradients (embedding, head) add up inside their
-        # first/last-chunk branches: outside, every stage would pass over them every tick.
-        def idle(carry, op):
-            return carry, (zeros_x, zeros_x, zeros_chunk)
-
-        def forward(carry, op, first):
-            mb, rep, act, _ = op
-            x = fns.embed(outer(outer_t), weights(rep), index_leading(mbs, mb)) if first else carry["acts"][act]
-            y = fns.chunk(outer(outer_t), weights(rep), x, index_leading(mbs, mb), rep * p + s)
-            return carry, (y, zeros_x, zeros_chunk)
-
-        def backward(carry, op, first, last, input_grad, weight_grads):
-            """B (input_grad, and weight_grads unless ZB) or ZB's W (weight_grads only) of one operation."""
-            mb_index, rep, act, grad = op
-            mb = index_leading(mbs, mb_index)
-            frozen_chunk = index_leading(layers_f, rep)
-
-            def f(chunk_t, ot, x):
-                x = fns.embed(outer(ot), (chunk_t, frozen_chunk), mb) if first else x
-                y = fns.chunk(outer(ot), (chunk_t, frozen_chunk), x, mb, rep * p + s)
-                return fns.tail(outer(ot), (chunk_t, frozen_chunk), y, mb) if last else (y, None)
-
-            diff = (("chunk_t",) if weight_grads else ()) + (("ot",) if weight_grads and (first or last) else ())
-            diff += ("x",) if input_grad and not first else ()
-            args = dict(chunk_t=index_leading(layers_t, rep), ot=outer_t, x=None if first else carry["acts"][act])
-            cotangent = seed.astype(jnp.float32) if last else carry["grads"][grad]
-            loss, aux, g = _vjp(f, args, diff, cotangent)
-            carry = dict(carry)
-            if "ot" in g:
-                carry["outer_grads"] = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), carry["outer_grads"],
-                                                    g["ot"])
-            if last and input_grad:  # the loss counts once: in B, which every schedule runs
-                carry["loss"] = carry["loss"] + loss
-                carry["aux"] = jax.tree.map(jnp.add, carry["aux"], aux)
-            chunk_grads = jax.tree.map(lambda z, d: d.astype(z.dtype), zeros_chunk, g["chunk_t"]) \
-                if "chunk_t" in g else zeros_chunk
-            return carry, (zeros_x, g["x"] if "x" in g else zeros_x, chunk_grads)
-
-        split = schedule.split_weights
-
-        def make(key):
-            if key[0] == "F":
-                return functools.partial(forward, first=key[1])
-            if key[0] == "B":
-                return functools.partial(backward, first=key[1], last=key[2], input_grad=True,
-                                         weight_grads=not split)
-            if key[0] == "W":
-                return functools.partial(backward, first=key[1], last=key[2], input_grad=False, weight_grads=True)
-            return idle
-
-        branches = [make(key) for key in keys]
-        forward_ring = [(i, (i + 1) % p) for i in range(p)]
-        backward_ring = [(i, (i - 1) % p) for i in range(p)]
-
-        def tick(carry, row):
-            row = {k: v[s] for k, v in row.items()}
-            op = (row["mb"], row["repeat"], row["act"], row["grad"])
-            carry, (send_act, send_grad, chunk_grads) = jax.lax.switch(row["branch"], branches, carry, op)
-            carry = dict(carry)
-            carry["layer_grads"] = jax.tree.map(lambda acc, d: acc.at[row["repeat"]].add(d), carry["layer_grads"],
-                                                chunk_grads)
-            came_act = jax.lax.ppermute(send_act, STAGE, forward_ring)
-            came_grad = jax.lax.ppermute(send_grad, STAGE, backward_ring)
-            for buffer, slot, came in (("acts", row["file_act"], came_act), ("grads", row["file_grad"], came_grad)):
-                at = jnp.maximum(slot, 0)
-                kept = jnp.where(slot >= 0, came, carry[buffer][at])
-                carry[buffer] = jax.lax.dynamic_update_index_in_dim(carry[buffer], kept, at, 0)
-            return carry, None
-
-        carry, _ = jax.lax.scan(tick, carry, {k: jnp.asarray(v) for k, v in table.items()})
+        x = jax.eval_shape(fns.embed, (outer_t, outer_f), (index_leading(layers_t, 0), index_leading(layers_f, 0)),
+                           index_leading(mbs, 0))
+        stage = _Stage(fns, jax.lax.axis_index(STAGE), p, layers_t, layers_f, outer_t, outer_f, mbs, seed,
+                       _varying(jnp.zeros(x.shape, x.dtype)),
+                       _varying(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), layers_t)))
+        branches = [stage.branch(key, schedule.split_weights) for key in keys]
+        carry, _ = jax.lax.scan(functools.partial(_tick, stage, branches), stage.initial_carry(prog), table)
         layer_grads = carry["layer_grads"]
         if rounds is not None:
             layer_grads = jax.tree.map(lambda g: from_circular(g, rounds), layer_grads)
         layer_grads = jax.tree.map(lambda g: g.reshape((r * lc,) + g.shape[2:]), layer_grads)
-        summed = jax.lax.psum((carry["loss"], carry["aux"], carry["outer_grads"]), STAGE)
-        return layer_grads, summed
+        return layer_grads, jax.lax.psum((carry["loss"], carry["aux"], carry["outer_grads"]), STAGE)
 
     (layers_t, layers_f), (outer_t, outer_f) = layers, outer
     layer_grads, (loss, aux, outer_grads) = jax.shard_map(
