@@ -309,13 +309,11 @@ def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, rema
 
 
 class LayerStackCall(NamedTuple):
-    """What a model hands its layer stack besides the activations (`layer_stack_runner`): the per-token inputs
-    every layer takes, the per-layer keys and kinds ([L, ...] arrays or None), and `run_as_usual(x_BTD)`, the
-    model's own run of the whole stack (scanned, unrolled or pipelined) -> (x_BTD, stats)."""
+    """What a model hands its layer stack besides the activations (`layer_stack_runner`): the per-layer keys and
+    kinds ([L, ...] arrays or None), `run_chunk`, its usual layer loop over given layers (the per-token inputs,
+    visibility and rotary tables, already bound), and `run_as_usual(x_BTD)`, the model's own run of the whole
+    stack (scanned, unrolled or pipelined) -> (x_BTD, stats)."""
 
-    visible: object
-    sin_BTh: object
-    cos_BTh: object
     keys_L: jax.Array | None
     local_L: jax.Array | None
     run_chunk: Callable  # (layers, x_BTD, keys_L, local_L) -> (x_BTD, stats): the usual loop over given layers
@@ -445,7 +443,7 @@ class Transformer(nnx.Module):
         if runner is None:
             x_BTD, stats = run_as_usual(x_BTD)
         else:
-            call = LayerStackCall(visible, sin_BTh, cos_BTh, keys_L, local_L, run_chunk, run_as_usual)
+            call = LayerStackCall(keys_L, local_L, run_chunk, run_as_usual)
             x_BTD, stats = runner(self.layers, x_BTD, call)
         if shards > 1:
             x_BTD = constrain(from_balanced(x_BTD, shards), ("batch", self.seq_axis, "embed"))

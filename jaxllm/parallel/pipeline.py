@@ -95,26 +95,28 @@ def circular_rounds(stages: int, repeats: int) -> list[tuple[list[tuple[int, int
     return rounds
 
 
-def to_circular(w_rL: jax.Array, stages: int, rounds) -> jax.Array:
-    """Inside the stage shard_map: this device's stored chunks [r, Lc, ...] -> its circular chunks [r, Lc, ...]."""
+def _move_chunks(w_rL: jax.Array, rounds, back: bool) -> jax.Array:
+    """Inside the stage shard_map: `circular_rounds`' moves of this device's chunks [r, Lc, ...], or (`back`)
+    the same moves undone."""
     s = jax.lax.axis_index(STAGE)
     out = jnp.zeros_like(w_rL)
     for pairs, send, recv in rounds:
-        chunk = jax.lax.dynamic_index_in_dim(w_rL, jnp.asarray(send)[s], 0, keepdims=False)
+        take, put = (recv, send) if back else (send, recv)
+        pairs = [(dst, src) for src, dst in pairs] if back else pairs
+        chunk = jax.lax.dynamic_index_in_dim(w_rL, jnp.asarray(take)[s], 0, keepdims=False)
         chunk = jax.lax.ppermute(chunk, STAGE, pairs)
-        out = jax.lax.dynamic_update_index_in_dim(out, chunk, jnp.asarray(recv)[s], 0)
+        out = jax.lax.dynamic_update_index_in_dim(out, chunk, jnp.asarray(put)[s], 0)
     return out
+
+
+def to_circular(w_rL: jax.Array, rounds) -> jax.Array:
+    """This device's stored chunks [r, Lc, ...] -> its circular chunks [r, Lc, ...] (inside the stage shard_map)."""
+    return _move_chunks(w_rL, rounds, back=False)
 
 
 def from_circular(w_rL: jax.Array, rounds) -> jax.Array:
     """The inverse of `to_circular` (the explicit schedules' weight gradients back to the stored order)."""
-    s = jax.lax.axis_index(STAGE)
-    out = jnp.zeros_like(w_rL)
-    for pairs, send, recv in rounds:
-        chunk = jax.lax.dynamic_index_in_dim(w_rL, jnp.asarray(recv)[s], 0, keepdims=False)
-        chunk = jax.lax.ppermute(chunk, STAGE, [(dst, src) for src, dst in pairs])
-        out = jax.lax.dynamic_update_index_in_dim(out, chunk, jnp.asarray(send)[s], 0)
-    return out
+    return _move_chunks(w_rL, rounds, back=True)
 
 
 def split_microbatches(x: jax.Array, m: int) -> jax.Array:
@@ -186,7 +188,7 @@ def pipeline(
         # This device's contiguous block of stored layers, as [r, Lc, ...]: already its chunks when r == 1.
         w_local = jax.tree.map(lambda w: w.reshape((r, chunk) + w.shape[1:]), w_local)
         if rounds is not None:
-            w_local = jax.tree.map(lambda w: to_circular(w, p, rounds), w_local)
+            w_local = jax.tree.map(lambda w: to_circular(w, rounds), w_local)
         s = jax.lax.axis_index(STAGE)
         ring = [(i, (i + 1) % p) for i in range(p)]
         buf = jax.lax.pcast(x_in_mBTD, STAGE, to="varying")

@@ -227,7 +227,7 @@ def scheduled_value_and_grad(fns: StageFunctions, layers: tuple[Any, Any], outer
     def chunks(w):
         """This device's stored layers [L/p, ...] as its chunks [r, Lc, ...] in the order it runs them."""
         w = w.reshape((r, lc) + w.shape[1:])
-        return w if rounds is None else to_circular(w, p, rounds)
+        return w if rounds is None else to_circular(w, rounds)
 
     def per_stage(layers_t, layers_f, outer_t, outer_f, mbs, seed):
         layers_t, layers_f = jax.tree.map(chunks, (layers_t, layers_f))

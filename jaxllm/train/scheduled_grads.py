@@ -58,19 +58,19 @@ def _split(state: nnx.State) -> tuple[nnx.State, nnx.State]:
 def _later_passes(graphdef, params, frozen, batch, key, loss_fn) -> list[jax.Array]:
     """The outputs [B, T, D] of the loss's later passes through a layer stack (after the trained first), forward
     over the whole batch, without gradient; [] when there is one pass."""
-    outputs = []
+    passes: list[jax.Array | None] = []  # None for the trained first pass: the schedule runs it
 
     def record(layers, x_BTD, call):
-        if getattr(record, "seen", False):
-            out = call.run_as_usual(x_BTD)
-            outputs.append(jax.lax.stop_gradient(out[0]))
-            return out
-        record.seen = True
-        return jnp.zeros_like(x_BTD), None  # the trained pass: the schedule runs it
+        if not passes:
+            passes.append(None)
+            return jnp.zeros_like(x_BTD), None
+        out = call.run_as_usual(x_BTD)
+        passes.append(jax.lax.stop_gradient(out[0]))
+        return out
 
     with layer_stack_runner(record):
         loss_fn(nnx.merge(graphdef, params, frozen), batch, key)
-    return outputs
+    return passes[1:]
 
 
 def _stage_functions(graphdef, loss_fn, key, chunk_layers: int) -> StageFunctions:
