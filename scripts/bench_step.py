@@ -62,7 +62,7 @@ def prepared_step(cfg, lora=None, compiler_options=None):
     from jaxllm.optim.loss_scale import loss_scaling
     from jaxllm.parallel.mesh import make_mesh
     from jaxllm.optim.chain import make_optimizer
-    from jaxllm.train.fit import to_global
+    from jaxllm.parallel.host_rows import to_global
     from jaxllm.train.step_runner import StepRunner
     from jaxllm.objectives.pretrain import lm_objective
     from jaxllm.train.state import init_objective_state

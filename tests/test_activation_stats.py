@@ -23,7 +23,7 @@ from jaxllm.model.rope import apply_rope, rope_tables
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.visibility import attention_mask
 from jaxllm.parallel.sharding import sharding_tree
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.model.build import build_model
 from jaxllm.model.head import next_token_loss
 from jaxllm.train.step import NO_FROZEN, batch_sharding

@@ -23,7 +23,7 @@ from jaxllm.observe.norms import (GROUPS, STATS, arrays, global_norm, layer_and_
 from jaxllm.train.diagnostic_step import NOT_REPRODUCED
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.train.loop import train
 from jaxllm.train.step_runner import StepRunner
 from jaxllm.objectives.pretrain import pretrain_objective

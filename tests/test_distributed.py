@@ -7,7 +7,8 @@ import pytest
 from jaxllm.config.schema import ConfigError, MeshConfig, resolve_dcn
 from jaxllm.runtime.distributed import DistributedError, resolve_layout
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.train.step import batch_sharding, process_rows
+from jaxllm.train.step import batch_sharding
+from jaxllm.parallel.host_rows import process_rows
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
               "SLURM_STEP_NUM_NODES", "JAX_COORDINATOR_PORT", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE")
@@ -124,3 +125,39 @@ def test_a_connect_that_reaches_itself_is_not_taken_for_process_0(monkeypatch):
     with pytest.raises(DistributedError, match="process 0 \\(the coordinator.*did not arrive within 1s"):
         rendezvous(layout, timeout=1)
     assert len(calls) > 1
+
+
+def test_a_block_of_rows_goes_global_and_back():
+    """to_local reads a block of rows from the shards that hold it, whatever the array's layout was; the
+    mesh (2,2,2,1) splits a batch into 4 row shards (data x fsdp)."""
+    import jax
+    import numpy as np
+
+    from jaxllm.parallel.host_rows import row_shards, to_global, to_local
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2, stage=1))
+    sharding = batch_sharding(mesh)
+    assert row_shards(sharding) == 4
+    rows = {"tokens": np.arange(8 * 3, dtype=np.int32).reshape(8, 3), "start": np.arange(8, dtype=np.int32)}
+    placed = to_global(rows, sharding, 8)
+    assert placed["start"].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+    replicated = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+                  for k, v in placed.items()}
+    for arrays in (placed, replicated):
+        for block in ((0, 1), (1, 2), (3, 4)):
+            index, count = block
+            got = to_local(arrays, sharding, block)
+            for name, values in rows.items():
+                size = 8 // count
+                np.testing.assert_array_equal(got[name], values[index * size:(index + 1) * size])
+
+
+def test_sums_over_blocks_count_each_block_once():
+    """Processes that hold the same block (the batch replicated over `stage` across hosts) count it once."""
+    import numpy as np
+
+    from jaxllm.parallel.host_rows import _each_block_once
+
+    gathered = np.array([[1.0], [1.0], [5.0], [5.0]])  # processes 0, 1 hold block 0; 2, 3 block 1
+    np.testing.assert_array_equal(_each_block_once(gathered, np.array([0, 0, 1, 1])).sum(axis=0), [6.0])
+    np.testing.assert_array_equal(_each_block_once(gathered[[2, 0]], np.array([1, 0])), [[1.0], [5.0]])

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from train_runs import (NAN_AT_3, RL_ITERATION_STARTS, ROOT, assert_rolled_back_at_3, assert_dry_run_plans_the_run, assert_serves_the_tools,
-                        checkpoint_leaves, losses, metrics, preempt_at, rl_command, run_command, train_command,
-                        train_env)
+from train_runs import (NAN_AT_3, RL_ITERATION_STARTS, ROOT, assert_rolled_back_at_3, assert_dry_run_plans_the_run,
+                        assert_serves_the_tools, checkpoint_leaves, losses, metrics, preempt_at, process_logs,
+                        rl_command, rollout_rows, run_command, start_processes, train_command, train_env)
 
 from jaxllm.objectives.reward_fns import single_line
 
@@ -75,6 +75,59 @@ def test_resumes_bitwise_after_sigterm_mid_iteration(grpo_run, lora_run, prompts
     full, resumed = losses(grpo_run), losses(tmp_path)
     assert all(resumed[s] == full[s] for s in range(1, 7)), (resumed, full)
     for a, b in zip(checkpoint_leaves(tmp_path), checkpoint_leaves(grpo_run)):
+        assert np.array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def two_process_grpo(lora_run, prompts, tmp_path_factory):
+    """grpo_run's job as 2 processes x 4 devices: each samples, scores and trains on its own block of rows."""
+    workdir = tmp_path_factory.mktemp("grpo2")
+    procs = start_processes(_command(lora_run, prompts, workdir, "--config.train.steps=6", *NAN_AT_3), workdir)
+    for proc, log in zip(procs, process_logs(procs, workdir)):
+        assert proc.returncode == 0, log[-3000:]
+    return workdir
+
+
+def test_two_processes_sample_and_train_like_one(grpo_run, two_process_grpo):
+    """Same seeds, same rollouts (iteration 1's rows, saved with checkpoint 4 by each process in its block) and
+    the same losses at every step within float32 summation order, through the same rollback at step 3."""
+    one, two = rollout_rows(grpo_run, 4), rollout_rows(two_process_grpo, 4)
+    assert set(one) == set(two) and len(one["tokens"]) == 16
+    for name in ("tokens", "mask", "segment_ids", "positions", "stopped", "scores", "advantages"):
+        assert np.array_equal(one[name], two[name]), name
+    for name in ("old_logps", "ref_logps"):
+        np.testing.assert_allclose(two[name], one[name], rtol=1e-5, atol=1e-6)
+    expected, got = losses(grpo_run), losses(two_process_grpo)
+    assert sorted(got) == sorted(expected) == list(range(1, 7))
+    for step in expected:
+        np.testing.assert_allclose(got[step], expected[step], rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
+    assert_rolled_back_at_3(two_process_grpo)
+    # Each process makes the samples of its block; process 0 writes them all.
+    assert (two_process_grpo / "samples.jsonl").read_text() == (grpo_run / "samples.jsonl").read_text()
+    task = lambda w: json.loads((w / "summary.json").read_text())["task"]["tuned"]["all"]
+    assert task(two_process_grpo)["reward"] == task(grpo_run)["reward"]
+
+
+def test_a_process_killed_in_a_rollout_ends_the_job_and_it_resumes_bitwise(two_process_grpo, lora_run, prompts,
+                                                                           tmp_path):
+    """Process 1 SIGKILLs itself in iteration 1's rollout (step 4, after the rollback at 3): process 0, waiting
+    for it in the rollout's collectives, stops on its own naming it; restarted, the job resumes from step 2
+    (iteration 0's rows come back from the checkpoint, in two blocks) and ends on the uninterrupted 2-process
+    run's parameters and losses, bit for bit."""
+    command = _command(lora_run, prompts, tmp_path, "--config.train.steps=6", *NAN_AT_3)
+    procs = start_processes([*command, "--config.debug.kill_in_rollout=1"], tmp_path)
+    survivor, _ = process_logs(procs, tmp_path, timeout=300)
+    assert procs[1].returncode == -9 and procs[0].returncode != 0, survivor[-3000:]
+    assert "jaxllm: process 1 of 2 stopped responding" in survivor, survivor[-3000:]
+    assert "Traceback" not in survivor
+    assert max(losses(tmp_path)) == 3  # killed in step 4's rollout
+    procs = start_processes(command, tmp_path)
+    logs = process_logs(procs, tmp_path)
+    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    assert "resuming from checkpoint step 2" in logs[0], logs[0][-3000:]
+    full, resumed = losses(two_process_grpo), losses(tmp_path)
+    assert all(resumed[s] == full[s] for s in range(1, 7)), (resumed, full)
+    for a, b in zip(checkpoint_leaves(tmp_path), checkpoint_leaves(two_process_grpo)):
         assert np.array_equal(a, b)
 
 

@@ -18,7 +18,7 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.model.sample import generate
 from jaxllm.parallel.sharding import spec_tree
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import init_objective_state
 from jaxllm.model.build import build_model

@@ -20,7 +20,7 @@ from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.runs.checkpoint import Checkpointer
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.train.recovery import restore_latest
 from jaxllm.train.state import init_objective_state
 from jaxllm.train.step import SKIP_UPDATE, batch_sharding, jit_train_step, make_train_step

@@ -14,7 +14,7 @@ from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.optim import powersgd
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.train.state import init_objective_state, state_shardings
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 

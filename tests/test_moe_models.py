@@ -38,7 +38,7 @@ from jaxllm.optim.chain import make_optimizer  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh  # noqa: E402
 from jaxllm.parallel.sharding import spec_tree  # noqa: E402
 from jaxllm.runs.checkpoint import Checkpointer  # noqa: E402
-from jaxllm.train.fit import to_global  # noqa: E402
+from jaxllm.parallel.host_rows import to_global  # noqa: E402
 from jaxllm.train.state import init_objective_state  # noqa: E402
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step  # noqa: E402
 

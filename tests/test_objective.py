@@ -18,7 +18,7 @@ from jaxllm.config.schema import MeshConfig, ModelConfig, OptimConfig, Precision
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.train.loop import train
 from jaxllm.train.step_runner import StepRunner
 from jaxllm.objectives.pretrain import lm_objective, pretrain_objective

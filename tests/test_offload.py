@@ -19,7 +19,7 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.offload import HOST, require_host_memory
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.plan.footprint import format_plan, memory_plan
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.recovery import restore_latest
 from jaxllm.train.state import abstract_objective_state, init_objective_state, state_shardings

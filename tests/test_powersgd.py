@@ -22,7 +22,7 @@ from jaxllm.optim.loss_scale import NO_LOSS_SCALING, LossScaling
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.train.faults import with_scaled_loss
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import abstract_objective_state, init_objective_state, state_shardings
 from jaxllm.model.head import next_token_loss

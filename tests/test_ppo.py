@@ -21,7 +21,7 @@ from jaxllm.optim.chain import make_optimizer
 from jaxllm.objectives.losses import ppo_policy_loss, ppo_value_loss
 from jaxllm.objectives.rollout import response_logps, sequence_layout
 from jaxllm.model.reference import reference_model
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.objectives.ppo import actor_critic_objective, adapt_kl_coef, ppo_loss_fn, ppo_values, token_rewards
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import init_objective_state

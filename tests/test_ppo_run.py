@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from train_runs import (NAN_AT_3, RL_ITERATION_STARTS, assert_rolled_back_at_3, assert_dry_run_plans_the_run, assert_serves_the_tools,
-                        checkpoint_leaves, losses, metrics, preempt_at, rl_command, run_command)
+from train_runs import (NAN_AT_3, RL_ITERATION_STARTS, assert_rolled_back_at_3, assert_dry_run_plans_the_run,
+                        assert_serves_the_tools, checkpoint_leaves, losses, metrics, preempt_at, process_logs,
+                        rl_command, rollout_rows, run_command, start_processes)
 
 
 # 16 prompts, one response each, 2 epochs of 2 minibatches of 8: 4 steps an iteration. target_kl adapts kl_coef.
@@ -79,6 +80,26 @@ def test_resumes_bitwise_after_sigterm_mid_iteration(ppo_run, lora_run, rl_promp
     assert all(resumed[s] == full[s] for s in range(1, 7)), (resumed, full)
     for a, b in zip(checkpoint_leaves(tmp_path), checkpoint_leaves(ppo_run)):
         assert np.array_equal(a, b)
+
+
+def test_two_processes_sample_and_train_like_one(ppo_run, lora_run, rl_prompts, tmp_path):
+    """ppo_run's job as 2 processes x 4 devices: the same rollouts, values, whitened advantages (over both
+    processes' rows) and KL coefficient (from both processes' KL), so the same losses at every step within
+    float32 summation order."""
+    procs = start_processes(_command(lora_run, rl_prompts, tmp_path, "--config.train.steps=6", *NAN_AT_3), tmp_path)
+    for proc, log in zip(procs, process_logs(procs, tmp_path)):
+        assert proc.returncode == 0, log[-3000:]
+    one, two = rollout_rows(ppo_run, 4), rollout_rows(tmp_path, 4)
+    for name in ("tokens", "mask", "stopped", "scores"):
+        assert np.array_equal(one[name], two[name]), name
+    for name in ("old_logps", "ref_logps", "old_values", "advantages", "returns", "kl_coef"):
+        np.testing.assert_allclose(two[name], one[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    expected, got = losses(ppo_run), losses(tmp_path)
+    assert sorted(got) == sorted(expected) == list(range(1, 7))
+    for step in expected:
+        np.testing.assert_allclose(got[step], expected[step], rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
+    kl_coef = lambda w: [r["kl_coef"] for r in metrics(w) if "loss" in r]
+    assert kl_coef(tmp_path) == kl_coef(ppo_run) and len(set(kl_coef(ppo_run))) == 2  # adapted once, alike
 
 
 def test_an_injected_nan_rolls_back(ppo_run):

@@ -26,7 +26,7 @@ from jaxllm.model.reward import RewardModel
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.model.reference import reference_model
 from jaxllm.objectives.dpo import dpo_loss_fn, sequence_logps
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.objectives.reward import pair_rewards, reward_loss, reward_model_objective
 from jaxllm.train.state import init_objective_state

@@ -13,7 +13,7 @@ from jaxllm.config.schema import ConfigError, MeshConfig, ModelConfig, OptimConf
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.optim.chain import make_optimizer
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.train.state import init_objective_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step

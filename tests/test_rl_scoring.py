@@ -4,8 +4,6 @@ lambda in their places, the whitened advantages and the returns; GRPO's advantag
 prompt's group of responses. The critic is a stand-in that returns fixed values: what is checked is the
 bookkeeping around it."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -13,6 +11,7 @@ from jaxllm.config.fine_tuning import PPOConfig
 from jaxllm.objectives import ppo as ppo_module
 from jaxllm.objectives.grpo import GRPOBatches
 from jaxllm.objectives.ppo import PPOBatches
+from jaxllm.objectives.rl import Sampler
 from jaxllm.parallel.mesh import single_device_mesh
 
 PROMPT, MASK = 4, np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], np.float32)
@@ -55,7 +54,8 @@ def test_ppo_scores_a_rollout_by_the_book(monkeypatch):
     monkeypatch.setattr(ppo_module, "_values", lambda *args, **kwargs: values)
     source = object.__new__(PPOBatches)  # the scoring alone: no sampler, prompts or model behind it
     source.ppo, source.kl_coef = SETTINGS, SETTINGS.kl_coef
-    source.sampler = SimpleNamespace(mesh=single_device_mesh(), graphdef=None)
+    source.sampler = Sampler(None, None, single_device_mesh(), None, None, None, ())
+    source.block = (0, 1)  # one process holds every row
     scored = source.score(dict(rows), variables=None)
     rewards, _, returns, whitened = _expected(rows, values)
     np.testing.assert_allclose(scored["old_values"], values * MASK, atol=1e-6)
@@ -75,3 +75,19 @@ def test_grpo_normalises_each_prompt_s_group_of_responses(group):
     groups = scores.reshape(-1, group)  # a prompt's responses are consecutive rows
     want = (groups - groups.mean(axis=1, keepdims=True)) / (groups.std(axis=1, ddof=1, keepdims=True) + 1e-4)
     np.testing.assert_allclose(scored["advantages"][:, 0], want.reshape(-1), atol=1e-5)
+
+
+def test_each_process_block_holds_whole_groups():
+    """GRPO's group statistics stay inside a process: 1 prompt of 8 responses cannot split over 2 processes'
+    blocks (a one-line error naming the key), 2 prompts can."""
+    from types import SimpleNamespace
+
+    from jaxllm.config.fine_tuning import GRPOConfig
+    from jaxllm.config.schema import ConfigError
+
+    source = object.__new__(GRPOBatches)
+    source.responses_per_prompt, source.block, source.batch_size, source.rows, source.strata = 8, (0, 2), 8, 8, 4
+    source.request = SimpleNamespace(rows=(0, 2))
+    with pytest.raises(ConfigError, match="grpo.prompts_per_iteration: 1 prompts do not split over the 2 processes"):
+        source._check_blocks(GRPOConfig(prompts_per_iteration=1, num_generations=8))
+    source._check_blocks(GRPOConfig(prompts_per_iteration=2, num_generations=8))

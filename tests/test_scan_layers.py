@@ -14,7 +14,7 @@ from jaxllm.config.schema import LoRAConfig, MeshConfig, ModelConfig, PipelineCo
 from jaxllm.data.synthetic import synthetic_batch
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.sharding import sharding_tree
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.model.head import next_token_loss
 from jaxllm.model.build import build_model
 from jaxllm.train.step import batch_sharding

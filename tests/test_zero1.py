@@ -18,7 +18,7 @@ from jaxllm.optim.chain import make_optimizer
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.sharding import replicas_split
 from jaxllm.runs.checkpoint import Checkpointer
-from jaxllm.train.fit import to_global
+from jaxllm.parallel.host_rows import to_global
 from jaxllm.train.recovery import restore_latest
 from jaxllm.train.state import init_objective_state, state_shardings
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step

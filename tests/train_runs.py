@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import os
@@ -258,3 +260,33 @@ def assert_dry_run_plans_the_run(command: list[str], workdir) -> None:
     biggest = max((v[...] for _, v in nnx.to_flat_state(model)), key=lambda x: x.size)  # --print_memory's plan
     report = memory_report(cfg)  # of the model that trains, with no data prepared or read
     assert str(tuple(biggest.shape)) in report and "largest of" in report.splitlines()[-1], report
+
+
+def start_processes(command: list[str], workdir, processes: int = 2) -> list[subprocess.Popen]:
+    """`command` as one job of `processes` processes on localhost (8 / processes CPU devices each, joined by the
+    --coordinator_address flags), each logging to `<workdir>.p<i>.log`."""
+    port = free_port_pair()
+    procs = []
+    for i in range(processes):
+        flags = ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(processes),
+                 "--process_id", str(i)]
+        with open(f"{workdir}.p{i}.log", "w") as log:
+            procs.append(subprocess.Popen([*command, *flags], stdout=log, stderr=subprocess.STDOUT, text=True,
+                                          env=train_env(8 // processes, PYTHONPATH=str(ROOT / "tests"))))
+    return procs
+
+
+def process_logs(procs: list[subprocess.Popen], workdir, timeout=600) -> list[str]:
+    """Wait for every process of `start_processes`; their logs."""
+    for p in procs:
+        p.wait(timeout=timeout)
+    return [Path(f"{workdir}.p{i}.log").read_text() for i in range(len(procs))]
+
+
+def rollout_rows(workdir, step: int) -> dict:
+    """The iteration's rollout rows saved with checkpoint `step` (every process's block, in order, as one)."""
+    import numpy as np
+
+    state = json.loads((Path(workdir) / "checkpoints" / str(step) / "data" / "metadata").read_text())
+    blocks = [np.load(io.BytesIO(base64.b64decode(text))) for text in state["rollout"]]
+    return {name: np.concatenate([b[name] for b in blocks]) for name in blocks[0].files}

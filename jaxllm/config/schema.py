@@ -516,6 +516,9 @@ class DebugConfig:
     never trains); `data_sleep_s` sleeps that long before each train batch, a throttled loader; `router_scale`
     (a mixture of experts; 1: off) multiplies the routers' initial weights, a hot router that decides by wide
     margins from the first step (with model.moe_aux_loss_coef=0 its experts collapse: a few take most tokens).
+    `kill_in_rollout` (PPO and GRPO): the job's last process SIGKILLs itself in iteration K's rollout, once its
+    rows are sampled and before they are scored, while the others wait for it in the rollout's collectives (a
+    host lost mid-rollout, for the peer watch; a restart without it resumes).
     `emulate_fp8`: accept precision.quant=fp8 on a CPU, where XLA widens the float8 dots to float32: fp8's
     numerics without its speed, for convergence checks (scripts/bench_quant.py).
     """
@@ -529,6 +532,7 @@ class DebugConfig:
     data_sleep_s: float = 0.0
     router_scale: float = 1.0
     emulate_fp8: bool = False
+    kill_in_rollout: int = 0
 
     def check(self) -> None:
         """This section's fields (`zero_layer` against the model, `hold_at_step` against the processes:
@@ -537,6 +541,9 @@ class DebugConfig:
         if not self.data_sleep_s >= 0:
             raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {self.data_sleep_s}")
         check_positive("debug.router_scale", self.router_scale)
+        if self.kill_in_rollout < 0:
+            raise ConfigError("debug.kill_in_rollout", f"must be an iteration >= 0 (0: off), got "
+                                                       f"{self.kill_in_rollout}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -834,6 +841,9 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
     if debug.router_scale != 1 and not model.num_experts:
         raise ConfigError("debug.router_scale", f"scales a mixture of experts' routers; this model has none "
                                                 f"(model.num_experts=0), got {debug.router_scale:g}")
+    if debug.kill_in_rollout and train.objective not in ("ppo", "grpo"):
+        raise ConfigError("debug.kill_in_rollout", f"kills a process in a PPO or GRPO rollout; train.objective is "
+                                                   f"{train.objective!r}")
     if debug.hold_at_step and num_processes is not None and num_processes > 1:
         raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jaxllm.model.transformer import KVCache
 
@@ -159,7 +160,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
     out_BN, _ = decode(graphdef, params, tokens_BP, start_B, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                        temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit,
                        key=jax.random.key(seed))
-    out_BN = np.asarray(out_BN)
+    out_BN = np.asarray(multihost_utils.process_allgather(out_BN, tiled=True))  # every process reads all rows
     results = []
     for row in out_BN[: len(prompts), :max_new_tokens]:
         new: list[int] = []

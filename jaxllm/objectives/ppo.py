@@ -27,7 +27,7 @@ from flax import nnx
 from jaxllm.config.fine_tuning import PPOConfig
 from jaxllm.config.schema import Config, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
 from jaxllm.model.actor_critic import VALUE, ActorCritic
-from jaxllm.objectives.losses import gae, kl_penalty, ppo_policy_loss, ppo_value_loss, whiten
+from jaxllm.objectives.losses import gae, kl_penalty, ppo_policy_loss, ppo_value_loss
 from jaxllm.objectives.pairs import masked_mean
 from jaxllm.objectives.rollout import response_stats
 from jaxllm.train.objective import BatchRequest, Objective
@@ -124,24 +124,36 @@ class PPOBatches(RolloutBatches):
 
     def score(self, rows: dict[str, np.ndarray], variables) -> dict[str, np.ndarray]:
         p, mask = self.ppo, rows["mask"]
-        layout = rows["tokens"], rows["segment_ids"], rows["positions"]
+        layout = self.sampler.place({k: rows[k] for k in ("tokens", "segment_ids", "positions")}, self.block)
         with jax.set_mesh(self.sampler.mesh):
-            values = np.asarray(_values(self.sampler.graphdef, variables, *layout,
-                                        prompt_len=rows_prompt_len(rows))) * mask
+            values = _values(self.sampler.graphdef, variables, layout["tokens"], layout["segment_ids"],
+                             layout["positions"], prompt_len=rows_prompt_len(rows))
+        values = self.sampler.read({"values": values}, self.block)["values"] * mask
         kl = np.asarray(kl_penalty(rows["old_logps"], rows["ref_logps"], p.kl_estimator)) * mask
         rewards = token_rewards(rows["scores"][:, 0], rows["stopped"][:, 0], kl, mask, self.kl_coef,
                                 p.missing_eos_penalty)
         advantages, returns = gae(rewards, values, mask, p.gamma, p.lam)
         response_kls = response_kl(rows)
         rows.update(old_values=values.astype(np.float32),
-                    advantages=np.asarray(whiten(advantages, mask), np.float32) * mask,
+                    advantages=whiten_over_blocks(np.asarray(advantages, np.float64), mask, self.total),
                     returns=np.asarray(returns, np.float32), rewards=rewards.sum(axis=1, keepdims=True),
                     kl=response_kls[:, None].astype(np.float32),
                     kl_coef=np.full((len(mask), 1), self.kl_coef, np.float32))
-        if p.target_kl:  # the next iteration's coefficient, from this one's KL
-            self.kl_coef = adapt_kl_coef(self.kl_coef, float(response_kls.mean()), p.target_kl, p.kl_horizon,
-                                         len(mask))
+        if p.target_kl:  # the next iteration's coefficient, from this one's KL (over every process's rows)
+            kl_sum, responses = self.total([response_kls.sum(), len(mask)])
+            self.kl_coef = adapt_kl_coef(self.kl_coef, float(kl_sum / responses), p.target_kl, p.kl_horizon,
+                                         int(responses))
         return rows
+
+
+def whiten_over_blocks(x: np.ndarray, mask: np.ndarray, total) -> np.ndarray:
+    """jaxllm.objectives.losses.whiten (TRL's masked_whiten) of rows held in blocks by several processes: the
+    mean and the unbiased variance over the valid tokens of all blocks, `total(values)` summing over them;
+    float32, 0 where masked."""
+    count, summed = total([mask.sum(), (x * mask).sum()])
+    mean = summed / max(count, 1.0)
+    var = total(((x - mean) ** 2 * mask).sum()) / max(count, 1.0) * count / max(count - 1.0, 1.0)
+    return ((x - mean) / np.sqrt(var + 1e-8) * mask).astype(np.float32)
 
 
 def critic_bytes(objective: Objective) -> tuple[int, int]:

@@ -14,7 +14,8 @@ uses no dropout, so that at an iteration's first update the ratio is 1 (TRL's PP
 too). Prompts are bucketed by length: an iteration's prompts are left-padded to its longest one rounded up to a
 multiple of PROMPT_BUCKET tokens (at most max_prompt_tokens rounded up), its responses to max_new_tokens, so
 short prompts cost short rows and the step compiles once per bucket (jaxllm.train.step_runner.StepRunner). One
-process per run for now: the rollout is read back whole on the host.
+process or many: each samples, scores and keeps its own block of an iteration's rows (the rows its devices
+train on), and only sums over all rows (PPO's whitening and KL controller, the held-out report) cross processes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import base64
 import dataclasses
 import functools
 import io
+import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -36,6 +40,8 @@ from jaxllm.config.schema import Config, ConfigError
 from jaxllm.data.prompts import read_prompts
 from jaxllm.data.sft_template import stop_ids
 from jaxllm.data.tokenizer import load_tokenizer
+from jaxllm.parallel.host_rows import (process_rows, row_shards, sum_over_blocks, texts_per_block, to_global,
+                                      to_local)
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.observe.metrics import JsonlWriter
 from jaxllm.objectives import reward_fns as rewards
@@ -48,6 +54,7 @@ from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.runs.checkpoint import CheckpointError
 from jaxllm.runs.loader import load_checkpoint
+from jaxllm.train.step import batch_sharding
 
 
 # Prompt buckets are multiples of this many tokens: finer than the sampler's powers of two (prompts of 65 tokens
@@ -95,10 +102,10 @@ class RewardModelScorer:
     graphdef: object
     variables: object
 
-    def __call__(self, tokens, segment_ids, positions, mask, prompt_len: int) -> np.ndarray:
-        last = prompt_len + np.maximum(np.asarray(mask).sum(axis=1).astype(np.int32), 1) - 1
-        return np.asarray(_last_token_scores(self.graphdef, self.variables, tokens, segment_ids, positions,
-                                             jnp.asarray(last)))
+    def __call__(self, tokens, segment_ids, positions, mask, prompt_len: int) -> jax.Array:
+        """Scores [B] of rows laid out as the sampler made them (global arrays)."""
+        last = prompt_len + jnp.maximum(mask.sum(axis=1).astype(jnp.int32), 1) - 1
+        return _last_token_scores(self.graphdef, self.variables, tokens, segment_ids, positions, last)
 
 
 def load_reward_model(spec: str, mesh, compute: str, vocab_size: int, key: str) -> RewardModelScorer:
@@ -130,39 +137,62 @@ class Sampler:
     settings: RolloutConfig
     stop_ids: tuple[int, ...]  # where a response ends (jaxllm.data.sft_template.stop_ids of the prompts' template)
 
+    @property
+    def rows_sharding(self):
+        return batch_sharding(self.mesh)
+
+    def block(self, rows: int) -> tuple[int, int]:
+        """(index, count): the block of `rows` rows this process samples, scores and keeps."""
+        return process_rows(self.rows_sharding, rows)
+
     def respond(self, variables, prompts: list[dict], key, timings: dict | None = None) -> dict[str, np.ndarray]:
-        """One sampled response to each prompt, scored: host arrays of the rows (tokens, layout, mask, the
-        sampler's and the reference's log-probs, and per row [B, 1]: scores, stopped; a batch field's leading
-        axis is split over the batch mesh axes, its second is the sequence). `timings` gets the seconds spent
-        sampling ("rollout_s") and scoring: the reference's log-probs and the scores ("scoring_s")."""
+        """One sampled response to each prompt, scored: this process's block (`block(len(prompts))`) of the rows
+        as host arrays (tokens, layout, mask, the sampler's and the reference's log-probs, and per row [B, 1]:
+        scores, stopped). Every process passes every prompt (the same list): the rows are laid out over the
+        batch mesh axes, each process samples and reads back its own block only. `timings` gets the seconds
+        spent sampling ("rollout_s") and scoring: the reference's log-probs and the scores ("scoring_s")."""
         jax.block_until_ready(variables)  # the update that made them is not the rollout's time
         s, started = self.settings, time.perf_counter()
         P = prompt_bucket(max(len(p["prompt_ids"]) for p in prompts), s.max_prompt_tokens)
-        tokens_BP, start_B = left_pad([p["prompt_ids"] for p in prompts], len(prompts), P)
+        block = self.block(len(prompts))
+        size = len(prompts) // block[1]
+        mine = prompts[block[0] * size:(block[0] + 1) * size]
+        tokens_BP, start_B = left_pad([p["prompt_ids"] for p in mine], size, P)
+        placed = to_global({"tokens": tokens_BP, "start": start_B}, self.rows_sharding, len(prompts))
         with jax.set_mesh(self.mesh):
-            out = rollout(self.graphdef, variables, tokens_BP, start_B, max_new_tokens=s.max_new_tokens,
-                          temperature=s.temperature, stop_ids=self.stop_ids, key=key,
-                          vocab_limit=self.tokenizer.vocab_size)
+            out = rollout(self.graphdef, variables, placed["tokens"], placed["start"],
+                          max_new_tokens=s.max_new_tokens, temperature=s.temperature, stop_ids=self.stop_ids,
+                          key=key, vocab_limit=self.tokenizer.vocab_size)
             N = s.max_new_tokens  # the sampler's cache bucket may hold more slots: never filled
-            mask = np.asarray(out.mask[:, :N])  # waits for the sampler
-            sampled = time.perf_counter()
             tokens = out.tokens[:, : P + N]
             segment_ids, positions = sequence_layout(tokens, out.start)
+            sampled = self.read({"tokens": tokens, "segment_ids": segment_ids, "positions": positions,
+                                 "mask": out.mask[:, :N], "old_logps": out.logps[:, :N],
+                                 "stopped": out.stopped.astype(jnp.float32)[:, None]}, block)  # waits for it
+            done_sampling = time.perf_counter()
             reference = reference_model(nnx.merge(self.graphdef, variables), self.plain_graphdef)
             ref_logps = _logps(self.plain_graphdef, nnx.state(reference), tokens, segment_ids, positions,
                                prompt_len=P, temperature=s.temperature)
-            model_scores = (self.reward_fn(tokens, segment_ids, positions, mask, P)
-                            if isinstance(self.reward_fn, RewardModelScorer) else None)
-        rows = {"tokens": np.asarray(tokens), "segment_ids": np.asarray(segment_ids),
-                "positions": np.asarray(positions), "mask": mask, "old_logps": np.asarray(out.logps[:, :N]),
-                "ref_logps": np.asarray(ref_logps) * mask,
-                "stopped": np.asarray(out.stopped, np.float32)[:, None]}
-        rows["scores"] = (model_scores.astype(np.float32)[:, None] if model_scores is not None else
-                          np.asarray([[self.score(p, r, m)] for p, r, m in zip(prompts, rows["tokens"], mask)],
-                                     np.float32))
+            scored = {"ref_logps": ref_logps}
+            if isinstance(self.reward_fn, RewardModelScorer):
+                scored["scores"] = self.reward_fn(tokens, segment_ids, positions, out.mask[:, :N], P)[:, None]
+            rows = {**sampled, **self.read(scored, block)}
+        rows["ref_logps"] = rows["ref_logps"] * rows["mask"]
+        if "scores" not in rows:
+            rows["scores"] = np.asarray([[self.score(p, r, m)] for p, r, m in zip(mine, rows["tokens"], rows["mask"])],
+                                        np.float32)
+        rows["scores"] = rows["scores"].astype(np.float32)
         if timings is not None:
-            timings.update(rollout_s=sampled - started, scoring_s=time.perf_counter() - sampled)
+            timings.update(rollout_s=done_sampling - started, scoring_s=time.perf_counter() - done_sampling)
         return rows
+
+    def read(self, arrays: dict, block: tuple[int, int]) -> dict[str, np.ndarray]:
+        """Global arrays of rollout rows -> this process's block of them (numpy)."""
+        return to_local(arrays, self.rows_sharding, block)
+
+    def place(self, rows: dict[str, np.ndarray], block: tuple[int, int]) -> dict:
+        """This process's block of rollout rows (numpy) -> global arrays over the batch mesh axes."""
+        return to_global(rows, self.rows_sharding, len(next(iter(rows.values()))) * block[1])
 
     def response_text(self, row_tokens: np.ndarray, mask: np.ndarray) -> str:
         """A rollout row's response as text, without the token it stopped at."""
@@ -192,9 +222,13 @@ def _decode(text: str) -> dict[str, np.ndarray]:
 
 class RolloutBatches:
     """The batch source of an RL objective (see the module doc): data index i is step i of iteration i // S, S
-    the steps an iteration takes; each epoch visits the iteration's rows in a seeded order. Subclasses give
-    `score(rows, variables)` (what the loss needs beyond the sampled rows) and may keep state of their own
-    across iterations (`extra_state`, restored by `restore_extra`)."""
+    the steps an iteration takes. Each process samples and keeps its own block of an iteration's rows
+    (`request.rows`) and makes its minibatches from them alone: the rows are cut into as many strata as the
+    batch mesh axes have shards (the same cut on one process or many), and each epoch's minibatch k takes its
+    k-th slice of a seeded permutation of every stratum, so that devices train on the rows they sampled and
+    no row travels between processes. Subclasses give `score(rows, variables)` (what the loss needs beyond
+    the sampled rows; sums over all rows through `total`) and may keep state of their own across iterations
+    (`extra_state`, restored by `restore_extra`)."""
 
     responses_per_prompt = 1
 
@@ -206,16 +240,34 @@ class RolloutBatches:
                                    and jax.process_index() == 0)
         self.rows = settings.prompts_per_iteration * self.responses_per_prompt
         self.batch_size, self.seed, self.settings = tc.batch_size, tc.seed, settings
+        self.kill_in_rollout = cfg.debug.kill_in_rollout or None
         self.steps_per_epoch = self.rows // tc.batch_size
         self.steps_per_iteration = settings.epochs * self.steps_per_epoch
         self.request, self.sampler, self.prompts = request, sampler, prompts
+        self.block = sampler.block(self.rows)
+        self.strata = row_shards(sampler.rows_sharding)
+        self._check_blocks(settings)
         self.index, self.end = request.first, request.end
         self.iteration, self.buffer = None, None
         self.timings: dict = {}  # of the rollout made for the batch given last (none: empty)
         saved = request.state or {}
         self.restore_extra(saved)
         if "rollout" in saved and saved["iteration"] == self.index // self.steps_per_iteration:
-            self.iteration, self.buffer = saved["iteration"], _decode(saved["rollout"])
+            self.iteration, self.buffer = saved["iteration"], self._own_block(saved["rollout"])
+
+    def _check_blocks(self, settings: RolloutConfig) -> None:
+        """Each process's rows hold whole groups of responses, and minibatches cut evenly into strata."""
+        section = "grpo" if self.responses_per_prompt > 1 else "ppo"
+        index, count = self.block
+        if self.block != self.request.rows:
+            raise ConfigError("mesh", f"the rollout rows' block {self.block} of this process differs from its "
+                                      f"train batches' {self.request.rows}")
+        if settings.prompts_per_iteration % count:
+            raise ConfigError(f"{section}.prompts_per_iteration", f"{settings.prompts_per_iteration} prompts do "
+                              f"not split over the {count} processes that hold their own rows: use a multiple")
+        if self.batch_size % self.strata or self.rows % self.strata:
+            raise ConfigError("train.batch_size", f"{self.batch_size} rows a step and {self.rows} an iteration "
+                              f"must split over the batch axes' {self.strata} shards")
 
     def __iter__(self):
         return self
@@ -228,23 +280,31 @@ class RolloutBatches:
         if iteration != self.iteration:
             self.iteration, self.buffer = iteration, self._make(iteration)
         epoch, k = divmod(cursor, self.steps_per_epoch)
-        order = np.random.default_rng([self.seed, iteration, epoch]).permutation(self.rows)
-        rows = order[k * self.batch_size:(k + 1) * self.batch_size]
-        index, count = self.request.rows
-        block = len(rows) // count
-        rows = rows[index * block:(index + 1) * block]
+        rows = self._minibatch(iteration, epoch, k)
         self.index += 1
         return {name: values[rows] for name, values in self.buffer.items()}
 
+    def _minibatch(self, iteration: int, epoch: int, k: int) -> np.ndarray:
+        """Indices into this process's block of the rows of minibatch k of an epoch (see the class doc)."""
+        index, count = self.block
+        per_stratum, take = self.rows // self.strata, self.batch_size // self.strata
+        mine = self.strata // count
+        picked = [np.random.default_rng([self.seed, iteration, epoch, index * mine + j]).permutation(per_stratum)
+                  [k * take:(k + 1) * take] + j * per_stratum for j in range(mine)]
+        return np.concatenate(picked)
+
     def _make(self, iteration: int) -> dict[str, np.ndarray]:
-        """The iteration's scored rollouts from the current policy."""
+        """The iteration's scored rollouts from the current policy (this process's block of them)."""
         G = self.responses_per_prompt
         order = np.random.default_rng([self.seed, iteration, 1 << 20]).permutation(len(self.prompts))
         chosen = [self.prompts[i] for i in np.resize(order, self.settings.prompts_per_iteration)]
         key = jax.random.fold_in(jax.random.key(self.seed), iteration)
         variables = self.request.current()
         rows = self.sampler.respond(variables, [p for p in chosen for _ in range(G)], key, self.timings)
-        self.timings["rollout_tokens_per_sec"] = float(rows["mask"].sum()) / max(self.timings["rollout_s"], 1e-9)
+        if iteration == self.kill_in_rollout and jax.process_index() == jax.process_count() - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # debug.kill_in_rollout: a host lost mid-rollout
+        tokens = float(self.total(rows["mask"].sum()))
+        self.timings["rollout_tokens_per_sec"] = tokens / max(self.timings["rollout_s"], 1e-9)
         started = time.perf_counter()
         rows = self.score(rows, variables)
         self.timings["scoring_s"] += time.perf_counter() - started
@@ -252,21 +312,32 @@ class RolloutBatches:
             self._write_samples(iteration, chosen, rows)
         return rows
 
+    def total(self, values) -> np.ndarray:
+        """`values` summed over every process's block (a collective: all processes call it together)."""
+        return sum_over_blocks(values, self.block)
+
     def score(self, rows: dict[str, np.ndarray], variables) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
     def _write_samples(self, iteration: int, chosen: list[dict], rows: dict[str, np.ndarray]) -> None:
-        """The first response to each of the first `samples` prompts of the iteration."""
+        """The first response to each of the first `samples` prompts of the iteration: each process makes those
+        in its block, process 0 writes them all (a collective)."""
+        first = self.block[0] * len(rows["mask"])
+        mine = []
         for i, prompt in enumerate(chosen[: self.settings.samples]):
-            r = i * self.responses_per_prompt
-            self.samples.write({"iteration": iteration, "prompt": prompt["prompt"],
-                                "response": self.sampler.response_text(rows["tokens"][r], rows["mask"][r]),
-                                "reward": float(rows["scores"][r, 0])})
+            r = i * self.responses_per_prompt - first
+            if 0 <= r < len(rows["mask"]):
+                mine.append({"iteration": iteration, "prompt": prompt["prompt"],
+                             "response": self.sampler.response_text(rows["tokens"][r], rows["mask"][r]),
+                             "reward": float(rows["scores"][r, 0])})
+        for text in texts_per_block(json.dumps(mine), self.block):
+            for record in json.loads(text):
+                self.samples.write(record)
 
     def step_metrics(self) -> dict:
         """Host metrics of the batch given last (jaxllm.train.fit.host_metrics): the seconds its iteration's
-        rollouts took to sample and to score, and the sampler's tokens/s, at an iteration's first step; 0 at
-        the others, so that sums over steps split the run's time."""
+        rollouts took to sample and to score, and the sampler's tokens/s (all processes' tokens), at an
+        iteration's first step; 0 at the others, so that sums over steps split the run's time."""
         return {"rollout_s": 0.0, "scoring_s": 0.0, **self.timings}
 
     def extra_state(self) -> dict:
@@ -276,11 +347,42 @@ class RolloutBatches:
         pass
 
     def get_state(self) -> dict:
+        """The position, and the iteration's rows: every block, in order (a collective; the state is written
+        once, by process 0, and a resume on any number of processes takes its own block of them)."""
         state = {"step": self.index, "iteration": self.iteration, **self.extra_state()}
-        return {**state, "rollout": _encode(self.buffer)} if self.buffer is not None else state
+        if self.buffer is None:
+            return state
+        return {**state, "rollout": texts_per_block(_encode(self.buffer), self.block)}
+
+    def _own_block(self, saved: str | list[str]) -> dict[str, np.ndarray]:
+        """This process's block of a saved iteration's rows (saved by any number of processes)."""
+        blocks = [_decode(text) for text in ([saved] if isinstance(saved, str) else saved)]
+        rows = {name: np.concatenate([b[name] for b in blocks]) for name in blocks[0]}
+        index, count = self.block
+        size = self.rows // count
+        return {name: values[index * size:(index + 1) * size] for name, values in rows.items()}
 
     def close(self) -> None:
         self.samples.close()
+
+
+def held_out_report(sampler: Sampler, variables, prompts: list[dict], key, section: str) -> dict:
+    """The held-out report of `prompts`: one response each, sampled like the rollouts; the prompts are padded
+    with repeats to a whole number of rows per batch shard, and only the real ones count. Samples: the first
+    three of this process's block (process 0 holds the first prompts)."""
+    shards = row_shards(sampler.rows_sharding)
+    padded = prompts + prompts[:1] * (-len(prompts) % shards)
+    rows = sampler.respond(variables, padded, key)
+    index, count = sampler.block(len(padded))
+    first = index * len(rows["mask"])
+    real = (first + np.arange(len(rows["mask"]))) < len(prompts)
+    per_row = np.stack([rows["scores"][:, 0], response_kl(rows), rows["stopped"][:, 0], rows["mask"].sum(axis=1)])
+    reward, kl, eos_rate, length = sum_over_blocks((per_row * real).sum(axis=1), (index, count)) / len(prompts)
+    mine = prompts[first:first + int(real.sum())][:3]
+    samples = [{"task": section, "reference": p["prompt"][-60:], "response": sampler.response_text(r, mask)}
+               for p, r, mask in zip(mine, rows["tokens"], rows["mask"])]
+    return {"scores": {"all": {"examples": len(prompts), "reward": float(reward), "kl": float(kl),
+                               "eos_rate": float(eos_rate), "length": float(length)}}, "samples": samples}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +400,8 @@ class RLSetup:
 
 def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSetup:
     """Locate the base, resolve the reward, read the prompts and build the sampler of `cfg.<section>`;
-    `build_policy(model, precision, pipeline, lora, rope_scaling=..., sequence_parallel=...)` gives the policy's objective."""
+    `build_policy(model, precision, pipeline, lora, rope_scaling=..., sequence_parallel=...)` gives the
+    policy's objective."""
     base = locate_base(cfg, section)
     if cfg != rollout_rows(cfg, section):
         raise ConfigError("train.seq_len", f"{section.upper()} rows are sized before the objective is built "
@@ -334,13 +437,7 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSet
         """Held-out mean reward, per-response KL to the reference (nats), EOS rate and length."""
         if not held_out:
             return {"scores": {}, "samples": []}
-        rows = sampler.respond(variables, held_out, jax.random.key(cfg.train.seed + 1))
-        samples = [{"task": section, "reference": p["prompt"][-60:], "response": sampler.response_text(r, mask)}
-                   for p, r, mask in zip(held_out[:3], rows["tokens"], rows["mask"])]
-        return {"scores": {"all": {"examples": len(held_out), "reward": float(rows["scores"].mean()),
-                                   "kl": float(response_kl(rows).mean()),
-                                   "eos_rate": float(rows["stopped"].mean()),
-                                   "length": float(rows["mask"].sum(axis=1).mean())}}, "samples": samples}
+        return held_out_report(sampler, variables, held_out, jax.random.key(cfg.train.seed + 1), section)
 
     return RLSetup(base, plain, policy, sampler, prompts, with_sft_task(report, base, cfg.train.batch_size, log))
 

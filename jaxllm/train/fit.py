@@ -48,16 +48,11 @@ from jaxllm.train.step_runner import StepRunner
 from jaxllm.train.objective import SFT_TASK, BatchRequest, Objective
 from jaxllm.train.recovery import Recovery, restore_start
 from jaxllm.train.state import abstract_objective_state, state_shardings
-from jaxllm.train.step import batch_sharding, jit_eval_step, make_eval_step, process_rows
+from jaxllm.train.step import batch_sharding, jit_eval_step, make_eval_step
+from jaxllm.parallel.host_rows import process_rows, to_global
 from jaxllm.runtime.watchdog import HangWatchdog
 
 HOLD_TIMEOUT_S = 600.0
-
-
-def to_global(batch: dict[str, np.ndarray], sharding, global_rows: int) -> dict[str, jax.Array]:
-    """This process's block of rows (numpy) -> one global jax.Array per field, split over the batch mesh axes."""
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), (global_rows,) + np.shape(v)[1:])
-            for k, v in batch.items()}
 
 
 def live_bytes() -> int:

@@ -43,23 +43,6 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch", None), None, sizes, kind="activations"))
 
 
-def process_rows(sharding, global_rows: int) -> tuple[int, int]:
-    """(block index, block count): this process needs rows [index * B / count, (index + 1) * B / count) of every
-    global batch of `global_rows` rows placed with `sharding`, and loads only those.
-
-    Processes whose devices hold the same rows (the batch is replicated over an axis that crosses hosts, e.g.
-    `stage`) get the same block; with `data` across hosts each process gets its own.
-    """
-    blocks = {idx[0].indices(global_rows)[:2] for idx in sharding.addressable_devices_indices_map((global_rows,)).values()}
-    lo, hi = min(a for a, _ in blocks), max(b for _, b in blocks)
-    size = hi - lo
-    covered = sum(b - a for a, b in blocks)
-    if global_rows % size or lo % size or covered < size:
-        raise ValueError(f"the batch layout gives process {jax.process_index()} rows {sorted(blocks)} of "
-                         f"{global_rows}, not one contiguous block; put fewer hosts on mesh.dcn_fsdp")
-    return lo // size, global_rows // size
-
-
 def _micro_batches(batch, num_micro: int):
     """[B, ...] -> [A, B/A, ...] taking every A-th row, so each device's rows stay on that device."""
 
