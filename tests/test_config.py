@@ -71,6 +71,14 @@ BAD = [
     (["--config.optim.name=sgdx"], "optim.name: 'sgdx' is not one of"),
     (["--config.model.preset=llama_3t"], "model.preset: unknown preset 'llama_3t'"),
     (["--config.data.path=/nonexistent/store"], "data.path: no token store at /nonexistent/store"),
+    (["--config.rl.placement=split"], "rl.placement: 'split' is not one of"),
+    (["--config.rl.placement=disaggregated"], "rl.rollout_devices: rl.placement=disaggregated needs devices of its own"),
+    (["--config.rl.rollout_devices=2"], "rl.rollout_devices: sets devices aside for rl.placement=disaggregated; "
+                                        "with 'colocated' it must be 0, got 2"),
+    (["--config.train.objective=grpo", "--config.rl.placement=disaggregated", "--config.rl.rollout_devices=8"],
+     "rl.rollout_devices: 8 of the 8 devices leave none to train"),
+    (["--config.train.objective=grpo", "--config.rl.placement=disaggregated", "--config.rl.rollout_devices=4"],
+     "mesh: data*fsdp*expert*context*tensor*stage = 2x2x1x1x2x1 = 8 but there are 4 devices"),
 ]
 
 
@@ -277,3 +285,12 @@ def test_a_base_architecture_is_adopted_and_checked_against_the_mesh_without_a_s
     assert info.value.key == "model.num_heads"
     assert str(info.value) == ("model.num_heads: 3 heads are not divisible by mesh.tensor=2 (with the architecture "
                                "of the base /base/7)")
+
+
+def test_disaggregated_rollouts_run_on_one_process_for_now():
+    cd = load_config_file(CONFIG)
+    for key, value in (("train.objective", "grpo"), ("rl.placement", "disaggregated"), ("rl.rollout_devices", "4"),
+                       ("mesh.data", "1")):
+        apply_override(cd, key, value)
+    with pytest.raises(ConfigError, match="rl.placement: disaggregated rollouts run on one process for now, not 2"):
+        validate(cd, 8, num_processes=2)

@@ -52,6 +52,10 @@ def test_each_iteration_starts_at_ratio_1(grpo_run):
     for s, r in steps.items():  # rollouts are made (and timed) at an iteration's first step only
         sampled = r["rollout_s"] > 0 and r["scoring_s"] > 0 and r["rollout_tokens_per_sec"] > 0
         assert sampled == (s in RL_ITERATION_STARTS), r
+        assert r["weight_sync_s"] == 0.0  # colocated: the sampler reads the trainer's own arrays
+        # On-policy, the trainer's forward pass gives back what the KV-cache sampler recorded (float32).
+        assert (s in RL_ITERATION_STARTS) == ("logp_mismatch_mean" in r)
+        assert r.get("logp_mismatch_mean", 0) < 1e-6 and r.get("logp_mismatch_max", 0) < 1e-5, r
     for r in steps.values():
         assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["eos_rate"] <= 1.0 and 0 < r["response_length"] <= 8
         assert r["entropy"] > 0
@@ -129,6 +133,27 @@ def test_a_process_killed_in_a_rollout_ends_the_job_and_it_resumes_bitwise(two_p
     assert all(resumed[s] == full[s] for s in range(1, 7)), (resumed, full)
     for a, b in zip(checkpoint_leaves(tmp_path), checkpoint_leaves(two_process_grpo)):
         assert np.array_equal(a, b)
+
+
+def test_disaggregated_rollouts_sample_what_colocated_ones_do(grpo_run, lora_run, prompts, tmp_path):
+    """rl.placement=disaggregated: 4 devices sample, score and hold the reference, the other 4 train (mesh
+    data=2, fsdp=2: the same 4 row shards, so the same minibatches). Same rollouts and losses as the colocated
+    run within float32, the weights synced at each iteration's first step only, and the log-probs the sampler
+    recorded on its mesh are what the trainer computes on its own."""
+    proc = _run(lora_run, prompts, tmp_path, "--config.train.steps=6", *NAN_AT_3, "--config.rl.placement=disaggregated",
+                "--config.rl.rollout_devices=4", "--config.mesh.tensor=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, split = rollout_rows(grpo_run, 4), rollout_rows(tmp_path, 4)
+    for name in ("tokens", "mask", "scores", "advantages"):
+        assert np.array_equal(one[name], split[name]), name
+    expected, got = losses(grpo_run), losses(tmp_path)
+    for step in expected:
+        np.testing.assert_allclose(got[step], expected[step], rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
+    steps = {r["step"]: r for r in metrics(tmp_path) if "loss" in r}
+    for s, r in steps.items():
+        assert (r["weight_sync_s"] > 0) == (s in RL_ITERATION_STARTS), r
+        assert r.get("logp_mismatch_mean", 0) < 1e-6 and r.get("logp_mismatch_max", 0) < 1e-5, r
+    assert all("logp_mismatch_max" in steps[s] for s in RL_ITERATION_STARTS)
 
 
 @pytest.mark.parametrize("setting, message", [

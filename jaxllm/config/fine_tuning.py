@@ -21,6 +21,7 @@ GRPO_LOSS_AGGS = ("dapo", "grpo", "bnpo", "dr_grpo")  # GRPO's loss aggregations
 KL_ESTIMATORS = ("k1", "k2", "k3")  # per-token KL estimators (jaxllm.objectives.losses.kl_penalty)
 SFT_TEMPLATES = ("alpaca", "chatml", "model")
 OVERLONG_RULES = ("truncate", "drop")
+RL_PLACEMENTS = ("colocated", "disaggregated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +258,37 @@ class PPOConfig(RolloutConfig):
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"ppo.{key}", f"must be in [0, 1], got {getattr(self, key)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Where PPO's and GRPO's rollouts run (docs/rl-at-scale.md).
+
+    `placement` "colocated": the run's devices sample and train, time-shared, from the same arrays.
+    "disaggregated": the last `rollout_devices` devices sample, score and hold the reference (and a reward
+    model), on a mesh of their own that splits rows only (`data`); the mesh axes' product is the device count
+    less them. After each iteration's updates the policy's trained variables reach them by resharding
+    (`jax.device_put`; the frozen base is copied once), timed as `weight_sync_s`. One process for now."""
+
+    placement: str = "colocated"
+    rollout_devices: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.placement == "disaggregated"
+
+    def check(self) -> None:
+        check_choice("rl.placement", self.placement, RL_PLACEMENTS)
+        if self.disaggregated and self.rollout_devices < 1:
+            raise ConfigError("rl.rollout_devices", f"rl.placement=disaggregated needs devices of its own for the "
+                                                    f"rollouts (>= 1), got {self.rollout_devices}")
+        if not self.disaggregated and self.rollout_devices:
+            raise ConfigError("rl.rollout_devices", f"sets devices aside for rl.placement=disaggregated; with "
+                                                    f"{self.placement!r} it must be 0, got {self.rollout_devices}")
+
+    def set_aside(self, objective: str) -> int:
+        """The devices this run's rollouts take from the mesh (0 unless an RL objective disaggregates)."""
+        return self.rollout_devices if objective in ("grpo", "ppo") and self.disaggregated else 0
 
 
 # The sections each objective reads besides the core ones (jaxllm.config.schema), checked only for the objective

@@ -23,7 +23,7 @@ from jaxllm.config.families import FAMILIES
 from jaxllm.config.families.blocks import Blocks
 from jaxllm.config.presets import GPU_PRESETS, PRESETS
 from jaxllm.config.fine_tuning import (OBJECTIVE_CHECKS, OBJECTIVES, DPOConfig, GRPOConfig, PPOConfig,
-                                       PreferenceConfig, RewardConfig, RolloutConfig, SFTConfig)
+                                       PreferenceConfig, RewardConfig, RLConfig, RolloutConfig, SFTConfig)
 from jaxllm.config.typed_config import ConfigError, build, check_choice, check_positive
 from jaxllm.config.auto_precision import resolve_compute
 
@@ -679,6 +679,7 @@ class Config:
     dpo: DPOConfig = DPOConfig()
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
+    rl: RLConfig = RLConfig()
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()
     workdir: str = "runs/pretrain"
@@ -787,6 +788,21 @@ def resolve_dcn(mesh: MeshConfig, num_processes: int) -> MeshConfig:
 
 SECTIONS_CHECKED_ALONE = ("model", "optim", "train", "data", "pipeline", "checkpoint", "anomaly", "debug",
                           "diagnostics", "profile", "lora")  # each section's own check(); precision's is validate's
+def _rollout_devices(cfg: Config, num_devices: int, num_processes: int | None) -> int:
+    """The devices an RL run sets aside for its rollouts (RLConfig), checked against the devices there are; a
+    plan (no processes) takes the mesh as written."""
+    cfg.rl.check()
+    aside = cfg.rl.set_aside(cfg.train.objective)
+    if not aside or num_processes is None:
+        return 0
+    if num_processes > 1:
+        raise ConfigError("rl.placement", f"disaggregated rollouts run on one process for now, not "
+                                          f"{num_processes}: use rl.placement=colocated")
+    if aside >= num_devices:
+        raise ConfigError("rl.rollout_devices", f"{aside} of the {num_devices} devices leave none to train")
+    return aside
+
+
 def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool = True,
              num_processes: int | None = 1) -> Config:
     """Turn a ConfigDict into a typed `Config`, raising `ConfigError` on the first problem: each section's own
@@ -797,7 +813,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     `check_batch=False` skips the batch-versus-mesh checks (a dry run plans parameters and optimizer state).
     """
     cfg = build(Config, cd, auto=AUTO_VALUES)
-    mesh = resolve_mesh(cfg.mesh, num_devices)
+    mesh = resolve_mesh(cfg.mesh, num_devices - _rollout_devices(cfg, num_devices, num_processes))
     if num_processes is not None:
         mesh = resolve_dcn(mesh, num_processes)
     precision = cfg.precision
@@ -1049,7 +1065,7 @@ def default_config_dict() -> ml_collections.ConfigDict:
                     train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
                     anomaly=AnomalyConfig, debug=DebugConfig, diagnostics=DiagnosticsConfig, lora=LoRAConfig,
                     sft=SFTConfig, preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig,
-                    ppo=PPOConfig, metrics=MetricsConfig, profile=ProfileConfig)
+                    ppo=PPOConfig, rl=RLConfig, metrics=MetricsConfig, profile=ProfileConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

@@ -34,15 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxllm.config.fine_tuning import RolloutConfig
 from jaxllm.config.schema import Config, ConfigError
 from jaxllm.data.prompts import read_prompts
 from jaxllm.data.sft_template import stop_ids
 from jaxllm.data.tokenizer import load_tokenizer
-from jaxllm.parallel.host_rows import (process_rows, row_shards, sum_over_blocks, texts_per_block, to_global,
+from jaxllm.parallel.host_rows import (per_block, process_rows, row_shards, sum_over_blocks, texts_per_block, to_global,
                                       to_local)
-from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.mesh import rollout_mesh, run_mesh
+from jaxllm.parallel.sharding import spec_leaves
 from jaxllm.observe.metrics import JsonlWriter
 from jaxllm.objectives import reward_fns as rewards
 from jaxllm.objectives.retention import with_sft_task
@@ -124,6 +126,28 @@ def load_reward_model(spec: str, mesh, compute: str, vocab_size: int, key: str) 
     return RewardModelScorer(loaded.graphdef, loaded.params)
 
 
+class WeightSync:
+    """The trainer's variables on the rollout devices (rl.placement=disaggregated): each array resharded onto
+    the rollout mesh by its logical names (`jax.device_put`), the arrays unchanged since the last call (the
+    frozen base) reused, not copied again."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.sources: list = []  # the trainer's arrays of the last call, and their copies here
+        self.copies: list = []
+
+    def __call__(self, variables) -> tuple[object, float]:
+        """(`variables` on the rollout mesh, seconds until every copy landed)."""
+        started = time.perf_counter()
+        leaves, treedef = jax.tree.flatten(variables)
+        known = dict(zip(map(id, self.sources), self.copies))
+        shardings = [NamedSharding(self.mesh, spec) for spec in spec_leaves(variables, self.mesh)]
+        copies = [known[id(x)] if id(x) in known else jax.device_put(x, s) for x, s in zip(leaves, shardings)]
+        jax.block_until_ready(copies)
+        self.sources, self.copies = leaves, copies
+        return jax.tree.unflatten(treedef, copies), time.perf_counter() - started
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampler:
     """What rollouts need: the policy's and the plain LM's graphs, the mesh, the tokenizer, the reward
@@ -136,6 +160,12 @@ class Sampler:
     reward_fn: object  # fn(prompt, response) -> float, or a RewardModelScorer
     settings: RolloutConfig
     stop_ids: tuple[int, ...]  # where a response ends (jaxllm.data.sft_template.stop_ids of the prompts' template)
+    sync: WeightSync | None = None  # rl.placement=disaggregated: the trainer's variables to `mesh`
+
+    def receive(self, variables) -> tuple[object, float]:
+        """The trainer's `variables` where this sampler samples, and the seconds the copy took (0: the same
+        devices, no copy)."""
+        return (variables, 0.0) if self.sync is None else self.sync(variables)
 
     @property
     def rows_sharding(self):
@@ -185,6 +215,19 @@ class Sampler:
         if timings is not None:
             timings.update(rollout_s=done_sampling - started, scoring_s=time.perf_counter() - done_sampling)
         return rows
+
+    def trainer_logps(self, variables, rows: dict[str, np.ndarray], block: tuple[int, int]) -> np.ndarray:
+        """The log-probabilities [B, N] the trainer computes for the sampled tokens of this process's `rows`
+        with its own `variables` (a full forward pass on its own mesh): what the sampler recorded, up to the
+        numerics of a KV-cache decode against a forward pass, and of one mesh against another."""
+        trainer_mesh = jax.tree.leaves(variables)[0].sharding.mesh
+        layout = {k: rows[k] for k in ("tokens", "segment_ids", "positions")}
+        if self.sync is None:  # the trainer's mesh is this sampler's: rows laid out as they were sampled
+            layout = self.place(layout, block)
+        with jax.set_mesh(trainer_mesh):
+            logps = _logps(self.graphdef, variables, layout["tokens"], layout["segment_ids"], layout["positions"],
+                           prompt_len=rows_prompt_len(rows), temperature=self.settings.temperature)
+        return self.read({"logps": logps}, block)["logps"] if self.sync is None else np.asarray(logps)
 
     def read(self, arrays: dict, block: tuple[int, int]) -> dict[str, np.ndarray]:
         """Global arrays of rollout rows -> this process's block of them (numpy)."""
@@ -245,7 +288,7 @@ class RolloutBatches:
         self.steps_per_iteration = settings.epochs * self.steps_per_epoch
         self.request, self.sampler, self.prompts = request, sampler, prompts
         self.block = sampler.block(self.rows)
-        self.strata = row_shards(sampler.rows_sharding)
+        self.strata = cfg.mesh.batch_shards  # the trainer's: the same cut whichever devices sample
         self._check_blocks(settings)
         self.index, self.end = request.first, request.end
         self.iteration, self.buffer = None, None
@@ -299,18 +342,29 @@ class RolloutBatches:
         order = np.random.default_rng([self.seed, iteration, 1 << 20]).permutation(len(self.prompts))
         chosen = [self.prompts[i] for i in np.resize(order, self.settings.prompts_per_iteration)]
         key = jax.random.fold_in(jax.random.key(self.seed), iteration)
-        variables = self.request.current()
+        current = self.request.current()
+        variables, self.timings["weight_sync_s"] = self.sampler.receive(current)
         rows = self.sampler.respond(variables, [p for p in chosen for _ in range(G)], key, self.timings)
         if iteration == self.kill_in_rollout and jax.process_index() == jax.process_count() - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # debug.kill_in_rollout: a host lost mid-rollout
         tokens = float(self.total(rows["mask"].sum()))
         self.timings["rollout_tokens_per_sec"] = tokens / max(self.timings["rollout_s"], 1e-9)
         started = time.perf_counter()
+        self.timings.update(self._mismatch(current, rows))
         rows = self.score(rows, variables)
         self.timings["scoring_s"] += time.perf_counter() - started
         if self.settings.samples_every and iteration % self.settings.samples_every == 0:
             self._write_samples(iteration, chosen, rows)
         return rows
+
+    def _mismatch(self, current, rows: dict[str, np.ndarray]) -> dict[str, float]:
+        """How far the log-probabilities recorded at sampling are from those the trainer computes for the same
+        tokens with the same weights (`current`, the variables that sampled): the mean and the largest absolute
+        difference over every process's valid response tokens (verl's rollout-vs-trainer mismatch)."""
+        gap = np.abs(self.sampler.trainer_logps(current, rows, self.block) - rows["old_logps"]) * rows["mask"]
+        summed, tokens = self.total([gap.sum(), rows["mask"].sum()])
+        largest = float(per_block(np.float64(gap.max(initial=0.0)), self.block).max())
+        return {"logp_mismatch_mean": float(summed / max(tokens, 1.0)), "logp_mismatch_max": largest}
 
     def total(self, values) -> np.ndarray:
         """`values` summed over every process's block (a collective: all processes call it together)."""
@@ -338,7 +392,7 @@ class RolloutBatches:
         """Host metrics of the batch given last (jaxllm.train.fit.host_metrics): the seconds its iteration's
         rollouts took to sample and to score, and the sampler's tokens/s (all processes' tokens), at an
         iteration's first step; 0 at the others, so that sums over steps split the run's time."""
-        return {"rollout_s": 0.0, "scoring_s": 0.0, **self.timings}
+        return {"rollout_s": 0.0, "scoring_s": 0.0, "weight_sync_s": 0.0, **self.timings}
 
     def extra_state(self) -> dict:
         return {}
@@ -410,7 +464,8 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSet
         raise ConfigError("checkpoint.restore_from", f"{section.upper()} starts from a model, its reference: name "
                                                      "a jaxllm run or a Hugging Face model directory")
     settings: RolloutConfig = getattr(cfg, section)
-    mesh = make_mesh(cfg.mesh)
+    own = rollout_mesh(cfg)  # rl.placement=disaggregated: the rollout devices' own mesh
+    mesh = own or run_mesh(cfg)
     if settings.reward.startswith("rm:"):
         reward_fn = load_reward_model(settings.reward, mesh, cfg.precision.compute, cfg.model.vocab_size,
                                       f"{section}.reward")
@@ -430,14 +485,15 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSet
     plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
     policy = build_policy(cfg.model, cfg.precision, cfg.pipeline, cfg.lora, rope_scaling=rope, sequence_parallel=sp)
     sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, settings,
-                      stop_ids(settings.template, tokenizer))
+                      stop_ids(settings.template, tokenizer), WeightSync(own) if own is not None else None)
     held_out = prompts["eval"][: settings.eval_prompts]
 
     def report(graphdef, variables, mesh):
         """Held-out mean reward, per-response KL to the reference (nats), EOS rate and length."""
         if not held_out:
             return {"scores": {}, "samples": []}
-        return held_out_report(sampler, variables, held_out, jax.random.key(cfg.train.seed + 1), section)
+        key = jax.random.key(cfg.train.seed + 1)
+        return held_out_report(sampler, sampler.receive(variables)[0], held_out, key, section)
 
     return RLSetup(base, plain, policy, sampler, prompts, with_sft_task(report, base, cfg.train.batch_size, log))
 

@@ -9,6 +9,7 @@ the blocks counts each block once, whichever processes hold it: the same figure 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -34,10 +35,13 @@ def process_rows(sharding, global_rows: int) -> tuple[int, int]:
     return lo // size, global_rows // size
 
 
-def row_shards(sharding) -> int:
-    """How many distinct row blocks `sharding` splits a batch's leading axis into (over all processes)."""
-    rows = 1 << 20  # any size the shards divide
-    return len({idx[0].indices(rows)[:2] for idx in sharding.devices_indices_map((rows,)).values()})
+def row_shards(sharding: NamedSharding) -> int:
+    """How many blocks `sharding` (a batch's, on a mesh or an abstract mesh) splits a batch's rows into, over
+    all processes: the product of the sizes of the mesh axes its spec gives the rows."""
+    entry = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes))
+    return math.prod(sizes[a] for a in axes)
 
 
 def for_rank(sharding: NamedSharding, ndim: int) -> NamedSharding:

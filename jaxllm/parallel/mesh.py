@@ -15,7 +15,7 @@ import math
 import jax
 import numpy as np
 
-from jaxllm.config.schema import MESH_AXES, MeshConfig
+from jaxllm.config.schema import MESH_AXES, Config, MeshConfig
 from jax.experimental import mesh_utils
 
 
@@ -44,6 +44,22 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
     if devices is jax.devices() or len(devices) == jax.device_count():
         return jax.make_mesh(cfg.shape, MESH_AXES, axis_types=_auto_axis_types(), devices=devices)
     return jax.sharding.Mesh(np.asarray(devices).reshape(cfg.shape), MESH_AXES, axis_types=_auto_axis_types())
+
+
+def run_mesh(cfg: Config) -> jax.sharding.Mesh:
+    """The mesh a run trains on: every device, less those an RL run sets aside for its rollouts (the last ones,
+    `rollout_mesh`)."""
+    aside = cfg.rl.set_aside(cfg.train.objective)
+    devices = jax.devices()
+    return make_mesh(cfg.mesh, devices[:len(devices) - aside] if aside else None)
+
+
+def rollout_mesh(cfg: Config) -> jax.sharding.Mesh | None:
+    """The mesh of an RL run's own rollout devices (rl.placement=disaggregated): the last rl.rollout_devices
+    devices, splitting rows only (`data`: every device holds the whole policy and decodes without collectives);
+    None when the rollouts share the run's mesh."""
+    aside = cfg.rl.set_aside(cfg.train.objective)
+    return make_mesh(MeshConfig(data=aside), jax.devices()[-aside:]) if aside else None
 
 
 def abstract_mesh(cfg: MeshConfig) -> jax.sharding.AbstractMesh:

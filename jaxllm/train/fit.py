@@ -33,7 +33,7 @@ from jaxllm.data.pipeline import packing_efficiency
 from jaxllm.observe.comms import step_comms
 from jaxllm.observe.memory import format_step_memory, step_memory
 from jaxllm.observe.profiler import StepProfiler
-from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.mesh import run_mesh
 from jaxllm.observe.metrics import JsonlWriter
 from jaxllm.model.visibility import resolve_attention
 from jaxllm.parallel.offload import HOST, require_host_memory
@@ -171,7 +171,7 @@ def fit(cfg: Config, objective: Objective, stream=sys.stdout) -> dict:
     if cfg.model.vocab_size == AUTO_VOCAB:  # an objective that had no tokenizer to size it from
         raise ConfigError("model.vocab_size", f"auto needs a tokenizer, and train.objective={cfg.train.objective} "
                                               "found none (no base model): give a number")
-    mesh = make_mesh(cfg.mesh)
+    mesh = run_mesh(cfg)
     tc = cfg.train
 
     tx = make_optimizer(cfg.optim, tc.steps)
