@@ -135,25 +135,63 @@ def test_a_process_killed_in_a_rollout_ends_the_job_and_it_resumes_bitwise(two_p
         assert np.array_equal(a, b)
 
 
-def test_disaggregated_rollouts_sample_what_colocated_ones_do(grpo_run, lora_run, prompts, tmp_path):
-    """rl.placement=disaggregated: 4 devices sample, score and hold the reference, the other 4 train (mesh
-    data=2, fsdp=2: the same 4 row shards, so the same minibatches). Same rollouts and losses as the colocated
-    run within float32, the weights synced at each iteration's first step only, and the log-probs the sampler
-    recorded on its mesh are what the trainer computes on its own."""
-    proc = _run(lora_run, prompts, tmp_path, "--config.train.steps=6", *NAN_AT_3, "--config.rl.placement=disaggregated",
-                "--config.rl.rollout_devices=4", "--config.mesh.tensor=1")
+ONE_STEP_OFF = ("--config.rl.placement=disaggregated", "--config.rl.rollout_devices=4", "--config.mesh.tensor=1",
+                "--config.rl.max_staleness=1", "--config.rl.tis_cap=2", "--config.checkpoint.keep=3")
+
+
+@pytest.fixture(scope="module")
+def one_step_off(lora_run, prompts, tmp_path_factory):
+    """grpo_run's job with 4 devices sampling, scoring and holding the reference, the other 4 training (mesh
+    data=2, fsdp=2: the same 4 row shards, so the same minibatches), one step off: iteration 1's rows are
+    sampled from iteration 0's starting weights while iteration 0 trains."""
+    workdir = tmp_path_factory.mktemp("one_step_off")
+    proc = _run(lora_run, prompts, workdir, "--config.train.steps=6", *NAN_AT_3, *ONE_STEP_OFF)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, split = rollout_rows(grpo_run, 4), rollout_rows(tmp_path, 4)
-    for name in ("tokens", "mask", "scores", "advantages"):
-        assert np.array_equal(one[name], split[name]), name
-    expected, got = losses(grpo_run), losses(tmp_path)
-    for step in expected:
+    return workdir
+
+
+def test_rollouts_on_their_own_devices_one_step_off(grpo_run, one_step_off):
+    """Iteration 0 is sampled on-policy on the rollout devices: the colocated run's rows and losses within
+    float32. Iteration 1's rows come from the weights iteration 0 started with: the truncated importance weights
+    of the behaviour policy move off 1 there (they are 1 within float32 at iteration 0), and the ratio's old
+    log-probs are the trainer's at the iteration's start (approx_kl 0 at its first step). The weights reach the
+    rollout devices at step 1 only (for iterations 0 and 1; the last iteration starts no rollout); the sampler's
+    recorded log-probs are what the trainer computes with the same weights, both times."""
+    on_policy, stale = rollout_rows(one_step_off, 2), rollout_rows(one_step_off, 4)
+    assert np.abs(on_policy["tis_weights"] - on_policy["mask"]).max() < 1e-5
+    assert np.abs(stale["tis_weights"] - stale["mask"]).max() > 1e-4
+    assert stale["tis_weights"].max() <= 2.0
+    expected, got = losses(grpo_run), losses(one_step_off)
+    for step in (1, 2, 3):
         np.testing.assert_allclose(got[step], expected[step], rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
-    steps = {r["step"]: r for r in metrics(tmp_path) if "loss" in r}
+    assert got[4] != pytest.approx(expected[4], rel=1e-3)  # iteration 1: other rows, other weights
+    steps = {r["step"]: r for r in metrics(one_step_off) if "loss" in r}
     for s, r in steps.items():
-        assert (r["weight_sync_s"] > 0) == (s in RL_ITERATION_STARTS), r
+        assert (r["weight_sync_s"] > 0) == (s == 1), r
         assert r.get("logp_mismatch_mean", 0) < 1e-6 and r.get("logp_mismatch_max", 0) < 1e-5, r
-    assert all("logp_mismatch_max" in steps[s] for s in RL_ITERATION_STARTS)
+    for s in RL_ITERATION_STARTS:
+        assert steps[s]["approx_kl"] < 1e-9 and "logp_mismatch_max" in steps[s]
+    # Step 1 sampled iteration 0 itself; step 4 took iteration 1's rows sampled ahead (restored with checkpoint
+    # 2 by the rollback: the rollout that made them ran before it).
+    assert steps[1]["rollout_s"] > 0 and "rollout_wait_s" in steps[4]
+
+
+def test_one_step_off_resumes_bitwise_with_a_rollout_in_flight(one_step_off, lora_run, prompts, tmp_path):
+    """Checkpoint 2 was saved while iteration 1's rollout was in flight: it waited for it and saved it. Resumed
+    from there (the later checkpoints removed), the run ends on the uninterrupted one's parameters and losses,
+    bit for bit, through the same rollback at step 3."""
+    workdir = tmp_path / "run"
+    shutil.copytree(one_step_off, workdir)
+    for step in (4, 6):
+        shutil.rmtree(workdir / "checkpoints" / str(step))
+    assert "ahead" in json.loads((workdir / "checkpoints" / "2" / "data" / "metadata").read_text())
+    proc = _run(lora_run, prompts, workdir, "--config.train.steps=6", *NAN_AT_3, *ONE_STEP_OFF)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from checkpoint step 2" in proc.stdout
+    full, resumed = losses(one_step_off), losses(workdir)
+    assert all(resumed[s] == full[s] for s in range(1, 7)), (resumed, full)
+    for a, b in zip(checkpoint_leaves(workdir), checkpoint_leaves(one_step_off)):
+        assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("setting, message", [

@@ -97,13 +97,10 @@ def test_the_logp_mismatch_is_zero_on_policy_and_measures_a_gap():
     """`logp_mismatch_mean/max` over valid response tokens only: 0 where the trainer gives back what the sampler
     recorded; a sampler one update behind shows as its gap (here 0.1 on every valid token, 5.0 on masked slots
     that must not count)."""
-    from types import SimpleNamespace
-
     rows = _rollout(np.random.default_rng(1))
     source = object.__new__(PPOBatches)
     source.block = (0, 1)
     for offset, want in ((0.0, 0.0), (0.1, 0.1)):
         trainer = rows["old_logps"] + offset * MASK + 5.0 * (1 - MASK)
-        source.sampler = SimpleNamespace(trainer_logps=lambda variables, r, block, t=trainer: t)
-        got = source._mismatch(None, rows)
+        got = source._mismatch(trainer, rows)
         np.testing.assert_allclose([got["logp_mismatch_mean"], got["logp_mismatch_max"]], [want, want], atol=1e-6)

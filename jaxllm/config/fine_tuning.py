@@ -268,10 +268,19 @@ class RLConfig:
     "disaggregated": the last `rollout_devices` devices sample, score and hold the reference (and a reward
     model), on a mesh of their own that splits rows only (`data`); the mesh axes' product is the device count
     less them. After each iteration's updates the policy's trained variables reach them by resharding
-    (`jax.device_put`; the frozen base is copied once), timed as `weight_sync_s`. One process for now."""
+    (`jax.device_put`; the frozen base is copied once), timed as `weight_sync_s`. One process for now.
+
+    `max_staleness` 0: on-policy, each iteration samples from the weights it starts with. 1 (disaggregated
+    only): one step off, the rollouts of iteration k + 1 are sampled from iteration k's starting weights while
+    iteration k trains; the ratio's "old" log-probs are then the trainer's own at the iteration's start, and
+    `tis_cap` > 0 weighs each token's policy loss by the truncated importance weight
+    min(exp(old - behaviour), tis_cap), behaviour being the log-probs recorded at sampling (verl's TIS; it
+    also corrects the sampler-trainer gap on-policy). 0: no weight."""
 
     placement: str = "colocated"
     rollout_devices: int = 0
+    max_staleness: int = 0
+    tis_cap: float = 0.0
 
     @property
     def disaggregated(self) -> bool:
@@ -285,6 +294,14 @@ class RLConfig:
         if not self.disaggregated and self.rollout_devices:
             raise ConfigError("rl.rollout_devices", f"sets devices aside for rl.placement=disaggregated; with "
                                                     f"{self.placement!r} it must be 0, got {self.rollout_devices}")
+        if self.max_staleness not in (0, 1):
+            raise ConfigError("rl.max_staleness", f"must be 0 (on-policy) or 1 (one step off), got "
+                                                  f"{self.max_staleness}")
+        if self.max_staleness and not self.disaggregated:
+            raise ConfigError("rl.max_staleness", "1 samples while training: it needs rollout devices of their own "
+                                                  "(rl.placement=disaggregated)")
+        if not self.tis_cap >= 0:
+            raise ConfigError("rl.tis_cap", f"must be >= 0 (0: off), got {self.tis_cap}")
 
     def set_aside(self, objective: str) -> int:
         """The devices this run's rollouts take from the mesh (0 unless an RL objective disaggregates)."""

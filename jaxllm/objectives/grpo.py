@@ -36,7 +36,8 @@ def grpo_loss_fn(model, batch, rng=None, *, grpo: GRPOConfig):
                                     grpo.temperature, entropy=True)
     advantages = batch["advantages"]
     loss = grpo_loss(logps, batch["old_logps"], batch["ref_logps"] if grpo.beta else None, advantages, mask,
-                     beta=grpo.beta, clip=grpo.clip, loss_agg=grpo.loss_agg, max_completion_length=mask.shape[1])
+                     beta=grpo.beta, clip=grpo.clip, loss_agg=grpo.loss_agg, max_completion_length=mask.shape[1],
+                     weights=batch.get("tis_weights"))
     count = jnp.sum(mask) if grpo.loss_agg in _PER_TOKEN else jnp.float32(mask.shape[0])
     _, clip_fraction, approx_kl = ppo_policy_loss(logps, batch["old_logps"],
                                                   jnp.broadcast_to(advantages, mask.shape), mask, grpo.clip)

@@ -145,11 +145,13 @@ def kl_penalty(logprobs, ref_logprobs, kind):
     return jnp.expm1(-d) + d  # expm1: exp(-d) - 1 near d = 0 loses every digit to cancellation in float32
 
 
-def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip=0.2):
+def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip=0.2, weights=None):
     """PPO clipped surrogate: (loss, clip_fraction, approx_kl), float32 scalars.
 
     ratio = exp(logp - old); pg1 = -A ratio; pg2 = -A clip(ratio, 1 - clip, 1 + clip); loss = masked mean of
-    max(pg1, pg2); clip_fraction = masked mean of [pg2 > pg1]; approx_kl = masked mean of (logp - old)^2 / 2.
+    max(pg1, pg2), each token's term times `weights` [B, T] when given (truncated importance weights of the
+    behaviour policy: verl's TIS, `pg_losses * tis_imp_ratio`); clip_fraction = masked mean of [pg2 > pg1];
+    approx_kl = masked mean of (logp - old)^2 / 2.
     TRL's PPOTrainer.train (trl/trainer/ppo_trainer.py, last published): pg_loss, pg_clipfrac, approxkl. TRL's
     approxkl is a plain mean over all B x T positions (padding holds 0 there); here it is over valid tokens.
     """
@@ -159,7 +161,8 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip=0.2):
     ratio = jnp.exp(diff)
     pg1 = -a * ratio
     pg2 = -a * jnp.clip(ratio, 1.0 - clip, 1.0 + clip)
-    loss = masked_mean(jnp.maximum(pg1, pg2), m)
+    per_token = jnp.maximum(pg1, pg2)
+    loss = masked_mean(per_token if weights is None else per_token * _f32(weights), m)
     clip_fraction = masked_mean((pg2 > pg1).astype(jnp.float32), m)
     return loss, clip_fraction, 0.5 * masked_mean(diff ** 2, m)
 
@@ -194,7 +197,7 @@ def group_advantages(rewards, group_size, eps=1e-4):
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta=0.04, clip=0.2, loss_agg="dapo",
-              clip_high=None, max_completion_length=None):
+              clip_high=None, max_completion_length=None, weights=None):
     """GRPO policy loss, a float32 scalar; TRL 1.13.0 FusedLinearGRPOFunction.ppo_loss_fn
     (trl/losses/grpo_loss.py) and GRPOTrainer._compute_loss, token-level importance sampling.
 
@@ -204,7 +207,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta=0.04,
     (loss_agg): "dapo" and "bnpo" the token mean over the whole batch (TRL's dapo divides by num_items_in_batch,
     the batch's token count, which is the same when the whole batch is here); "grpo" each sequence's token mean
     (clamped at 1 token), then the mean over sequences; "dr_grpo" the token sum / (B max_completion_length),
-    max_completion_length defaulting to T (TRL requires it).
+    max_completion_length defaulting to T (TRL requires it). `weights` [B, T], when given, multiply each
+    token's clipped term (not the KL term): truncated importance weights, as `ppo_policy_loss`'s.
     """
     if loss_agg not in GRPO_LOSS_AGGS:
         raise ValueError(f"unknown GRPO loss_agg {loss_agg!r}; expected one of {GRPO_LOSS_AGGS}")
@@ -216,6 +220,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta=0.04,
     ratio = jnp.exp(logp - old)
     high = clip if clip_high is None else clip_high
     per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - clip, 1.0 + high) * a)
+    if weights is not None:
+        per_token = per_token * _f32(weights)
     if beta != 0.0 and ref_logprobs is not None:
         per_token = per_token + beta * kl_penalty(logp, _valid(ref_logprobs, m), "k3")
     per_token = per_token * m

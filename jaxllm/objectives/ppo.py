@@ -67,7 +67,7 @@ def ppo_loss_fn(model, batch, rng=None, *, ppo: PPOConfig):
     logps, entropy_BN = response_stats(model, *layout, prompt_len, ppo.temperature, entropy=True)
     values = ppo_values(model, *layout, prompt_len)
     policy_loss, clip_fraction, approx_kl = ppo_policy_loss(logps, batch["old_logps"], batch["advantages"], mask,
-                                                            ppo.clip)
+                                                            ppo.clip, weights=batch.get("tis_weights"))
     value_loss = ppo_value_loss(values, batch["old_values"], batch["returns"], mask, ppo.value_clip)
     entropy = masked_mean(entropy_BN, mask)
     loss = policy_loss + ppo.vf_coef * value_loss

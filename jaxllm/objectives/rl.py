@@ -21,12 +21,14 @@ train on), and only sums over all rows (PPO's whitening and KL controller, the h
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import dataclasses
 import functools
 import io
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +51,7 @@ from jaxllm.observe.metrics import JsonlWriter
 from jaxllm.objectives import reward_fns as rewards
 from jaxllm.objectives.retention import with_sft_task
 from jaxllm.objectives.rollout import response_logps, rollout, sequence_layout
+from jaxllm.objectives.rollout_ahead import RolloutAhead
 from jaxllm.model.reference import reference_model
 from jaxllm.model.sample import left_pad
 from jaxllm.objectives.finetune import data_errors, locate_base, tokenizer_path
@@ -161,11 +164,17 @@ class Sampler:
     settings: RolloutConfig
     stop_ids: tuple[int, ...]  # where a response ends (jaxllm.data.sft_template.stop_ids of the prompts' template)
     sync: WeightSync | None = None  # rl.placement=disaggregated: the trainer's variables to `mesh`
+    # One program at a time on the sampler's devices: a rollout sampled ahead (its own thread) and the held-out
+    # report must not interleave their collectives there.
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False)
 
     def receive(self, variables) -> tuple[object, float]:
         """The trainer's `variables` where this sampler samples, and the seconds the copy took (0: the same
         devices, no copy)."""
-        return (variables, 0.0) if self.sync is None else self.sync(variables)
+        if self.sync is None:
+            return variables, 0.0
+        with self.lock:
+            return self.sync(variables)
 
     @property
     def rows_sharding(self):
@@ -181,6 +190,10 @@ class Sampler:
         scores, stopped). Every process passes every prompt (the same list): the rows are laid out over the
         batch mesh axes, each process samples and reads back its own block only. `timings` gets the seconds
         spent sampling ("rollout_s") and scoring: the reference's log-probs and the scores ("scoring_s")."""
+        with self.lock:
+            return self._respond(variables, prompts, key, timings)
+
+    def _respond(self, variables, prompts: list[dict], key, timings: dict | None) -> dict[str, np.ndarray]:
         jax.block_until_ready(variables)  # the update that made them is not the rollout's time
         s, started = self.settings, time.perf_counter()
         P = prompt_bucket(max(len(p["prompt_ids"]) for p in prompts), s.max_prompt_tokens)
@@ -293,10 +306,17 @@ class RolloutBatches:
         self.index, self.end = request.first, request.end
         self.iteration, self.buffer = None, None
         self.timings: dict = {}  # of the rollout made for the batch given last (none: empty)
+        self.staleness, self.tis_cap = cfg.rl.max_staleness, cfg.rl.tis_cap
+        self.ahead: RolloutAhead | None = None  # max_staleness=1: the next iteration's rollout
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, "rollout") if self.staleness else None
         saved = request.state or {}
         self.restore_extra(saved)
         if "rollout" in saved and saved["iteration"] == self.index // self.steps_per_iteration:
             self.iteration, self.buffer = saved["iteration"], self._own_block(saved["rollout"])
+        if "ahead" in saved:
+            ahead = saved["ahead"]
+            rows = self._own_block(ahead["rollout"])
+            self.ahead = RolloutAhead(ahead["iteration"], rows=rows, trainer_logps=rows.pop("trainer_logps"))
 
     def _check_blocks(self, settings: RolloutConfig) -> None:
         """Each process's rows hold whole groups of responses, and minibatches cut evenly into strata."""
@@ -321,7 +341,7 @@ class RolloutBatches:
         iteration, cursor = divmod(self.index, self.steps_per_iteration)
         self.timings = {}
         if iteration != self.iteration:
-            self.iteration, self.buffer = iteration, self._make(iteration)
+            self.iteration, self.buffer = iteration, self._rows_of(iteration)
         epoch, k = divmod(cursor, self.steps_per_epoch)
         rows = self._minibatch(iteration, epoch, k)
         self.index += 1
@@ -336,32 +356,72 @@ class RolloutBatches:
                   [k * take:(k + 1) * take] + j * per_stratum for j in range(mine)]
         return np.concatenate(picked)
 
-    def _make(self, iteration: int) -> dict[str, np.ndarray]:
-        """The iteration's scored rollouts from the current policy (this process's block of them)."""
+    def _rows_of(self, iteration: int) -> dict[str, np.ndarray]:
+        """The iteration's rows, ready for the loss: sampled now from the current weights (on-policy), or taken
+        from the rollout sampled ahead (max_staleness=1), which then starts the next one."""
+        current = self.request.current()
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.iteration == iteration:
+            self.timings["rollout_wait_s"] = ahead.wait()
+            self.timings.update(ahead.timings)
+            rows, sampled_logps = ahead.rows, ahead.sampled_logps(self._trainer_logps, current)
+        else:
+            variables, self.timings["weight_sync_s"] = self.sampler.receive(current)
+            rows = self._sample(iteration, variables, self.timings)
+            sampled_logps = self._trainer_logps(current, rows)
+        # The loop asks for data indices up to end - 2 (`end` leaves one past the last step): no rollout for
+        # an iteration that will not train.
+        if self.staleness and (iteration + 1) * self.steps_per_iteration < self.end - 1:
+            variables, seconds = self.sampler.receive(current)
+            self.timings["weight_sync_s"] = self.timings.get("weight_sync_s", 0.0) + seconds
+            sample = functools.partial(self._sample, iteration + 1, variables)
+            self.ahead = RolloutAhead.start(iteration + 1, self.request.trained(), sample, self.executor)
+        return self._for_the_trainer(rows, sampled_logps, current)
+
+    def _trainer_logps(self, variables, rows: dict[str, np.ndarray]) -> np.ndarray:
+        return self.sampler.trainer_logps(variables, rows, self.block)
+
+    def _sample(self, iteration: int, variables, timings: dict) -> dict[str, np.ndarray]:
+        """The iteration's scored rollouts from `variables` (on the sampler's devices; this process's block of
+        the rows); `timings` gets the seconds they took. Runs in the rollout thread when sampled ahead."""
         G = self.responses_per_prompt
         order = np.random.default_rng([self.seed, iteration, 1 << 20]).permutation(len(self.prompts))
         chosen = [self.prompts[i] for i in np.resize(order, self.settings.prompts_per_iteration)]
         key = jax.random.fold_in(jax.random.key(self.seed), iteration)
-        current = self.request.current()
-        variables, self.timings["weight_sync_s"] = self.sampler.receive(current)
-        rows = self.sampler.respond(variables, [p for p in chosen for _ in range(G)], key, self.timings)
+        rows = self.sampler.respond(variables, [p for p in chosen for _ in range(G)], key, timings)
         if iteration == self.kill_in_rollout and jax.process_index() == jax.process_count() - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # debug.kill_in_rollout: a host lost mid-rollout
         tokens = float(self.total(rows["mask"].sum()))
-        self.timings["rollout_tokens_per_sec"] = tokens / max(self.timings["rollout_s"], 1e-9)
+        timings["rollout_tokens_per_sec"] = tokens / max(timings["rollout_s"], 1e-9)
         started = time.perf_counter()
-        self.timings.update(self._mismatch(current, rows))
-        rows = self.score(rows, variables)
-        self.timings["scoring_s"] += time.perf_counter() - started
+        with self.sampler.lock:
+            rows = self.score(rows, variables)
+        timings["scoring_s"] += time.perf_counter() - started
         if self.settings.samples_every and iteration % self.settings.samples_every == 0:
             self._write_samples(iteration, chosen, rows)
         return rows
 
-    def _mismatch(self, current, rows: dict[str, np.ndarray]) -> dict[str, float]:
-        """How far the log-probabilities recorded at sampling are from those the trainer computes for the same
-        tokens with the same weights (`current`, the variables that sampled): the mean and the largest absolute
-        difference over every process's valid response tokens (verl's rollout-vs-trainer mismatch)."""
-        gap = np.abs(self.sampler.trainer_logps(current, rows, self.block) - rows["old_logps"]) * rows["mask"]
+    def _for_the_trainer(self, rows: dict[str, np.ndarray], sampled_logps: np.ndarray, current) -> dict:
+        """The rows with what the trainer adds (main thread): the log-prob mismatch (`sampled_logps`, the
+        trainer's log-probs with the weights that sampled); under max_staleness=1 the ratio's old log-probs,
+        the trainer's with the weights the iteration starts with; with rl.tis_cap the truncated importance
+        weights min(exp(old - recorded), tis_cap) of the behaviour policy (the recorded log-probs; on-policy
+        "old" is the trainer's recompute of them, so the weights correct the sampler-trainer gap alone)."""
+        started = time.perf_counter()
+        self.timings.update(self._mismatch(sampled_logps, rows))
+        mask, recorded = rows["mask"], rows["old_logps"]
+        proximal = self._trainer_logps(current, rows) * mask if self.staleness else sampled_logps * mask
+        rows = {**rows, "old_logps": proximal.astype(np.float32) if self.staleness else recorded}
+        if self.tis_cap:
+            rows["tis_weights"] = (np.minimum(np.exp(proximal - recorded), self.tis_cap) * mask).astype(np.float32)
+        self.timings["scoring_s"] = self.timings.get("scoring_s", 0.0) + time.perf_counter() - started
+        return rows
+
+    def _mismatch(self, sampled_logps: np.ndarray, rows: dict[str, np.ndarray]) -> dict[str, float]:
+        """How far the log-probabilities recorded at sampling are from `sampled_logps`, those the trainer
+        computes for the same tokens with the same weights: the mean and the largest absolute difference over
+        every process's valid response tokens (verl's rollout-vs-trainer mismatch)."""
+        gap = np.abs(sampled_logps - rows["old_logps"]) * rows["mask"]
         summed, tokens = self.total([gap.sum(), rows["mask"].sum()])
         largest = float(per_block(np.float64(gap.max(initial=0.0)), self.block).max())
         return {"logp_mismatch_mean": float(summed / max(tokens, 1.0)), "logp_mismatch_max": largest}
@@ -401,9 +461,16 @@ class RolloutBatches:
         pass
 
     def get_state(self) -> dict:
-        """The position, and the iteration's rows: every block, in order (a collective; the state is written
-        once, by process 0, and a resume on any number of processes takes its own block of them)."""
-        state = {"step": self.index, "iteration": self.iteration, **self.extra_state()}
+        """The position, the iteration's rows, and under max_staleness=1 the next iteration's (waiting for them,
+        with the trainer's log-probs of them): every block, in order (a collective; the state is written once,
+        by process 0, and a resume on any number of processes takes its own block of them)."""
+        state = {"step": self.index, "iteration": self.iteration}
+        if self.ahead is not None:
+            logps = self.ahead.sampled_logps(self._trainer_logps, self.request.current())
+            rows = {**self.ahead.rows, "trainer_logps": logps}
+            state["ahead"] = {"iteration": self.ahead.iteration,
+                              "rollout": texts_per_block(_encode(rows), self.block)}
+        state.update(self.extra_state())  # after the rollout in flight: it may move them (PPO's KL coefficient)
         if self.buffer is None:
             return state
         return {**state, "rollout": texts_per_block(_encode(self.buffer), self.block)}
@@ -417,6 +484,8 @@ class RolloutBatches:
         return {name: values[index * size:(index + 1) * size] for name, values in rows.items()}
 
     def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
         self.samples.close()
 
 

@@ -108,7 +108,7 @@ class Run:
         first = int(self.state.step)
         self.batches = self.objective.open_batches(BatchRequest(
             first=first + self.data_offset, end=self.steps + self.data_offset + 1, rows=self.rows,
-            current=self.variables, state=self.data_state))
+            current=self.variables, state=self.data_state, trained=lambda: self.state.params))
 
 
 def host_metrics(batch: dict, source) -> dict:

@@ -45,14 +45,15 @@ class BatchRequest:
     """What the loop asks a batch source for: data indices [first, end) (data index = step - 1 + offset) of
     this process's block `rows` = (index, count) of every global batch, `current()`, the variables (trainable
     and frozen, one nnx.State) of the model the next step will update, for sources that generate from the
-    current parameters, and `state`, the source state saved with the checkpoint the run (re)starts from (None:
-    a fresh run)."""
+    current parameters, `trained()` the trainable ones alone, and `state`, the source state saved with the
+    checkpoint the run (re)starts from (None: a fresh run)."""
 
     first: int
     end: int
     rows: tuple[int, int]
     current: Callable[[], Any]
     state: dict | None = None
+    trained: Callable[[], Any] | None = None
 
 
 # loss_fn(model, batch, rng) -> (loss_sum, token_count, metrics); rng is None for evaluation (no dropout).
