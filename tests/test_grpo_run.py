@@ -136,7 +136,8 @@ def test_a_process_killed_in_a_rollout_ends_the_job_and_it_resumes_bitwise(two_p
 
 
 ONE_STEP_OFF = ("--config.rl.placement=disaggregated", "--config.rl.rollout_devices=4", "--config.mesh.tensor=1",
-                "--config.rl.max_staleness=1", "--config.rl.tis_cap=2", "--config.checkpoint.keep=3")
+                "--config.rl.max_staleness=1", "--config.rl.tis_cap=2", "--config.checkpoint.keep=3",
+                "--config.grpo.max_prompt_tokens=128")  # the prompts are all shorter than 64 tokens: no change
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,10 @@ def test_rollouts_on_their_own_devices_one_step_off(grpo_run, one_step_off):
     rollout devices at step 1 only (for iterations 0 and 1; the last iteration starts no rollout); the sampler's
     recorded log-probs are what the trainer computes with the same weights, both times."""
     on_policy, stale = rollout_rows(one_step_off, 2), rollout_rows(one_step_off, 4)
+    # Bucketing: the rows are as long as the iteration's longest prompt (rounded up to 32 tokens) and the
+    # responses, not the longest prompt the run allows (train.seq_len, what the run planned for).
+    assert on_policy["tokens"].shape[1] == stale["tokens"].shape[1] == 64 + 8
+    assert json.loads((one_step_off / "config.json").read_text())["train"]["seq_len"] == 128 + 8
     assert np.abs(on_policy["tis_weights"] - on_policy["mask"]).max() < 1e-5
     assert np.abs(stale["tis_weights"] - stale["mask"]).max() > 1e-4
     assert stale["tis_weights"].max() <= 2.0
