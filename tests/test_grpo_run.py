@@ -199,12 +199,29 @@ def test_one_step_off_resumes_bitwise_with_a_rollout_in_flight(one_step_off, lor
         assert np.array_equal(a, b)
 
 
+def test_full_fine_tuning_keeps_its_reference_on_the_rollout_devices(lora_run, prompts, tmp_path):
+    """lora.rank=0: every weight trains, and the reference (the base, frozen) lives on the rollout devices only.
+    At iteration 0 it is the policy that sampled (its log-probs equal the recorded ones); at iteration 1 the policy
+    has moved and the reference has not."""
+    proc = _run(lora_run, prompts, tmp_path, "--config.train.steps=6", "--config.lora.rank=0",
+                "--config.rl.placement=disaggregated", "--config.rl.rollout_devices=4", "--config.mesh.tensor=1",
+                "--config.checkpoint.keep=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = rollout_rows(tmp_path, 2), rollout_rows(tmp_path, 6)
+    gap = lambda rows: np.abs(rows["ref_logps"] - rows["old_logps"])[rows["mask"] > 0]
+    assert gap(first).max() < 1e-5 and gap(second).max() > 1e-3, (gap(first).max(), gap(second).max())
+    steps = {r["step"]: r for r in metrics(tmp_path) if "loss" in r}
+    assert steps[1]["kl"] < 1e-7 < steps[5]["kl"]  # iterations start at steps 1 and 5 (no rollback here)
+    assert len(checkpoint_leaves(tmp_path)) > 4  # the whole model trained and saved, not adapters
+
+
 @pytest.mark.parametrize("setting, message", [
     ("--config.grpo.reward=fn:nope", "grpo.reward: no reward function 'nope'; registered:"),
     ("--config.grpo.reward=rm", "grpo.reward: expected fn:<name>"),
     ("--config.grpo.reward=rm:/nonexistent", "grpo.reward: no reward-model checkpoint at /nonexistent"),
     ("--config.grpo.num_generations=3", "train.batch_size: 8 does not divide an iteration's 12 responses"),
-    ("--config.lora.rank=0", "lora.rank: GRPO trains LoRA adapters"),
+    ("--config.lora.rank=0", "lora.rank: full fine-tuning GRPO (lora.rank=0) keeps its frozen reference on the "
+                             "rollout devices"),
     ("--config.grpo.train_file=/nonexistent.jsonl", "grpo.train_file: no such file"),
 ])
 def test_bad_settings_are_one_line_errors(lora_run, prompts, tmp_path, setting, message):

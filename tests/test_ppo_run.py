@@ -113,7 +113,7 @@ def test_an_injected_nan_rolls_back(ppo_run):
     ("--config.ppo.kl_estimator=k4", "ppo.kl_estimator: 'k4' is not one of"),
     ("--config.ppo.lam=1.5", "ppo.lam: must be in [0, 1]"),
     ("--config.ppo.prompts_per_iteration=12", "train.batch_size: 8 does not divide an iteration's 12 responses"),
-    ("--config.lora.rank=0", "lora.rank: PPO trains LoRA adapters"),
+    ("--config.lora.rank=0", "lora.rank: PPO trains LoRA adapters: its critic shares the policy's frozen base"),
 ])
 def test_bad_settings_are_one_line_errors(lora_run, rl_prompts, tmp_path, setting, message):
     proc = _run(lora_run, rl_prompts, tmp_path, "--config.train.steps=2", setting)

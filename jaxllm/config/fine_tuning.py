@@ -171,8 +171,8 @@ class RolloutConfig(TextFiles):
 
     def check_rollout(self, section: str, lora_rank: int, batch_size: int, rows: int) -> None:
         """The checks PPO and GRPO share, for config section `section`; `rows` are an iteration's responses,
-        trained in minibatches of `batch_size`, with adapters of rank `lora_rank` (whether an rm: reward exists:
-        `probe_environment`)."""
+        trained in minibatches of `batch_size`, with adapters of rank `lora_rank` or every weight (0: GRPO's
+        own check says where its reference lives); whether an rm: reward exists: `probe_environment`."""
         self.check_files(section, "prompts")
         kind, _, name = self.reward.partition(":")
         if kind not in ("fn", "rm") or not name:
@@ -182,9 +182,6 @@ class RolloutConfig(TextFiles):
             check_positive(f"{section}.{key}", getattr(self, key))
         if rows % batch_size:
             raise ConfigError("train.batch_size", f"{batch_size} does not divide an iteration's {rows} responses")
-        if not lora_rank:
-            raise ConfigError("lora.rank", f"{section.upper()} trains LoRA adapters (its reference is the base with "
-                                           "adapters off); full fine-tuning is not supported yet")
         for key in ("eval_prompts", "samples_every", "samples"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{section}.{key}", f"must be >= 0, got {getattr(self, key)}")
@@ -210,7 +207,12 @@ class GRPOConfig(RolloutConfig):
     beta: float = 0.04
     loss_agg: str = "dapo"
 
-    def check(self, lora_rank: int, batch_size: int) -> None:
+    def check(self, lora_rank: int, batch_size: int, rl: RLConfig | None = None) -> None:
+        """This section's fields; with `lora.rank=0` (every weight trains) the frozen reference lives on the
+        rollout devices, so `rl` must disaggregate."""
+        if not lora_rank and not (rl is not None and rl.disaggregated):
+            raise ConfigError("lora.rank", "full fine-tuning GRPO (lora.rank=0) keeps its frozen reference on the "
+                                           "rollout devices: set rl.placement=disaggregated and rl.rollout_devices")
         if self.num_generations < 2:
             raise ConfigError("grpo.num_generations", f"must be >= 2 (advantages compare a group), got "
                                                       f"{self.num_generations}")
@@ -248,6 +250,9 @@ class PPOConfig(RolloutConfig):
     max_approx_kl: float = 0.0
 
     def check(self, lora_rank: int, batch_size: int) -> None:
+        if not lora_rank:
+            raise ConfigError("lora.rank", "PPO trains LoRA adapters: its critic shares the policy's frozen base "
+                                           "(a critic with a body of its own, for full fine-tuning, is not built yet)")
         self.check_rollout("ppo", lora_rank, batch_size, self.prompts_per_iteration)
         check_choice("ppo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         for key in ("kl_coef", "target_kl", "vf_coef", "entropy_coef", "missing_eos_penalty", "max_approx_kl"):
@@ -316,6 +321,6 @@ OBJECTIVE_CHECKS = {
     "sft": lambda cfg: cfg.sft.check(),
     "reward": lambda cfg: cfg.preference.check(),
     "dpo": lambda cfg: (cfg.preference.check(), cfg.dpo.check(cfg.lora.rank)),
-    "grpo": lambda cfg: cfg.grpo.check(cfg.lora.rank, cfg.train.batch_size),
+    "grpo": lambda cfg: cfg.grpo.check(cfg.lora.rank, cfg.train.batch_size, cfg.rl),
     "ppo": lambda cfg: cfg.ppo.check(cfg.lora.rank, cfg.train.batch_size),
 }

@@ -1,7 +1,7 @@
 """Group relative policy optimisation as an objective: the policy is the base LM with fresh LoRA adapters,
 trained by the shared step and loop on batches its own rollouts make (jaxllm/objectives/rl.py: the sampler, the
-reward, the batch source of iterations). (Full fine-tuning needs a frozen copy of the base as its reference,
-which is not built yet.)
+reward, the batch source of iterations). Full fine-tuning (lora.rank=0) keeps the frozen base, its reference,
+on the rollout devices (rl.placement=disaggregated).
 
 Each iteration samples grpo.num_generations responses to each of its prompts; `group_advantages` compares each
 response's score with its group's, and the rows feed grpo.epochs passes of minibatches through `grpo_loss_fn`

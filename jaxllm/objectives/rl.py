@@ -58,7 +58,7 @@ from jaxllm.objectives.finetune import data_errors, locate_base, tokenizer_path
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.runs.checkpoint import CheckpointError
-from jaxllm.runs.loader import load_checkpoint
+from jaxllm.runs.loader import load_base, load_checkpoint
 from jaxllm.train.step import batch_sharding
 
 
@@ -167,6 +167,14 @@ class Sampler:
     # One program at a time on the sampler's devices: a rollout sampled ahead (its own thread) and the held-out
     # report must not interleave their collectives there.
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False)
+    reference: object = None  # full fine-tuning: the base's weights on `mesh`, the frozen reference
+
+    def reference_variables(self, variables):
+        """The reference's variables: the base with the adapters off (the same arrays as `variables`'), or
+        under full fine-tuning the base's own weights, frozen on this sampler's devices (`reference`)."""
+        if self.reference is not None:
+            return self.reference
+        return nnx.state(reference_model(nnx.merge(self.graphdef, variables), self.plain_graphdef))
 
     def receive(self, variables) -> tuple[object, float]:
         """The trainer's `variables` where this sampler samples, and the seconds the copy took (0: the same
@@ -213,9 +221,8 @@ class Sampler:
                                  "mask": out.mask[:, :N], "old_logps": out.logps[:, :N],
                                  "stopped": out.stopped.astype(jnp.float32)[:, None]}, block)  # waits for it
             done_sampling = time.perf_counter()
-            reference = reference_model(nnx.merge(self.graphdef, variables), self.plain_graphdef)
-            ref_logps = _logps(self.plain_graphdef, nnx.state(reference), tokens, segment_ids, positions,
-                               prompt_len=P, temperature=s.temperature)
+            ref_logps = _logps(self.plain_graphdef, self.reference_variables(variables), tokens, segment_ids,
+                               positions, prompt_len=P, temperature=s.temperature)
             scored = {"ref_logps": ref_logps}
             if isinstance(self.reward_fn, RewardModelScorer):
                 scored["scores"] = self.reward_fn(tokens, segment_ids, positions, out.mask[:, :N], P)[:, None]
@@ -508,6 +515,14 @@ def held_out_report(sampler: Sampler, variables, prompts: list[dict], key, secti
                                "eos_rate": float(eos_rate), "length": float(length)}}, "samples": samples}
 
 
+def frozen_reference(base, plain: Objective, mesh):
+    """Full fine-tuning's reference (lora.rank=0): the base's weights as the plain LM's, loaded once onto the
+    rollout devices' `mesh` and never updated; the trainer's devices hold only the weights that train."""
+    abstract = jax.eval_shape(lambda: plain.split(plain.build_model(jax.random.key(0)))[1])
+    with jax.set_mesh(mesh):
+        return load_base(base, abstract, mesh)[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class RLSetup:
     """What an RL objective is built from: the base, the plain LM and the policy objectives, the sampler, the
@@ -553,8 +568,10 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSet
     sp = cfg.mesh.sequence_parallel
     plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
     policy = build_policy(cfg.model, cfg.precision, cfg.pipeline, cfg.lora, rope_scaling=rope, sequence_parallel=sp)
+    reference = frozen_reference(base, plain, own) if not cfg.lora.rank else None
     sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, settings,
-                      stop_ids(settings.template, tokenizer), WeightSync(own) if own is not None else None)
+                      stop_ids(settings.template, tokenizer), WeightSync(own) if own is not None else None,
+                      reference=reference)
     held_out = prompts["eval"][: settings.eval_prompts]
 
     def report(graphdef, variables, mesh):

@@ -1,0 +1,186 @@
+"""RL placements side by side, and the sampler against a bare decode loop (docs/rl-at-scale.md):
+`python scripts/bench_rl.py [--objective grpo] [--base runs/sft_lora] [--iterations 12] [--out build/bench_rl]
+[--placements colocated,disaggregated,one_step_off] [--skip_decode]`.
+
+Each placement trains `--iterations` iterations of `configs/<objective>.py` (the `make grpo` / `make ppo` job)
+from `--base` (after `make sft`) as its own `scripts/train.py` process on 8 CPU devices:
+- colocated: the job as shipped, mesh data=2, fsdp=2, tensor=2;
+- disaggregated: 4 rollout devices + a data=1, fsdp=2, tensor=2 trainer mesh;
+- one_step_off: the same with rl.max_staleness=1 and rl.tis_cap=2.
+From each run's metrics.jsonl and summary.json it prints the iteration's wall time and its split: rollout
+(sampling; under one_step_off it runs beside the updates, and `wait` is what the trainer still waited for it),
+scoring (reference, reward, critic, the trainer's log-probs), weight sync, and the update (the loop's time less
+the time spent getting batches); the held-out reward before and after; the log-prob mismatch; and each
+placement's iteration time against colocated's, from the same invocation.
+
+Then the sampler's decode (jaxllm.model.sample.decode: top-k / top-p ready sorting, stop tokens, log-probs)
+against a bare JAX KV-cache loop over the same model (the model's own decode step, a categorical draw, nothing
+else) on one device, at the job's rollout shape: the sampler's overhead. Ends with one JSON line.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PLACEMENTS = {
+    "colocated": [],
+    "disaggregated": ["--config.rl.placement=disaggregated", "--config.rl.rollout_devices=4",
+                      "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"],
+    "one_step_off": ["--config.rl.placement=disaggregated", "--config.rl.rollout_devices=4",
+                     "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+                     "--config.rl.max_staleness=1", "--config.rl.tis_cap=2"],
+}
+CPU = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+
+
+def job(objective: str):
+    """(the shipped job's ConfigDict, its rollout section, the responses an iteration samples)."""
+    from jaxllm.config.cli import load_config_file
+
+    cfg = load_config_file(str(ROOT / "configs" / f"{objective}.py"))
+    section = cfg[objective]
+    return cfg, section, section.prompts_per_iteration * (section.num_generations if objective == "grpo" else 1)
+
+
+def run(objective: str, base: str, workdir: Path, steps: int, extra: list[str]) -> float:
+    """One training process; its wall seconds."""
+    config = str(ROOT / "configs" / f"{objective}.py")
+    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", config,
+               "--workdir", str(workdir), f"--config.checkpoint.restore_from={base}", f"--config.train.steps={steps}",
+               f"--config.checkpoint.every={steps}", *extra]
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **CPU})
+    if proc.returncode:
+        sys.exit(f"error: {workdir.name} failed:\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - started
+
+
+def split(workdir: Path, iterations: int) -> dict:
+    """Per-iteration means of a finished run's time split, its held-out reward and its mismatch."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    summary = json.loads((workdir / "summary.json").read_text())
+    total = lambda key: sum(r.get(key, 0.0) for r in steps)
+    task = summary["task"]
+    return {"iteration_s": summary["train_s"] / iterations,
+            "rollout_s": total("rollout_s") / iterations, "wait_s": total("rollout_wait_s") / iterations,
+            "scoring_s": total("scoring_s") / iterations, "weight_sync_s": total("weight_sync_s") / iterations,
+            "update_s": (summary["train_s"] - total("data_wait_s")) / iterations,
+            "reward_base": task["base"]["all"]["reward"], "reward_tuned": task["tuned"]["all"]["reward"],
+            "logp_mismatch_mean": float(np.mean([r["logp_mismatch_mean"] for r in steps if "logp_mismatch_mean" in r])),
+            "logp_mismatch_max": max(r["logp_mismatch_max"] for r in steps if "logp_mismatch_max" in r),
+            "rollout_tokens_per_sec": float(np.mean([r["rollout_tokens_per_sec"] for r in steps
+                                                     if r.get("rollout_tokens_per_sec")]))}
+
+
+def bare_decode(graphdef, params, tokens, start, new: int, temperature: float, key):
+    """The model's KV-cache decode step in a fori_loop with a categorical draw: [B, new] tokens, nothing else."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxllm.model.sample import bucket
+    from jaxllm.model.transformer import KVCache
+
+    @jax.jit
+    def loop(params, tokens, start, key):
+        model = nnx.merge(graphdef, params)
+        B, P = tokens.shape
+        cache = KVCache.zeros(model.cfg, B, bucket(P + new), model.compute_dtype)
+        logits, cache = model.decode(tokens, cache, 0, start, None)
+        draw = lambda logits, i: jax.random.categorical(jax.random.fold_in(key, i), logits / temperature)
+        out = jnp.zeros((B, new), jnp.int32).at[:, 0].set(draw(logits, 0))
+
+        def body(i, carry):
+            cache, out = carry
+            logits, cache = model.decode(out[:, i - 1][:, None], cache, P + i - 1, start, None)
+            return cache, out.at[:, i].set(draw(logits, i))
+
+        return jax.lax.fori_loop(1, new, body, (cache, out))[1]
+
+    return loop(params, tokens, start, key)
+
+
+def decode_overhead(base: str, shape: tuple[int, int, int]) -> dict:
+    """New tokens/s of the sampler's decode and of the bare loop, one device, the job's rollout shape (every
+    row runs all `max_new_tokens`: no stop ids, so both loops do the same number of steps)."""
+    import jax
+
+    from jaxllm.model.sample import decode, left_pad
+    from jaxllm.runs.loader import load_checkpoint
+
+    rows, prompt, new = shape
+    loaded = load_checkpoint(base)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(1, 256, size=int(n))) for n in rng.integers(prompt // 2, prompt, size=rows)]
+    tokens, start = left_pad(prompts, rows, prompt)
+    key = jax.random.key(0)
+
+    def timed(fn):
+        jax.block_until_ready(fn())
+        began = time.perf_counter()
+        jax.block_until_ready(fn())
+        return time.perf_counter() - began
+
+    sampler = timed(lambda: decode(loaded.graphdef, loaded.params, tokens, start, max_new_tokens=new,
+                                   temperature=1.0, key=key)[0])
+    bare = timed(lambda: bare_decode(loaded.graphdef, loaded.params, tokens, start, new, 1.0, key))
+    return {"rows": rows, "prompt": prompt, "new": new, "sampler_tokens_per_sec": rows * new / sampler,
+            "bare_tokens_per_sec": rows * new / bare, "sampler_over_bare": bare / sampler}
+
+
+def main(argv) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--objective", choices=("grpo", "ppo"), default="grpo")
+    p.add_argument("--base", default="runs/sft_lora")
+    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--out", default="build/bench_rl")
+    p.add_argument("--placements", default=",".join(PLACEMENTS))
+    p.add_argument("--skip_decode", action="store_true")
+    args = p.parse_args(argv)
+    chosen = args.placements.split(",")
+    if any(c not in PLACEMENTS for c in chosen) or not Path(args.base).exists() or args.iterations < 2:
+        sys.exit(f"error: --placements from {sorted(PLACEMENTS)}, --base an existing run (make sft), "
+                 f"--iterations >= 2; got {args.placements!r}, {args.base!r}, {args.iterations}")
+    cfg, section, rows = job(args.objective)
+    per = section.epochs * rows // cfg.train.batch_size
+    results = {}
+    for name in chosen:
+        workdir = Path(args.out) / f"{args.objective}_{name}"
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        wall = run(args.objective, args.base, workdir, per * args.iterations, PLACEMENTS[name])
+        results[name] = {"wall_s": wall, **split(workdir, args.iterations)}
+        r = results[name]
+        print(f"{name:>13}: iteration {r['iteration_s']:.2f}s = rollout {r['rollout_s']:.2f} (wait "
+              f"{r['wait_s']:.2f}) + scoring {r['scoring_s']:.2f} + sync {r['weight_sync_s']:.3f} + update "
+              f"{r['update_s']:.2f}; held-out reward {r['reward_base']:.3f} -> {r['reward_tuned']:.3f}; mismatch "
+              f"{r['logp_mismatch_mean']:.1e} mean, {r['logp_mismatch_max']:.1e} max; sampler "
+              f"{r['rollout_tokens_per_sec']:,.0f} tokens/s", flush=True)
+    if "colocated" in results:
+        for name, r in results.items():
+            r["iteration_vs_colocated"] = r["iteration_s"] / results["colocated"]["iteration_s"]
+            print(f"{name:>13}: iteration time x{r['iteration_vs_colocated']:.2f} of colocated's")
+    out = {"bench": "rl", "objective": args.objective, "iterations": args.iterations, "placements": results}
+    if not args.skip_decode:
+        from jaxllm.objectives.rl import prompt_bucket
+
+        shape = (rows, prompt_bucket(section.max_prompt_tokens, section.max_prompt_tokens), section.max_new_tokens)
+        out["decode"] = decode = decode_overhead(args.base, shape)
+        print(f"decode at {shape[0]} rows x {shape[1]}+{shape[2]}: sampler {decode['sampler_tokens_per_sec']:,.0f} "
+              f"tokens/s, bare loop {decode['bare_tokens_per_sec']:,.0f} (sampler at "
+              f"{decode['sampler_over_bare']:.2f}x the bare loop's speed)", flush=True)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
