@@ -95,6 +95,27 @@ def test_the_critic_shares_the_policy_base_and_is_a_reward_model_on_it():
     np.testing.assert_allclose(response_logps(model, *layout, P), response_logps(lm, *layout, P), rtol=1e-6)
 
 
+def test_the_reference_and_value_passes_run_as_one_program():
+    """`_scoring_pass` with PPO's value_fn gives what the two passes give apart: the reference's log-probs (the
+    base, adapters off) and the critic's values, from one dispatch over the shared base arrays."""
+    from jaxllm.objectives.rl import _scoring_pass
+
+    objective = _objective()
+    graphdef, trainable, frozen = objective.split(objective.build_model(jax.random.key(0)))
+    variables = nnx.merge_state(jax.tree.map(lambda x: x + 0.05, trainable), frozen)
+    model = nnx.merge(graphdef, variables)
+    plain = lm_objective(MODEL, F32).graphdef
+    reference = nnx.state(reference_model(model, plain))
+    layout = _rollout_batch()["tokens"], _rollout_batch()["segment_ids"], _rollout_batch()["positions"]
+    fused = _scoring_pass(graphdef, plain, variables, reference, *layout, prompt_len=P, temperature=1.0,
+                          value_fn=ppo_values)
+    np.testing.assert_allclose(fused["values"], ppo_values(model, *layout, P), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(fused["ref_logps"], response_logps(nnx.merge(plain, reference), *layout, P),
+                               rtol=1e-6, atol=1e-6)
+    assert set(_scoring_pass(graphdef, plain, variables, reference, *layout, prompt_len=P, temperature=1.0)) == \
+        {"ref_logps"}  # GRPO: no critic
+
+
 @functools.cache
 def _losses(layout):
     return first_updates(_objective, layout, _rollout_batch(), names=("loss", "value_loss"))

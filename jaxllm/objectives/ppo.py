@@ -103,11 +103,6 @@ def adapt_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, respon
     return kl_coef * (1.0 + error * responses / horizon)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len"))
-def _values(graphdef, variables, tokens, segment_ids, positions, *, prompt_len: int):
-    return ppo_values(nnx.merge(graphdef, variables), tokens, segment_ids, positions, prompt_len)
-
-
 class PPOBatches(RolloutBatches):
     """PPO's iterations: one response per prompt, with the critic's values, per-token rewards, advantages and
     returns; the KL coefficient is state of the source, carried from iteration to iteration."""
@@ -123,12 +118,10 @@ class PPOBatches(RolloutBatches):
         return {"kl_coef": self.kl_coef}
 
     def score(self, rows: dict[str, np.ndarray], variables) -> dict[str, np.ndarray]:
+        """Rewards, advantages and returns from the rows' values (the sampler computed them with the reference's
+        log-probs: `ppo_values` is its `value_fn`)."""
         p, mask = self.ppo, rows["mask"]
-        layout = self.sampler.place({k: rows[k] for k in ("tokens", "segment_ids", "positions")}, self.block)
-        with jax.set_mesh(self.sampler.mesh):
-            values = _values(self.sampler.graphdef, variables, layout["tokens"], layout["segment_ids"],
-                             layout["positions"], prompt_len=rows_prompt_len(rows))
-        values = self.sampler.read({"values": values}, self.block)["values"] * mask
+        values = rows.pop("values")
         kl = np.asarray(kl_penalty(rows["old_logps"], rows["ref_logps"], p.kl_estimator)) * mask
         rewards = token_rewards(rows["scores"][:, 0], rows["stopped"][:, 0], kl, mask, self.kl_coef,
                                 p.missing_eos_penalty)
@@ -167,7 +160,7 @@ def critic_bytes(objective: Objective) -> tuple[int, int]:
 
 def ppo_objective(cfg: Config, log=print) -> Objective:
     """The PPO objective of a resolved `cfg`, reading the prompts first."""
-    setup = rl_setup(cfg, "ppo", log, build_policy=actor_critic_objective)
+    setup = rl_setup(cfg, "ppo", log, build_policy=actor_critic_objective, value_fn=ppo_values)
     own, base = critic_bytes(setup.policy)
     log(f"critic: LoRA adapters and a value head on the policy's frozen base (shared, no second copy): "
         f"{own / 1e6:.2f} MB of its own, next to the base's {base / 1e6:.2f} MB")

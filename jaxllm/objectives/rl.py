@@ -91,6 +91,19 @@ def _logps(graphdef, variables, tokens, segment_ids, positions, *, prompt_len: i
     return response_logps(nnx.merge(graphdef, variables), tokens, segment_ids, positions, prompt_len, temperature)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "plain_graphdef", "prompt_len", "temperature", "value_fn"))
+def _scoring_pass(graphdef, plain_graphdef, variables, reference, tokens, segment_ids, positions, *, prompt_len: int,
+                  temperature: float, value_fn=None):
+    """The reference's log-probs of the rollout rows and, with `value_fn(model, tokens, segment_ids, positions,
+    prompt_len)` (PPO's critic), their values: one program over the arrays the two share (the frozen base is one
+    input, read by both passes), one dispatch and one read-back."""
+    out = {"ref_logps": response_logps(nnx.merge(plain_graphdef, reference), tokens, segment_ids, positions,
+                                       prompt_len, temperature)}
+    if value_fn is not None:
+        out["values"] = value_fn(nnx.merge(graphdef, variables), tokens, segment_ids, positions, prompt_len)
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _last_token_scores(graphdef, variables, tokens, segment_ids, positions, last_B):
     scores_BS = nnx.merge(graphdef, variables)(tokens, segment_ids, positions)
@@ -168,6 +181,7 @@ class Sampler:
     # report must not interleave their collectives there.
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False)
     reference: object = None  # full fine-tuning: the base's weights on `mesh`, the frozen reference
+    value_fn: object = None  # PPO: the critic's values, computed with the reference's log-probs (`_scoring_pass`)
 
     def reference_variables(self, variables):
         """The reference's variables: the base with the adapters off (the same arrays as `variables`'), or
@@ -194,7 +208,8 @@ class Sampler:
 
     def respond(self, variables, prompts: list[dict], key, timings: dict | None = None) -> dict[str, np.ndarray]:
         """One sampled response to each prompt, scored: this process's block (`block(len(prompts))`) of the rows
-        as host arrays (tokens, layout, mask, the sampler's and the reference's log-probs, and per row [B, 1]:
+        as host arrays (tokens, layout, mask, the sampler's and the reference's log-probs, PPO's critic values
+        [B, N] with `value_fn`, and per row [B, 1]:
         scores, stopped). Every process passes every prompt (the same list): the rows are laid out over the
         batch mesh axes, each process samples and reads back its own block only. `timings` gets the seconds
         spent sampling ("rollout_s") and scoring: the reference's log-probs and the scores ("scoring_s")."""
@@ -221,13 +236,15 @@ class Sampler:
                                  "mask": out.mask[:, :N], "old_logps": out.logps[:, :N],
                                  "stopped": out.stopped.astype(jnp.float32)[:, None]}, block)  # waits for it
             done_sampling = time.perf_counter()
-            ref_logps = _logps(self.plain_graphdef, self.reference_variables(variables), tokens, segment_ids,
-                               positions, prompt_len=P, temperature=s.temperature)
-            scored = {"ref_logps": ref_logps}
+            scored = _scoring_pass(self.graphdef, self.plain_graphdef, variables, self.reference_variables(variables),
+                                   tokens, segment_ids, positions, prompt_len=P, temperature=s.temperature,
+                                   value_fn=self.value_fn)
             if isinstance(self.reward_fn, RewardModelScorer):
                 scored["scores"] = self.reward_fn(tokens, segment_ids, positions, out.mask[:, :N], P)[:, None]
             rows = {**sampled, **self.read(scored, block)}
         rows["ref_logps"] = rows["ref_logps"] * rows["mask"]
+        if "values" in rows:
+            rows["values"] = rows["values"] * rows["mask"]
         if "scores" not in rows:
             rows["scores"] = np.asarray([[self.score(p, r, m)] for p, r, m in zip(mine, rows["tokens"], rows["mask"])],
                                         np.float32)
@@ -536,7 +553,7 @@ class RLSetup:
     report: object
 
 
-def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSetup:
+def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective, value_fn=None) -> RLSetup:
     """Locate the base, resolve the reward, read the prompts and build the sampler of `cfg.<section>`;
     `build_policy(model, precision, pipeline, lora, rope_scaling=..., sequence_parallel=...)` gives the
     policy's objective."""
@@ -571,7 +588,7 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective) -> RLSet
     reference = frozen_reference(base, plain, own) if not cfg.lora.rank else None
     sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, settings,
                       stop_ids(settings.template, tokenizer), WeightSync(own) if own is not None else None,
-                      reference=reference)
+                      reference=reference, value_fn=value_fn)
     held_out = prompts["eval"][: settings.eval_prompts]
 
     def report(graphdef, variables, mesh):
