@@ -9,9 +9,10 @@ from `--base` (after `make sft`) as its own `scripts/train.py` process on 8 CPU 
 - one_step_off: the same with rl.max_staleness=1 and rl.tis_cap=2.
 From each run's metrics.jsonl and summary.json it prints the iteration's wall time and its split: rollout
 (sampling; under one_step_off it runs beside the updates, and `wait` is what the trainer still waited for it),
-scoring (reference, reward, critic, the trainer's log-probs), weight sync, and the update (the loop's time less
-the time spent getting batches); the held-out reward before and after; the log-prob mismatch; and each
-placement's iteration time against colocated's, from the same invocation.
+scoring (reference, reward, critic), weight sync, the trainer's log-probs of the rows, and the update with the
+rest of the loop (the iteration's time less what the trainer waited for the others); the held-out reward before
+and after; the log-prob mismatch; and each placement's iteration time against colocated's, from the same
+invocation.
 
 Then the sampler's decode (jaxllm.model.sample.decode: top-k / top-p ready sorting, stop tokens, log-probs)
 against a bare JAX KV-cache loop over the same model (the model's own decode step, a categorical draw, nothing
@@ -70,10 +71,14 @@ def split(workdir: Path, iterations: int) -> dict:
     summary = json.loads((workdir / "summary.json").read_text())
     total = lambda key: sum(r.get(key, 0.0) for r in steps)
     task = summary["task"]
+    ahead = any("rollout_wait_s" in r for r in steps)  # one step off: sampling and scoring ran beside updates
+    waited = total("rollout_wait_s") if ahead else total("rollout_s") + total("scoring_s")
+    critical = waited + total("weight_sync_s") + total("trainer_logps_s")
     return {"iteration_s": summary["train_s"] / iterations,
             "rollout_s": total("rollout_s") / iterations, "wait_s": total("rollout_wait_s") / iterations,
             "scoring_s": total("scoring_s") / iterations, "weight_sync_s": total("weight_sync_s") / iterations,
-            "update_s": (summary["train_s"] - total("data_wait_s")) / iterations,
+            "trainer_logps_s": total("trainer_logps_s") / iterations,
+            "update_s": (summary["train_s"] - critical) / iterations,
             "reward_base": task["base"]["all"]["reward"], "reward_tuned": task["tuned"]["all"]["reward"],
             "logp_mismatch_mean": float(np.mean([r["logp_mismatch_mean"] for r in steps if "logp_mismatch_mean" in r])),
             "logp_mismatch_max": max(r["logp_mismatch_max"] for r in steps if "logp_mismatch_max" in r),
@@ -160,8 +165,9 @@ def main(argv) -> int:
         wall = run(args.objective, args.base, workdir, per * args.iterations, PLACEMENTS[name])
         results[name] = {"wall_s": wall, **split(workdir, args.iterations)}
         r = results[name]
-        print(f"{name:>13}: iteration {r['iteration_s']:.2f}s = rollout {r['rollout_s']:.2f} (wait "
-              f"{r['wait_s']:.2f}) + scoring {r['scoring_s']:.2f} + sync {r['weight_sync_s']:.3f} + update "
+        print(f"{name:>13}: iteration {r['iteration_s']:.2f}s: rollout {r['rollout_s']:.2f}, scoring "
+              f"{r['scoring_s']:.2f} (one step off: beside the updates, the trainer waited {r['wait_s']:.2f}), "
+              f"sync {r['weight_sync_s']:.3f}, trainer log-probs {r['trainer_logps_s']:.2f}, update and the rest "
               f"{r['update_s']:.2f}; held-out reward {r['reward_base']:.3f} -> {r['reward_tuned']:.3f}; mismatch "
               f"{r['logp_mismatch_mean']:.1e} mean, {r['logp_mismatch_max']:.1e} max; sampler "
               f"{r['rollout_tokens_per_sec']:,.0f} tokens/s", flush=True)

@@ -178,3 +178,33 @@ def rl_prompts(tmp_path_factory, sft_task):
             (out / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in short) + "\n")
 
     return made_once(tmp_path_factory, "prompts", make)
+
+
+@pytest.fixture(scope="session")
+def reward_checkpoint(lora_run, tmp_path_factory):
+    """A reward model of the tiny base's architecture: a random LlamaForSequenceClassification imported with
+    scripts/convert_hf.py (the preference tests train real ones; here only the wiring is under test)."""
+    import json
+    import subprocess
+    import sys
+
+    from train_runs import ROOT, train_env
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    def make(out):
+        model = json.loads((lora_run / "config.json").read_text())["model"]
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=model["vocab_size"], hidden_size=model["dim"], intermediate_size=model["mlp_dim"],
+            num_hidden_layers=model["num_layers"], num_attention_heads=model["num_heads"],
+            num_key_value_heads=model["num_kv_heads"], head_dim=model["head_dim"], rms_norm_eps=model["norm_eps"],
+            rope_theta=model["rope_theta"], num_labels=1, pad_token_id=0, tie_word_embeddings=False)
+        transformers.LlamaForSequenceClassification(config).save_pretrained(out / "hf")
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "import", "--hf",
+                               str(out / "hf"), "--out", str(out / "ckpt")], capture_output=True, text=True,
+                              env=train_env(), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return made_once(tmp_path_factory, "reward_model", make) / "ckpt"

@@ -5,7 +5,6 @@ updates (the rollout travels in the checkpoint), a reward that rises, and bad se
 import json
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -246,27 +245,6 @@ def test_an_injected_nan_rolls_back(grpo_run):
     """The non-finite step 3 (mid-iteration) rolled back to the checkpoint of step 2, which holds the iteration's
     rollout: the replayed step 3 trains on it without a new rollout (test_each_iteration_starts_at_ratio_1)."""
     assert_rolled_back_at_3(grpo_run)
-
-
-@pytest.fixture(scope="module")
-def reward_checkpoint(lora_run, tmp_path_factory):
-    """A reward model of the tiny base's architecture: a random LlamaForSequenceClassification imported with
-    scripts/convert_hf.py (the preference tests train real ones; here only the wiring is under test)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    model = json.loads((lora_run / "config.json").read_text())["model"]
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=model["vocab_size"], hidden_size=model["dim"], intermediate_size=model["mlp_dim"],
-        num_hidden_layers=model["num_layers"], num_attention_heads=model["num_heads"],
-        num_key_value_heads=model["num_kv_heads"], head_dim=model["head_dim"], rms_norm_eps=model["norm_eps"],
-        rope_theta=model["rope_theta"], num_labels=1, pad_token_id=0, tie_word_embeddings=False)
-    hf_dir, out = tmp_path_factory.mktemp("rm_hf"), tmp_path_factory.mktemp("rm") / "ckpt"
-    transformers.LlamaForSequenceClassification(config).save_pretrained(hf_dir)
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "import", "--hf", str(hf_dir),
-                           "--out", str(out)], capture_output=True, text=True, env=train_env(), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
 
 
 def test_a_reward_model_scores_the_rollouts(lora_run, prompts, reward_checkpoint, tmp_path):

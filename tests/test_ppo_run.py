@@ -102,6 +102,33 @@ def test_two_processes_sample_and_train_like_one(ppo_run, lora_run, rl_prompts, 
     assert kl_coef(tmp_path) == kl_coef(ppo_run) and len(set(kl_coef(ppo_run))) == 2  # adapted once, alike
 
 
+def test_a_critic_starts_as_a_trained_reward_model(lora_run, rl_prompts, reward_checkpoint, tmp_path):
+    """ppo.critic_init=rm:<checkpoint>: the critic is the reward model (its own frozen body and its head, the
+    critic's adapters starting at zero), so iteration 0's values are that reward model's scores of the rows; the
+    policy's base and reference are untouched (the ratio is 1 at the first update), and a resume loads the
+    critic's body from the reward model again."""
+    from jaxllm.runs.loader import load_checkpoint
+
+    args = (f"--config.ppo.critic_init=rm:{reward_checkpoint}", "--config.ppo.epochs=1",
+            "--config.ppo.prompts_per_iteration=8", "--config.checkpoint.every=1")  # an iteration a step
+    proc = _run(lora_run, rl_prompts, tmp_path, "--config.train.steps=2", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"critic: the reward model {reward_checkpoint}" in proc.stdout
+    rows = rollout_rows(tmp_path, 1)  # iteration 0's, scored by the critic as it started
+    P = rows["tokens"].shape[1] - rows["mask"].shape[1]
+    rm = load_checkpoint(str(reward_checkpoint)).model
+    scores = np.asarray(rm(rows["tokens"], rows["segment_ids"], rows["positions"]))[:, P - 1:-1] * rows["mask"]
+    np.testing.assert_allclose(rows["old_values"], scores, rtol=1e-4, atol=1e-4)
+    assert np.abs(scores).max() > 1e-2  # a real reward model's scores, not a fresh head's zeros-ish output
+    assert [r["approx_kl"] < 1e-9 for r in metrics(tmp_path) if "loss" in r] == [True, True]
+    again = _run(lora_run, rl_prompts, tmp_path, "--config.train.steps=3", *args)
+    assert again.returncode == 0 and "resuming from checkpoint step 2" in again.stdout, again.stderr[-3000:]
+    bad = _run(lora_run, rl_prompts, tmp_path / "bad", "--config.train.steps=1", *args[1:],
+               f"--config.ppo.critic_init=rm:{lora_run}")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert f"ppo.critic_init: {lora_run} is not a reward model" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_an_injected_nan_rolls_back(ppo_run):
     """The non-finite step 3 (mid-iteration) rolled back to the checkpoint of step 2, which holds the iteration's
     rollout, values and advantages: the replayed step 3 trains on them without a new rollout."""
@@ -114,6 +141,8 @@ def test_an_injected_nan_rolls_back(ppo_run):
     ("--config.ppo.lam=1.5", "ppo.lam: must be in [0, 1]"),
     ("--config.ppo.prompts_per_iteration=12", "train.batch_size: 8 does not divide an iteration's 12 responses"),
     ("--config.lora.rank=0", "lora.rank: PPO trains LoRA adapters: its critic shares the policy's frozen base"),
+    ("--config.ppo.critic_init=rm", "ppo.critic_init: expected \"\" (a fresh head on the policy's base) or rm:"),
+    ("--config.ppo.critic_init=rm:/nonexistent", "ppo.critic_init: no reward-model checkpoint at /nonexistent"),
 ])
 def test_bad_settings_are_one_line_errors(lora_run, rl_prompts, tmp_path, setting, message):
     proc = _run(lora_run, rl_prompts, tmp_path, "--config.train.steps=2", setting)

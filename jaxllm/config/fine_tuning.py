@@ -235,7 +235,11 @@ class PPOConfig(RolloutConfig):
     `kl_horizon` responses); 0 keeps it fixed. Advantages: GAE with `gamma` and `lam`, whitened over valid
     tokens. Loss: the clipped policy loss (`clip`), `vf_coef` x the clipped value loss (`value_clip`), less
     `entropy_coef` x the mean entropy. An update whose minibatch's approximate KL to the sampling policy passes
-    `max_approx_kl` (0: never) is skipped, which stops the iteration's updates while the policy is that far."""
+    `max_approx_kl` (0: never) is skipped, which stops the iteration's updates while the policy is that far.
+    `critic_init` "" (the default): the critic is the policy's base with adapters of its own and a fresh scalar
+    head. "rm:<checkpoint>" of a reward-model run (train.objective=reward, LoRA or not): the critic starts as that
+    reward model, its body (adapters merged) frozen with the critic's adapters on it and its score head trained
+    on; the critic then holds a body of its own beside the policy's base."""
 
     kl_coef: float = 0.05
     kl_estimator: str = "k1"
@@ -248,6 +252,7 @@ class PPOConfig(RolloutConfig):
     entropy_coef: float = 0.0
     missing_eos_penalty: float = 0.0
     max_approx_kl: float = 0.0
+    critic_init: str = ""
 
     def check(self, lora_rank: int, batch_size: int) -> None:
         if not lora_rank:
@@ -263,6 +268,15 @@ class PPOConfig(RolloutConfig):
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"ppo.{key}", f"must be in [0, 1], got {getattr(self, key)}")
+        if self.critic_init and not (self.critic_init.startswith("rm:") and len(self.critic_init) > 3):
+            raise ConfigError("ppo.critic_init", f"expected \"\" (a fresh head on the policy's base) or "
+                                                 f"rm:<reward-model checkpoint>, got {self.critic_init!r}")
+
+    def probe_reward_model(self, section: str) -> None:
+        """The reward model and the critic's reward model exist (see RolloutConfig.probe_reward_model)."""
+        super().probe_reward_model(section)
+        if self.critic_init and not Path(self.critic_init[len("rm:"):]).exists():
+            raise ConfigError("ppo.critic_init", f"no reward-model checkpoint at {self.critic_init[len('rm:'):]}")
 
 
 @dataclasses.dataclass(frozen=True)

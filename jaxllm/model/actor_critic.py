@@ -5,7 +5,9 @@ head) with adapters of its own.
 The critic's base variables are the policy's own Variable objects (tied after construction), so the module's
 state holds the base once, at the language model's paths: the frozen tree is exactly a plain LM's (the base
 checkpoint loads into it unchanged) and the critic adds only its adapters and head. Calling the module is the
-policy's forward; `module.value(tokens, ...)` gives per-position values [B, T].
+policy's forward; `module.value(tokens, ...)` gives per-position values [B, T]. With `own_critic_body` (a
+critic started from a trained reward model) nothing is tied: the critic's body is frozen variables of its own,
+under `value`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from jaxllm.model.rope import RopeScaling
 from jaxllm.model.reward import RewardModel
 from jaxllm.model.transformer import Transformer
 
-VALUE = nnx.PathContains("value")  # the critic's own variables (adapters and head)
+VALUE = nnx.PathContains("value")  # the critic's variables (adapters and head; and its body, when it has its own)
+CRITIC_HEAD = nnx.All(VALUE, nnx.PathContains("score"))
 
 
 class ActorCritic(Transformer):
@@ -26,7 +29,7 @@ class ActorCritic(Transformer):
     def __init__(self, cfg: ModelConfig, precision: PrecisionConfig = PrecisionConfig(), *, rngs: nnx.Rngs,
                  rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1,
                  lora: LoRAConfig | None = None, sequence_parallel: bool = False,
-                 pipeline_schedule: str = "gpipe"):
+                 pipeline_schedule: str = "gpipe", own_critic_body: bool = False):
         if lora is None or not lora.rank:
             raise ValueError("ActorCritic shares a frozen base between policy and critic: it needs LoRA adapters")
         shape = dict(rope_scaling=rope_scaling, pipeline_microbatches=pipeline_microbatches,
@@ -34,7 +37,8 @@ class ActorCritic(Transformer):
                      pipeline_schedule=pipeline_schedule)
         super().__init__(cfg, precision, rngs=rngs, **shape)
         self.value = RewardModel(cfg, precision, rngs=rngs, **shape)
-        _tie_base(self.value, self)
+        if not own_critic_body:  # else (ppo.critic_init=rm:...) the critic keeps a frozen body of its own
+            _tie_base(self.value, self)
 
 
 def _tie_base(critic: nnx.Module, policy: nnx.Module) -> None:

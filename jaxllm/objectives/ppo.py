@@ -5,8 +5,8 @@ both, on the summed loss (policy loss + ppo.vf_coef x value loss), as TRL's PPOT
 policy-and-value wrapper; global-norm clipping covers both.
 
 The critic starts from the policy's base with fresh adapters and a head drawn like the reward model's, so it
-costs its adapters and head only: the base is the policy's arrays. (Starting it from a reward model with a body
-of its own is not built yet.)
+costs its adapters and head only: the base is the policy's arrays. With ppo.critic_init=rm:<checkpoint> it starts
+as that trained reward model instead: a frozen body of its own, the model's head, and fresh adapters.
 
 An iteration: the policy samples one response per prompt; the reference gives its log-probs and the critic its
 values (`ppo_values`, the state before each response token); `token_rewards` makes per-token rewards
@@ -17,6 +17,7 @@ state, so a resumed run keeps it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,8 +26,8 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config.fine_tuning import PPOConfig
-from jaxllm.config.schema import Config, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
-from jaxllm.model.actor_critic import VALUE, ActorCritic
+from jaxllm.config.schema import Config, ConfigError, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig
+from jaxllm.model.actor_critic import CRITIC_HEAD, VALUE, ActorCritic
 from jaxllm.objectives.losses import gae, kl_penalty, ppo_policy_loss, ppo_value_loss
 from jaxllm.objectives.pairs import masked_mean
 from jaxllm.objectives.rollout import response_stats
@@ -34,18 +35,51 @@ from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.model.head import next_token_loss
 from jaxllm.objectives.rl import RolloutBatches, response_kl, rl_objective, rl_setup, rows_prompt_len
 from jaxllm.model.build import build_model
+from jaxllm.model.lora import merge
+from jaxllm.parallel.sharding import sharding_tree
+from jaxllm.runs.checkpoint import CheckpointError
+from jaxllm.runs.loader import load_checkpoint
 from jaxllm.train.step import SKIP_UPDATE
 
 
 def actor_critic_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: PipelineConfig = PipelineConfig(),
-                           lora: LoRAConfig | None = None, rope_scaling=None, sequence_parallel: bool = False) -> Objective:
+                           lora: LoRAConfig | None = None, rope_scaling=None, sequence_parallel: bool = False,
+                           critic_init: str = "") -> Objective:
     """The model half of PPO: the actor-critic, whose adapters (both) and critic head train; `sequence_parallel`
-    as `build_model`."""
-    return Objective(name="ppo", build_model=functools.partial(build_model, model, precision, pipeline=pipeline,
-                                                                lora=lora, rope_scaling=rope_scaling,
-                                                                model_class=ActorCritic,
-                                                                sequence_parallel=sequence_parallel),
-                     loss_fn=next_token_loss, trainable=nnx.Any(nnx.LoRAParam, VALUE))
+    as `build_model`. `critic_init` "rm:<checkpoint>" (PPOConfig) starts the critic as that reward model: a
+    frozen body of its own and its head, loaded by the objective (`own`, `load_own`)."""
+    model_class = functools.partial(ActorCritic, own_critic_body=bool(critic_init))
+    objective = Objective(name="ppo", build_model=functools.partial(build_model, model, precision, pipeline=pipeline,
+                                                                     lora=lora, rope_scaling=rope_scaling,
+                                                                     model_class=model_class,
+                                                                     sequence_parallel=sequence_parallel),
+                          loss_fn=next_token_loss, trainable=nnx.Any(nnx.LoRAParam, CRITIC_HEAD))
+    if not critic_init:
+        return objective
+    return dataclasses.replace(objective, own=nnx.All(VALUE, nnx.Not(nnx.LoRAParam)),
+                               load_own=functools.partial(critic_from_reward_model, critic_init[len("rm:"):]))
+
+
+def critic_from_reward_model(path: str, abstract, mesh):
+    """The critic's body and head (`abstract`: their variables, under `value`) from the reward-model run at
+    `path`, its adapters merged into its body, placed per the rules on `mesh`; ConfigError (ppo.critic_init)
+    when it is not a reward model of the policy's architecture."""
+    if not jax.tree.leaves(abstract):
+        return abstract
+    dtype = jnp.dtype(jax.tree.leaves(abstract)[0].dtype).name
+    try:
+        loaded = load_checkpoint(path, mesh=mesh, compute=dtype)
+    except (CheckpointError, FileNotFoundError) as exc:
+        raise ConfigError("ppo.critic_init", str(exc)) from None
+    if (loaded.config.get("train") or {}).get("objective") != "reward":
+        raise ConfigError("ppo.critic_init", f"{path} is not a reward model (train.objective=reward) checkpoint")
+    held = {("value",) + tuple(p): v for p, v in nnx.to_flat_state(nnx.state(merge(loaded.model), nnx.Param))}
+    wanted = nnx.to_flat_state(abstract)
+    if any(p not in held or held[p].get_value().shape != v.get_value().shape for p, v in wanted):
+        raise ConfigError("ppo.critic_init", f"{path} is a reward model of another architecture than the policy's: "
+                                             f"the critic takes its body as it is")
+    picked = nnx.from_flat_state([(p, held[p]) for p, _ in wanted])
+    return jax.device_put(picked, sharding_tree(abstract, mesh))
 
 
 def ppo_values(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: int):
@@ -160,10 +194,15 @@ def critic_bytes(objective: Objective) -> tuple[int, int]:
 
 def ppo_objective(cfg: Config, log=print) -> Objective:
     """The PPO objective of a resolved `cfg`, reading the prompts first."""
-    setup = rl_setup(cfg, "ppo", log, build_policy=actor_critic_objective, value_fn=ppo_values)
+    build = functools.partial(actor_critic_objective, critic_init=cfg.ppo.critic_init)
+    setup = rl_setup(cfg, "ppo", log, build_policy=build, value_fn=ppo_values)
     own, base = critic_bytes(setup.policy)
-    log(f"critic: LoRA adapters and a value head on the policy's frozen base (shared, no second copy): "
-        f"{own / 1e6:.2f} MB of its own, next to the base's {base / 1e6:.2f} MB")
+    if cfg.ppo.critic_init:
+        log(f"critic: the reward model {cfg.ppo.critic_init[len('rm:'):]} (its frozen body and score head) with LoRA "
+            f"adapters of its own: {own / 1e6:.2f} MB beside the policy's base of {base / 1e6:.2f} MB")
+    else:
+        log(f"critic: LoRA adapters and a value head on the policy's frozen base (shared, no second copy): "
+            f"{own / 1e6:.2f} MB of its own, next to the base's {base / 1e6:.2f} MB")
 
     def open_batches(request: BatchRequest):
         return PPOBatches(cfg, request, setup.sampler, setup.prompts["train"])

@@ -153,9 +153,10 @@ class WeightSync:
         self.copies: list = []
 
     def __call__(self, variables) -> tuple[object, float]:
-        """(`variables` on the rollout mesh, seconds until every copy landed)."""
+        """(`variables` on the rollout mesh, seconds until every copy landed; not the wait for the update that
+        made them)."""
+        leaves, treedef = jax.tree.flatten(jax.block_until_ready(variables))
         started = time.perf_counter()
-        leaves, treedef = jax.tree.flatten(variables)
         known = dict(zip(map(id, self.sources), self.copies))
         shardings = [NamedSharding(self.mesh, spec) for spec in spec_leaves(variables, self.mesh)]
         copies = [known[id(x)] if id(x) in known else jax.device_put(x, s) for x, s in zip(leaves, shardings)]
@@ -403,7 +404,13 @@ class RolloutBatches:
         return self._for_the_trainer(rows, sampled_logps, current)
 
     def _trainer_logps(self, variables, rows: dict[str, np.ndarray]) -> np.ndarray:
-        return self.sampler.trainer_logps(variables, rows, self.block)
+        """The trainer's log-probs of `rows` with `variables`, timed as `trainer_logps_s` (from when the update
+        that made them is done)."""
+        jax.block_until_ready(variables)
+        started = time.perf_counter()
+        logps = self.sampler.trainer_logps(variables, rows, self.block)
+        self.timings["trainer_logps_s"] = self.timings.get("trainer_logps_s", 0.0) + time.perf_counter() - started
+        return logps
 
     def _sample(self, iteration: int, variables, timings: dict) -> dict[str, np.ndarray]:
         """The iteration's scored rollouts from `variables` (on the sampler's devices; this process's block of
@@ -431,14 +438,12 @@ class RolloutBatches:
         the trainer's with the weights the iteration starts with; with rl.tis_cap the truncated importance
         weights min(exp(old - recorded), tis_cap) of the behaviour policy (the recorded log-probs; on-policy
         "old" is the trainer's recompute of them, so the weights correct the sampler-trainer gap alone)."""
-        started = time.perf_counter()
         self.timings.update(self._mismatch(sampled_logps, rows))
         mask, recorded = rows["mask"], rows["old_logps"]
         proximal = self._trainer_logps(current, rows) * mask if self.staleness else sampled_logps * mask
         rows = {**rows, "old_logps": proximal.astype(np.float32) if self.staleness else recorded}
         if self.tis_cap:
             rows["tis_weights"] = (np.minimum(np.exp(proximal - recorded), self.tis_cap) * mask).astype(np.float32)
-        self.timings["scoring_s"] = self.timings.get("scoring_s", 0.0) + time.perf_counter() - started
         return rows
 
     def _mismatch(self, sampled_logps: np.ndarray, rows: dict[str, np.ndarray]) -> dict[str, float]:
@@ -473,10 +478,13 @@ class RolloutBatches:
                 self.samples.write(record)
 
     def step_metrics(self) -> dict:
-        """Host metrics of the batch given last (jaxllm.train.fit.host_metrics): the seconds its iteration's
-        rollouts took to sample and to score, and the sampler's tokens/s (all processes' tokens), at an
-        iteration's first step; 0 at the others, so that sums over steps split the run's time."""
-        return {"rollout_s": 0.0, "scoring_s": 0.0, "weight_sync_s": 0.0, **self.timings}
+        """Host metrics of the batch given last (jaxllm.train.fit.host_metrics), at an iteration's first step:
+        the seconds its rollouts took to sample (`rollout_s`; one step off, in the rollout thread, and
+        `rollout_wait_s` the trainer's wait for them) and to score (`scoring_s`: reference, reward, critic), the
+        weight sync (`weight_sync_s`), the trainer's log-probs of the rows (`trainer_logps_s`), the sampler's
+        tokens/s (all processes' tokens) and the log-prob mismatch; 0 at the other steps, so that sums over
+        steps split the run's time."""
+        return {"rollout_s": 0.0, "scoring_s": 0.0, "weight_sync_s": 0.0, "trainer_logps_s": 0.0, **self.timings}
 
     def extra_state(self) -> dict:
         return {}

@@ -75,7 +75,9 @@ class Objective:
     which are initialised from the seed instead. `report(graphdef, variables, mesh)` gives task metrics of a
     model ({"scores": {group: {"examples": n, metric: value}}, "samples": [...]}, and under SFT_TASK the scores of
     the SFT task its base was fine-tuned for: jaxllm/objectives/retention.py), taken before and after training.
-    `progress_metrics` name the loss_fn metrics the progress line shows beside the loss.
+    `progress_metrics` name the loss_fn metrics the progress line shows beside the loss. `own` filters the
+    variables the objective loads itself, neither from the base nor from the seed, with `load_own(abstract,
+    mesh)` (their abstract state -> the variables, placed): PPO's critic started from a reward model.
     """
 
     name: str
@@ -90,6 +92,8 @@ class Objective:
     fresh: Any = None
     report: Callable[[nnx.GraphDef, Any, Any], dict] | None = None
     progress_metrics: tuple[str, ...] = ()
+    own: Any = None
+    load_own: Callable[[Any, Any], Any] | None = None
 
     @functools.cached_property
     def graphdef(self) -> nnx.GraphDef:

@@ -201,9 +201,13 @@ def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log,
     abstract_state, abstract_frozen = abstract
     base = objective.base
     if jax.tree.leaves(abstract_frozen):
-        frozen, identity = load_base(base, abstract_frozen, mesh)
+        frozen, identity = load_frozen(objective, abstract_frozen, mesh)
         record = base.record(identity)
         state = init_trainable_state(objective, tx, shardings, seed, window, init_scale)
+        if objective.own is not None:  # trainable variables the objective loads itself replace the seed's
+            _, own = abstract_state.params.split(nnx.Not(objective.own), ...)
+            params = nnx.merge_state(state.params, objective.load_own(own, mesh))
+            state = state_from_params(params, tx, shardings, seed, window, init_scale)
     else:
         params, identity = _base_and_fresh(objective, abstract_state.params, mesh, seed)
         record = base.record(identity)
@@ -238,10 +242,20 @@ def _frozen(objective, mesh, cfg: Config, abstract, recorded: dict | None):
             raise ConfigError("checkpoint.restore_from", f"this run's checkpoints were trained on the base "
                                                          f"{recorded['path']}: name it again to resume")
         return init_frozen(objective, mesh, cfg.train.seed), recorded  # never a second copy of what trains
-    frozen, identity = load_base(objective.base, abstract_frozen, mesh)
+    frozen, identity = load_frozen(objective, abstract_frozen, mesh)
     record = objective.base.record(identity)
     check_same_base(accepted(recorded, identity, frozen), record)
     return frozen, record
+
+
+def load_frozen(objective, abstract_frozen, mesh):
+    """(the frozen variables: the base's, and those the objective loads itself (`objective.own`); the base's
+    fingerprint)."""
+    if objective.own is None:
+        return load_base(objective.base, abstract_frozen, mesh)
+    from_base, own = abstract_frozen.split(nnx.Not(objective.own), ...)
+    frozen, identity = load_base(objective.base, from_base, mesh)
+    return nnx.merge_state(frozen, objective.load_own(own, mesh)), identity
 
 
 ROLLBACK, SKIP, ABORT = "rollback", "skip", "abort"
