@@ -83,7 +83,10 @@ def split(workdir: Path, iterations: int) -> dict:
             "logp_mismatch_mean": float(np.mean([r["logp_mismatch_mean"] for r in steps if "logp_mismatch_mean" in r])),
             "logp_mismatch_max": max(r["logp_mismatch_max"] for r in steps if "logp_mismatch_max" in r),
             "rollout_tokens_per_sec": float(np.mean([r["rollout_tokens_per_sec"] for r in steps
-                                                     if r.get("rollout_tokens_per_sec")]))}
+                                                     if r.get("rollout_tokens_per_sec")])),
+            # The curve, one mean per iteration of the reward function's scores (PPO's "reward" has the KL in it).
+            "train_reward": [float(np.mean([r.get("score", r["reward"]) for r in part]))
+                             for part in np.array_split(np.asarray(steps, dtype=object), iterations)]}
 
 
 def bare_decode(graphdef, params, tokens, start, new: int, temperature: float, key):
@@ -100,13 +103,14 @@ def bare_decode(graphdef, params, tokens, start, new: int, temperature: float, k
         model = nnx.merge(graphdef, params)
         B, P = tokens.shape
         cache = KVCache.zeros(model.cfg, B, bucket(P + new), model.compute_dtype)
-        logits, cache = model.decode(tokens, cache, 0, start, None)
+        layers = model.decode_layers()  # the model's own per-layer weights for decoding, as the sampler takes them
+        logits, cache = model.decode(tokens, cache, 0, start, layers)
         draw = lambda logits, i: jax.random.categorical(jax.random.fold_in(key, i), logits / temperature)
         out = jnp.zeros((B, new), jnp.int32).at[:, 0].set(draw(logits, 0))
 
         def body(i, carry):
             cache, out = carry
-            logits, cache = model.decode(out[:, i - 1][:, None], cache, P + i - 1, start, None)
+            logits, cache = model.decode(out[:, i - 1][:, None], cache, P + i - 1, start, layers)
             return cache, out.at[:, i].set(draw(logits, i))
 
         return jax.lax.fori_loop(1, new, body, (cache, out))[1]
@@ -171,6 +175,7 @@ def main(argv) -> int:
               f"{r['update_s']:.2f}; held-out reward {r['reward_base']:.3f} -> {r['reward_tuned']:.3f}; mismatch "
               f"{r['logp_mismatch_mean']:.1e} mean, {r['logp_mismatch_max']:.1e} max; sampler "
               f"{r['rollout_tokens_per_sec']:,.0f} tokens/s", flush=True)
+        print(f"{'':>13}  train reward by iteration: {' '.join(f'{x:.2f}' for x in r['train_reward'])}", flush=True)
     if "colocated" in results:
         for name, r in results.items():
             r["iteration_vs_colocated"] = r["iteration_s"] / results["colocated"]["iteration_s"]
