@@ -89,8 +89,9 @@ def split(workdir: Path, iterations: int) -> dict:
                              for part in np.array_split(np.asarray(steps, dtype=object), iterations)]}
 
 
-def bare_decode(graphdef, params, tokens, start, new: int, temperature: float, key):
-    """The model's KV-cache decode step in a fori_loop with a categorical draw: [B, new] tokens, nothing else."""
+def bare_decode(graphdef, new: int, temperature: float):
+    """A jitted fn(params, tokens, start, key) -> [B, new] tokens: the model's KV-cache decode step in a
+    fori_loop with a categorical draw, nothing else. Made once and called twice (the first call compiles)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -115,7 +116,7 @@ def bare_decode(graphdef, params, tokens, start, new: int, temperature: float, k
 
         return jax.lax.fori_loop(1, new, body, (cache, out))[1]
 
-    return loop(params, tokens, start, key)
+    return loop
 
 
 def decode_overhead(base: str, shape: tuple[int, int, int]) -> dict:
@@ -141,7 +142,8 @@ def decode_overhead(base: str, shape: tuple[int, int, int]) -> dict:
 
     sampler = timed(lambda: decode(loaded.graphdef, loaded.params, tokens, start, max_new_tokens=new,
                                    temperature=1.0, key=key)[0])
-    bare = timed(lambda: bare_decode(loaded.graphdef, loaded.params, tokens, start, new, 1.0, key))
+    loop = bare_decode(loaded.graphdef, new, 1.0)
+    bare = timed(lambda: loop(loaded.params, tokens, start, key))
     return {"rows": rows, "prompt": prompt, "new": new, "sampler_tokens_per_sec": rows * new / sampler,
             "bare_tokens_per_sec": rows * new / bare, "sampler_over_bare": bare / sampler}
 
@@ -155,7 +157,7 @@ def main(argv) -> int:
     p.add_argument("--placements", default=",".join(PLACEMENTS))
     p.add_argument("--skip_decode", action="store_true")
     args = p.parse_args(argv)
-    chosen = args.placements.split(",")
+    chosen = [c for c in args.placements.split(",") if c]  # --placements= : the decode comparison alone
     if any(c not in PLACEMENTS for c in chosen) or not Path(args.base).exists() or args.iterations < 2:
         sys.exit(f"error: --placements from {sorted(PLACEMENTS)}, --base an existing run (make sft), "
                  f"--iterations >= 2; got {args.placements!r}, {args.base!r}, {args.iterations}")

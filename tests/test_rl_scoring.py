@@ -99,3 +99,25 @@ def test_the_logp_mismatch_is_zero_on_policy_and_measures_a_gap():
         trainer = rows["old_logps"] + offset * MASK + 5.0 * (1 - MASK)
         got = source._mismatch(trainer, rows)
         np.testing.assert_allclose([got["logp_mismatch_mean"], got["logp_mismatch_max"]], [want, want], atol=1e-6)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_the_trainer_side_of_an_iteration(staleness):
+    """One step off, the ratio's old log-probs are the trainer's at the iteration's start and the truncated
+    importance weights are min(exp(old - recorded), tis_cap) on valid tokens (verl's TIS); on-policy the old
+    log-probs stay the recorded ones and the weights use the trainer's recompute of them."""
+    rows = _rollout(np.random.default_rng(2))
+    recorded = rows["old_logps"]
+    sampled = recorded + 0.01 * MASK  # the trainer, with the weights that sampled
+    current = recorded + np.array([[0.5], [-0.3], [2.0]], np.float32) * MASK  # the trainer, one update later
+    source = object.__new__(GRPOBatches)
+    source.block, source.staleness, source.tis_cap, source.timings = (0, 1), staleness, 2.0, {}
+    source._trainer_logps = lambda variables, rows: current
+    out = source._for_the_trainer(dict(rows), sampled, current=None)
+    old = current if staleness else recorded
+    np.testing.assert_allclose(out["old_logps"], old * MASK, atol=1e-6)
+    proximal = current if staleness else sampled
+    want = np.minimum(np.exp(proximal - recorded), 2.0) * MASK
+    np.testing.assert_allclose(out["tis_weights"], want, atol=1e-6)
+    assert out["tis_weights"].max() <= 2.0 and (staleness == 0 or out["tis_weights"].max() == 2.0)
+    np.testing.assert_allclose(source.timings["logp_mismatch_mean"], 0.01, atol=1e-6)
