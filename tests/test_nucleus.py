@@ -38,3 +38,17 @@ def test_top_p_keeps_exactly_the_nucleus_and_draws_in_proportion(top_p, nucleus)
 
 def test_top_k_then_top_p():
     assert set(np.unique(_draws(0.81, top_k=2)).tolist()) == {1, 3}
+
+
+def test_a_draw_without_top_k_or_top_p_skips_the_sort_and_keeps_the_distribution():
+    """truncate=False (no top-k, no top-p) draws from the drawable ids directly: in proportion, never a padding id
+    (here id 3 lies past vocab_limit=3), each with its log-probability under the whole softmax."""
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS, jnp.float32)), (ROWS, len(PROBS)))
+    tokens, logps = _pick(logits, jax.random.key(3), 1, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0),
+                          jnp.int32(3), sampling=True, truncate=False)
+    draws = np.asarray(tokens)
+    assert set(np.unique(draws).tolist()) == {0, 1, 2}
+    expected = PROBS[:3] / PROBS[:3].sum()
+    observed = np.array([(draws == i).mean() for i in range(3)])
+    np.testing.assert_allclose(observed, expected, atol=4 * np.sqrt(0.25 / ROWS))
+    np.testing.assert_allclose(np.asarray(logps), np.log(PROBS[draws]), rtol=1e-5)

@@ -6,7 +6,8 @@ from there and the slots before it are masked out, so padding changes nothing a 
 
 The prefill and the whole token loop (a `lax.while_loop` that exits once every row has stopped) run in one
 jitted call. Shapes are bucketed to powers of two (batch, prompt length, cache length) and the sampling knobs
-and `max_new_tokens` are traced values, so new prompt lengths and settings rarely recompile.
+and `max_new_tokens` are traced values, so new prompt lengths and settings rarely recompile (whether top-k or
+top-p truncate at all is static: a draw without them skips the sort that makes them exact).
 
 A model's vocabulary may be larger than its tokenizer's (padded to a multiple of 128 for speed): `vocab_limit`,
 the tokenizer's size, keeps the padding ids out of every draw, so no id the tokenizer cannot decode comes out.
@@ -36,14 +37,16 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def _pick(logits_BV, key, step, temperature, top_k, top_p, vocab_limit, sampling: bool):
+def _pick(logits_BV, key, step, temperature, top_k, top_p, vocab_limit, sampling: bool, truncate: bool = True):
     """Next tokens [B] and their log-probabilities [B] (float32), drawn from the ids below `vocab_limit` only.
 
     Greedy: the argmax, with its log-probability under softmax(logits). Sampling: a draw from the
     temperature-scaled top-k / top-p (nucleus) distribution, with its log-probability under the whole
     softmax(logits / temperature), not the truncated one: that is what a forward pass over the sampled sequence
     gives back, the quantity PPO's probability ratio needs (jaxllm.objectives.rollout). The padding ids above
-    `vocab_limit` are one more truncation: they stay in that softmax and out of the draw.
+    `vocab_limit` are one more truncation: they stay in that softmax and out of the draw. `truncate` False (no
+    top-k, no top-p: a static choice) draws from the drawable ids directly, without the sort that makes top-k and
+    top-p exact: the same distribution (other draws for a given key), and no O(V log V) per row and step.
     """
     logits_BV = logits_BV.astype(jnp.float32)
     rank_V = jnp.arange(logits_BV.shape[-1])
@@ -52,6 +55,11 @@ def _pick(logits_BV, key, step, temperature, top_k, top_p, vocab_limit, sampling
         token_B = jnp.argmax(drawable_BV, axis=-1).astype(jnp.int32)
         return token_B, _logp_of(logits_BV, token_B)
     logits_BV = logits_BV / temperature
+    if not truncate:
+        choice_B = jax.random.categorical(jax.random.fold_in(key, step),
+                                          jnp.where(rank_V < vocab_limit, logits_BV, -jnp.inf))
+        token_B = choice_B.astype(jnp.int32)
+        return token_B, _logp_of(logits_BV, token_B)
     # Work in sorted order so top-k is exact (ties cannot let extra tokens in) and k may be a traced value; the
     # padding ids sort last, so ranks from `vocab_limit` on are exactly them.
     order_BV = jnp.argsort(-drawable_BV, axis=-1)
@@ -72,15 +80,15 @@ def _logp_of(logits_BV, token_B):
     return target_B - jax.nn.logsumexp(logits_BV, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "sampling"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "sampling", "truncate"))
 def _decode(graphdef, params, tokens_BP, start_B, max_new, stop_ids, temperature, top_k, top_p, vocab_limit, key,
-            *, cache_len: int, sampling: bool):
+            *, cache_len: int, sampling: bool, truncate: bool = True):
     """Prefill + token loop; returns [B, cache_len - P] new tokens (NO_TOKEN after a row stopped) and their
     log-probabilities (0 after a row stopped)."""
     model = nnx.merge(graphdef, params)
     B, P = tokens_BP.shape
     pick = functools.partial(_pick, key=key, temperature=temperature, top_k=top_k, top_p=top_p,
-                             vocab_limit=vocab_limit, sampling=sampling)
+                             vocab_limit=vocab_limit, sampling=sampling, truncate=truncate)
 
     cache = KVCache.zeros(model.cfg, B, cache_len, model.compute_dtype)
     layers = model.decode_layers()  # unrolled layers' weights, sliced once ahead of the loop (None: scanned)
@@ -133,7 +141,9 @@ def decode(graphdef, params, tokens_BP, start_B, *, max_new_tokens: int, stop_id
     key = jax.random.key(0) if key is None else key
     return _decode(graphdef, params, jnp.asarray(tokens_BP), jnp.asarray(start_B), jnp.int32(max_new_tokens),
                    jnp.asarray(stops), jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p),
-                   jnp.int32(ALL_IDS if vocab_limit is None else vocab_limit), key, cache_len=bucket(tokens_BP.shape[1] + max_new_tokens), sampling=temperature > 0)
+                   jnp.int32(ALL_IDS if vocab_limit is None else vocab_limit), key,
+                   cache_len=bucket(tokens_BP.shape[1] + max_new_tokens), sampling=temperature > 0,
+                   truncate=top_k > 0 or top_p < 1.0)
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
