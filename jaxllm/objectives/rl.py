@@ -261,7 +261,7 @@ class Sampler:
         trainer_mesh = jax.tree.leaves(variables)[0].sharding.mesh
         layout = {k: rows[k] for k in ("tokens", "segment_ids", "positions")}
         if self.sync is None:  # the trainer's mesh is this sampler's: rows laid out as they were sampled
-            layout = self.place(layout, block)
+            layout = to_global(layout, self.rows_sharding, len(rows["tokens"]) * block[1])
         with jax.set_mesh(trainer_mesh):
             logps = _logps(self.graphdef, variables, layout["tokens"], layout["segment_ids"], layout["positions"],
                            prompt_len=rows_prompt_len(rows), temperature=self.settings.temperature)
@@ -270,10 +270,6 @@ class Sampler:
     def read(self, arrays: dict, block: tuple[int, int]) -> dict[str, np.ndarray]:
         """Global arrays of rollout rows -> this process's block of them (numpy)."""
         return to_local(arrays, self.rows_sharding, block)
-
-    def place(self, rows: dict[str, np.ndarray], block: tuple[int, int]) -> dict:
-        """This process's block of rollout rows (numpy) -> global arrays over the batch mesh axes."""
-        return to_global(rows, self.rows_sharding, len(next(iter(rows.values()))) * block[1])
 
     def response_text(self, row_tokens: np.ndarray, mask: np.ndarray) -> str:
         """A rollout row's response as text, without the token it stopped at."""
@@ -425,8 +421,7 @@ class RolloutBatches:
         tokens = float(self.total(rows["mask"].sum()))
         timings["rollout_tokens_per_sec"] = tokens / max(timings["rollout_s"], 1e-9)
         started = time.perf_counter()
-        with self.sampler.lock:
-            rows = self.score(rows, variables)
+        rows = self.score(rows, variables)  # host work on the rows: the sampler computed the critic's values
         timings["scoring_s"] += time.perf_counter() - started
         if self.settings.samples_every and iteration % self.settings.samples_every == 0:
             self._write_samples(iteration, chosen, rows)
