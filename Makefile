@@ -6,7 +6,8 @@
 # `make ppo`:   after `make sft`, PPO (policy and critic adapters on the merged SFT model), same reward; add
 #               ARGS="--config.ppo.reward=rm:runs/reward --config.workdir=runs/ppo_rm" (after `make reward`) to be
 #               rewarded by the reward model (a workdir of its own: a run resumes only under its reward).
-# `make pipeline`: the whole life of a model from nothing: prepare, pretrain, SFT, reward model, PPO (~31 min).
+# `make pipeline`: the whole life of a model from nothing: prepare, pretrain, SFT, reward model, PPO (~31 min);
+#               ARGS=--launcher=slurm submits the stages as dependent SLURM jobs instead (docs/clusters.md).
 # `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices) in
 #               TEST_WORKERS pytest-xdist processes (default 2), one test file per worker at a time.
 # `make docs`:  install the docs extra and build the documentation site (mkdocs.yml, docs/) strictly into build/site.

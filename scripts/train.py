@@ -43,6 +43,9 @@ def main(argv):
     p.add_argument("--process_id", type=int, default=None, help="this process's index in [0, num_processes)")
     p.add_argument("--init_timeout", type=float, default=300.0,
                    help="seconds to wait for all processes to start (default 300)")
+    p.add_argument("--preempted_exit_code", type=int, default=0,
+                   help="exit code after a SIGTERM/SIGINT made the run save and stop (default 0); a launcher that "
+                        "restarts stopped runs tells them from finished ones by it (scripts/launch/jobset.yaml: 143)")
     p.add_argument("--heartbeat_timeout", type=int, default=100,
                    help="seconds of silence after which a process counts as dead and the job stops (default 100)")
     args = p.parse_args(args_list)
@@ -126,7 +129,7 @@ def main(argv):
     from jaxllm.train.recovery import AnomalyAbort
 
     try:
-        train(cfg)
+        summary = train(cfg)
     except ConfigError as exc:
         fail(str(exc))
     except CheckpointError as exc:
@@ -156,7 +159,7 @@ def main(argv):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    return 0
+    return args.preempted_exit_code if "preempted_at" in summary else 0
 
 
 if __name__ == "__main__":

@@ -66,13 +66,15 @@ ROOT = Path(__file__).resolve().parents[1]
 XLA_CPU_WEDGE = r"Termination timeout for `[a-z -]+ RendezvousKey"
 
 
-# The test files that take longest (worker seconds in a quiet run of 2026-12-05: 160, 110, 124, 91, 81, ...) run
+# The test files that take longest (worker seconds in a quiet run of 2026-12-05: 160, 110, 124, 91, 81, ...;
+# test_slurm.py about 125 alone on 2026-12-06) run
 # first, so that the two xdist workers (`make test` passes --no-loadscope-reorder: xdist would put the files with
 # the most tests first) end together on short files instead of one waiting out a long file at the end. The first
 # two need different reference runs, so neither worker waits on the other's fixture lock at the start.
-LONGEST_FILES = ("test_grpo_run.py", "test_checkpoint.py", "test_preference_run.py", "test_families.py",
-                 "test_multiprocess.py", "test_powersgd.py", "test_moe_models.py", "test_sft_run.py", "test_drill.py",
-                 "test_ppo_run.py", "test_pipeline.py", "test_preference.py", "test_lora.py", "test_watchdog.py")
+LONGEST_FILES = ("test_grpo_run.py", "test_checkpoint.py", "test_slurm.py", "test_preference_run.py",
+                 "test_families.py", "test_multiprocess.py", "test_powersgd.py", "test_moe_models.py",
+                 "test_sft_run.py", "test_drill.py", "test_ppo_run.py", "test_pipeline.py", "test_preference.py",
+                 "test_lora.py", "test_watchdog.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -208,3 +210,22 @@ def reward_checkpoint(lora_run, tmp_path_factory):
         assert proc.returncode == 0, proc.stderr[-3000:]
 
     return made_once(tmp_path_factory, "reward_model", make) / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real one-node SLURM cluster (scripts/launch/local_slurm.sh up: installs slurm-wlm and munge if missing,
+    reuses a cluster already up); its SLURM_CONF goes into this process's environment, which the clients
+    (sbatch, squeue, scripts/submit.py) and the jobs inherit. Stopped at the end if this session started it. A
+    cluster that cannot come up fails the tests that need it, with the reason: they never skip."""
+    import subprocess
+
+    script = ROOT / "scripts" / "launch" / "local_slurm.sh"
+    proc = subprocess.run(["bash", str(script), "up"], capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        pytest.fail(f"the local SLURM cluster did not come up: {proc.stderr.strip()[-2000:]}", pytrace=False)
+    setting, how = proc.stdout.strip().splitlines()[-1].split()
+    os.environ["SLURM_CONF"] = setting.split("=", 1)[1]
+    yield os.environ["SLURM_CONF"]
+    if how == "started":
+        subprocess.run(["bash", str(script), "down"], capture_output=True, timeout=120)

@@ -44,7 +44,7 @@ def test_slurm_template_renders_to_a_valid_batch_script(tmp_path):
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     directives = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, flags=re.M))
-    assert directives["nodes"] == "16" and directives["gpus-per-node"] == "4"
+    assert directives["nodes"] == "16" and directives["gres"] == "gpu:4"
     assert directives["ntasks-per-node"] == "1"  # one process per node, all its GPUs
     assert directives["job-name"] == "pretrain-1b" and directives["time"] == "2-00:00:00"
     assert "requeue" in directives and directives["signal"].startswith("B:USR1@")
@@ -78,6 +78,28 @@ def test_jobset_template_renders_to_a_wired_manifest():
     assert container["image"] == "registry.local/jaxllm:1"
     assert container["command"][-2:] == OVERRIDES
     _dry_run(container["command"])
+    # No priority asked: no PriorityClass, no Kueue labels. A preempted run's exit code replaces its pod.
+    assert spec["template"]["spec"]["priorityClassName"] is None and doc["metadata"]["labels"] == {}
+    code = int(container["command"][container["command"].index("--preempted_exit_code") + 1])
+    rules = spec["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "train", "operator": "In", "values": [code]}} in rules
+    assert code == 143 and {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
+
+
+def test_jobset_carries_the_priority_class_to_the_scheduler_and_kueue():
+    doc = yaml.safe_load(_render("jobset", "--set", "priority_class=high", "--set", "queue=team-a"))
+    assert doc["metadata"]["labels"] == {"kueue.x-k8s.io/queue-name": "team-a",
+                                         "kueue.x-k8s.io/priority-class": "high"}
+    (job,) = doc["spec"]["replicatedJobs"]
+    assert job["template"]["spec"]["template"]["spec"]["priorityClassName"] == "high"
+
+
+def test_slurm_template_for_cpu_tasks_asks_for_no_gpu_and_forces_cpu_devices():
+    text = _render("slurm", "--set", "ntasks_per_node=2", "--set", "cpu_devices=4")
+    directives = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, flags=re.M))
+    assert directives["ntasks-per-node"] == "2" and "gres" not in directives and "gpus-per-node" not in directives
+    assert 'XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4"' in text
+    assert "JAX_PLATFORMS=cpu" in text
 
 
 @pytest.mark.parametrize("args, message", [

@@ -508,7 +508,8 @@ class DebugConfig:
     """Fault injection for tests and drills (0: off). Each fires once per process, at that step.
 
     `hold_at_step`: after step K's metrics are written, the loop waits (up to 10 minutes) for SIGTERM/SIGINT
-    before going on, so that a test's signal or kill always lands mid-run however fast the steps are.
+    before going on, so that a test's signal or kill always lands mid-run however fast the steps are. With several
+    processes each holds, then they agree (any signalled: all stop at step K), as a scheduler signals every task.
     `stall_at_step`: the loop waits `stall_s` seconds for step K's metrics, as if step K hung on the devices
     (a drill for `train.hang_timeout_s`; the default outlasts any watchdog timeout worth drilling).
     Seeded pathologies for the diagnosis (scripts/seeded_pathologies.py), pretraining only: `zero_layer` (-1:
@@ -535,8 +536,7 @@ class DebugConfig:
     kill_in_rollout: int = 0
 
     def check(self) -> None:
-        """This section's fields (`zero_layer` against the model, `hold_at_step` against the processes:
-        `check_across`)."""
+        """This section's fields (`zero_layer` against the model: `check_across`)."""
         check_positive("debug.stall_s", self.stall_s)
         if not self.data_sleep_s >= 0:
             raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {self.data_sleep_s}")
@@ -860,8 +860,6 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
     if debug.kill_in_rollout and train.objective not in ("ppo", "grpo"):
         raise ConfigError("debug.kill_in_rollout", f"kills a process in a PPO or GRPO rollout; train.objective is "
                                                    f"{train.objective!r}")
-    if debug.hold_at_step and num_processes is not None and num_processes > 1:
-        raise ConfigError("debug.hold_at_step", f"holds a single process only, not {num_processes}")
 
 
 def _check_schedule(cfg: Config) -> None:

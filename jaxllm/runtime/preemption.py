@@ -42,19 +42,24 @@ class PreemptionGuard:
         that waits for the step in flight, which would otherwise stall every step's dispatch. A scheduler's
         grace period (tens of seconds at least) covers that many steps.
         """
-        local = self.signalled is not None
+        if jax.process_count() > 1 and step % self.check_every:
+            return False
+        return self.agreed(self.signalled is not None)
+
+    @staticmethod
+    def agreed(local: bool) -> bool:
+        """Whether any process says `local` True (a collective with several processes: every one must ask)."""
         if jax.process_count() == 1:
             return local
-        if step % self.check_every:
-            return False
         return bool(np.any(multihost_utils.process_allgather(np.array([local]))))
 
     def wait_for_signal(self, timeout: float) -> bool:
-        """Sleep until SIGTERM/SIGINT arrives or `timeout` seconds pass; True when signalled."""
+        """Sleep until SIGTERM/SIGINT arrives or `timeout` seconds pass; True when this process, or with several
+        processes any of them, was signalled (every process must call it: they agree)."""
         deadline = time.monotonic() + timeout
         while self.signalled is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        return self.signalled is not None
+        return self.agreed(self.signalled is not None)
 
     def restore(self) -> None:
         """Reinstate the handlers that were there before."""
