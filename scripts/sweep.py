@@ -31,39 +31,6 @@ from jaxllm.config.cli import UsageError, build_config, fail, parser, split_over
 from jaxllm.config.schema import ConfigError  # noqa: E402
 
 
-def check_study(study, config: str, overrides: list[tuple[str, str]]) -> None:
-    """A new study records its base config and fixed overrides; a worker joining it must bring the same."""
-    if "config" not in study.user_attrs:
-        study.set_user_attr("config", config)
-        study.set_user_attr("overrides", [list(kv) for kv in overrides])
-        return
-    theirs = (study.user_attrs["config"], [tuple(kv) for kv in study.user_attrs["overrides"]])
-    if theirs != (config, overrides):
-        raise UsageError(f"--study: this study sweeps --config {theirs[0]} with {theirs[1]}, not --config {config} "
-                         f"with {overrides}: use the same, or another --study")
-
-
-def enqueued(items: list[str], space: dict) -> list[dict]:
-    """--enqueue values, typed by the search space's distributions."""
-    from optuna.distributions import IntDistribution
-
-    out = []
-    for item in items:
-        params = {}
-        for pair in item.split(","):
-            key, sep, text = pair.partition("=")
-            if not sep or key not in space:
-                raise UsageError(f"--enqueue {item}: expected key=value pairs of the search space's keys "
-                                 f"{sorted(space)}")
-            choices = getattr(space[key], "choices", None)
-            value = next((c for c in choices if str(c) == text), None) if choices else float(text)
-            if value is None:
-                raise UsageError(f"--enqueue {item}: {key} must be one of {list(choices)}")
-            params[key] = int(value) if isinstance(space[key], IntDistribution) else value
-        out.append(params)
-    return out
-
-
 def main(argv) -> int:
     args_list, overrides = split_overrides(argv)
     p = parser(__doc__.splitlines()[0])
@@ -90,7 +57,8 @@ def main(argv) -> int:
     args = p.parse_args(args_list)
 
     from jaxllm.cluster import slurm
-    from jaxllm.cluster.sweep import Launcher, load_space, make_pruner, make_sampler, open_study, run_worker
+    from jaxllm.cluster.sweep import (Launcher, load_space, make_pruner, make_sampler, open_study, parse_enqueue,
+                                      record_base, run_worker)
     from jaxllm.cluster.sweep_results import write_results
 
     study_dir = Path(args.study).resolve()
@@ -110,13 +78,13 @@ def main(argv) -> int:
         for key, dist in space.items():  # every key must be a config key taking the space's values
             sample = dist.choices[0] if hasattr(dist, "choices") else dist.low
             build_config(config, [*overrides, (key, str(sample))])
-        plants = enqueued(args.enqueue, space)
+        plants = parse_enqueue(args.enqueue, space)
         study = open_study(study_dir, None, make_pruner(args.pruner, args.prune_startup, args.prune_warmup_steps),
                            args.heartbeat_s)
         # Seeded by the trials already there: a worker that joins or resumes a study draws on from there instead of
         # repeating the first worker's draws.
         study.sampler = make_sampler(args.sampler, space, args.seed + len(study.trials))
-        check_study(study, config, overrides)
+        record_base(study, config, overrides)
         for params in plants:
             study.enqueue_trial(params, skip_if_exists=True)
         fixed = [f"--config.{k}={v}" for k, v in overrides]

@@ -85,6 +85,45 @@ def _distribution(path: str, key: str, spec) -> optuna.distributions.BaseDistrib
         raise UsageError(f"{where}: {exc}") from None
 
 
+def record_base(study: optuna.Study, config: str, overrides: list[tuple[str, str]]) -> None:
+    """A new study records its base config and fixed overrides; a worker joining it must bring the same."""
+    if "config" not in study.user_attrs:
+        study.set_user_attr("config", config)
+        study.set_user_attr("overrides", [list(kv) for kv in overrides])
+        return
+    theirs = (study.user_attrs["config"], [tuple(kv) for kv in study.user_attrs["overrides"]])
+    if theirs != (config, overrides):
+        raise UsageError(f"--study: this study sweeps --config {theirs[0]} with {theirs[1]}, not --config {config} "
+                         f"with {overrides}: use the same, or another --study")
+
+
+def parse_enqueue(items: list[str], space: dict) -> list[dict]:
+    """--enqueue values, typed by the search space's distributions."""
+    out = []
+    for item in items:
+        params = {}
+        for pair in item.split(","):
+            key, sep, text = pair.partition("=")
+            if not sep or key not in space:
+                raise UsageError(f"--enqueue {item}: expected key=value pairs of the search space's keys "
+                                 f"{sorted(space)}")
+            choices = getattr(space[key], "choices", None)
+            value = next((c for c in choices if str(c) == text), None) if choices else _number(text)
+            if value is None:
+                what = f"one of {list(choices)}" if choices else "a number"
+                raise UsageError(f"--enqueue {item}: {key} must be {what}, got {text!r}")
+            params[key] = int(value) if isinstance(space[key], IntDistribution) else value
+        out.append(params)
+    return out
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def make_sampler(name: str, space: dict, seed: int) -> optuna.samplers.BaseSampler:
     """TPE (the default), random, or a grid over every combination (each key needs choices or a step)."""
     if name == "tpe":
