@@ -13,6 +13,7 @@ falls behind.
   --parallel K                  trials in flight from this worker at once
   --enqueue key=v[,key=v]       a trial with these values first (repeatable)
   --report                      only write the results of the study so far
+  --submit_workers N            submit N workers as a SLURM job array instead, each running trials locally
 
 The study lives in `<study>/study.db` (SQLite): start more workers on the same --study (another shell, a SLURM job)
 to share it, or the same command again after it was killed to resume it (a trial whose worker died is run again
@@ -29,6 +30,23 @@ sys.path.insert(0, str(ROOT))
 
 from jaxllm.config.cli import UsageError, build_config, fail, parser, split_overrides  # noqa: E402
 from jaxllm.config.schema import ConfigError  # noqa: E402
+
+
+# What a worker of --submit_workers does not repeat from the command that submitted it.
+DROPPED = ("--submit_workers", "--launcher", "--seed")
+
+
+def without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`argv` less `flags` and their values (`--flag value` or `--flag=value`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif arg.split("=", 1)[0] not in flags:
+            out.append(arg)
+    return out
 
 
 def main(argv) -> int:
@@ -50,6 +68,9 @@ def main(argv) -> int:
                    help="seconds between a worker's heartbeats; 3 missed make its trials stale and run again")
     p.add_argument("--poll_s", type=float, default=2.0, help="seconds between looks at the trials")
     p.add_argument("--report", action="store_true", help="write the study's results and exit")
+    p.add_argument("--submit_workers", type=int, default=0,
+                   help="instead of working here, submit a SLURM job array of this many workers, each running its "
+                        "trials as local processes on its own allocation (the job flags)")
     from jaxllm.cluster.submit import add_request_arguments, request_from_args
 
     add_request_arguments(p)
@@ -58,7 +79,7 @@ def main(argv) -> int:
 
     from jaxllm.cluster import slurm
     from jaxllm.cluster.sweep import (Launcher, load_space, make_pruner, make_sampler, open_study, parse_enqueue,
-                                      record_base, run_worker)
+                                      record_base, run_worker, submit_workers)
     from jaxllm.cluster.sweep_results import write_results
 
     study_dir = Path(args.study).resolve()
@@ -70,9 +91,9 @@ def main(argv) -> int:
             return 0
         if not args.config or not args.space:
             raise UsageError("--config and --space: required (or --report)")
-        if args.trials < 1 or args.parallel < 1:
-            raise UsageError(f"--trials and --parallel: expected positive integers, got {args.trials}, "
-                             f"{args.parallel}")
+        if args.trials < 1 or args.parallel < 1 or args.submit_workers < 0:
+            raise UsageError(f"--trials, --parallel (positive) and --submit_workers (0 or more): got {args.trials}, "
+                             f"{args.parallel}, {args.submit_workers}")
         space = load_space(args.space)
         config = str(Path(args.config).resolve())
         for key, dist in space.items():  # every key must be a config key taking the space's values
@@ -87,6 +108,12 @@ def main(argv) -> int:
         record_base(study, config, overrides)
         for params in plants:
             study.enqueue_trial(params, skip_if_exists=True)
+        if args.submit_workers:
+            request = request_from_args(args, config, str(study_dir), [])
+            request.log_dir = str(study_dir / "logs")
+            command = [sys.executable, str(Path(__file__).resolve()), *without(argv, DROPPED), "--launcher", "local"]
+            print(submit_workers(request, command, args.submit_workers, args.seed))
+            return 0
         fixed = [f"--config.{k}={v}" for k, v in overrides]
         request = request_from_args(args, config, str(study_dir), []) if args.launcher == "slurm" else None
         if request is not None:

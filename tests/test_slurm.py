@@ -213,3 +213,25 @@ def test_sweep_prunes_a_planted_trial_resumes_after_its_worker_is_killed_and_its
     assert proc.returncode == 0, proc.stderr[-3000:]
     reproduced = json.loads((tmp_path / "best" / "summary.json").read_text())["final_eval_loss"]
     assert reproduced == pytest.approx(best.value, rel=1e-6, abs=0)
+
+
+def test_sweep_workers_submitted_as_a_job_array_share_one_study(slurm_cluster, shakespeare_store, tmp_path):
+    import optuna
+
+    (tmp_path / "space.toml").write_text(SWEEP_SPACE)
+    study = tmp_path / "study"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "--config",
+                           str(ROOT / "configs" / "pretrain.py"), "--space", str(tmp_path / "space.toml"), "--study",
+                           str(study), "--trials", "2", "--sampler", "random", "--pruner", "none", "--submit_workers",
+                           "2", "--cpu_devices", "1", "--poll_s", "0.5", f"--config.data.path={shakespeare_store}",
+                           *TRIAL], capture_output=True, text=True, env=train_env(1), timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    array = proc.stdout.strip()
+    workers = [f"{array}_0", f"{array}_1"]
+    assert slurm.wait(workers, timeout=JOB_TIMEOUT) == dict.fromkeys(workers, "COMPLETED")
+    trials = optuna.load_study(study_name="sweep", storage=f"sqlite:///{study / 'study.db'}").trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert trials[0].params != trials[1].params  # the workers' samplers are seeded apart
+    logs = "".join(p.read_text() for p in sorted((study / "logs").glob("sweep-*.out")))
+    assert logs.count("trial 0 started") == logs.count("trial 1 started") == 1, logs[-3000:]
+    assert (study / "best_config.py").exists()

@@ -10,13 +10,12 @@ order by a one-task batch script.
 from __future__ import annotations
 
 import dataclasses
-import shlex
 import time
 from datetime import datetime
 from pathlib import Path
 
 from jaxllm.cluster import slurm
-from jaxllm.cluster.submit import ROOT, JobRequest, sbatch_options, submit
+from jaxllm.cluster.submit import JobRequest, command_script, sbatch_options, submit
 
 
 def _is_training(command: list[str]) -> bool:
@@ -29,15 +28,6 @@ def _training_request(name: str, command: list[str], base: JobRequest, after: li
         raise ValueError(f"stage {name}: expected python scripts/train.py --config C --workdir W ..., got {command}")
     return dataclasses.replace(base, config=command[3], workdir=command[5], train_args=command[6:],
                                name=f"{base.name}-{name}", after=after)
-
-
-def _plain_script(commands: list[list[str]], request: JobRequest) -> str:
-    """A one-task batch script running `commands` in order from the repository, stopping at the first failure."""
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={request.name}", "#SBATCH --ntasks=1", "#SBATCH --cpus-per-task=1",
-             f"#SBATCH --partition={request.partition_name()}", f"#SBATCH --time={request.time}",
-             f"#SBATCH --output={Path(request.log_dir).resolve()}/%x-%j.out", "set -euo pipefail",
-             f"cd {shlex.quote(str(ROOT))}", request.setup, *(shlex.join(c) for c in commands)]
-    return "\n".join(lines) + "\n"
 
 
 def submit_chain(stages: list[tuple[str, list[list[str]]]], base: JobRequest) -> dict[str, str]:
@@ -53,7 +43,7 @@ def submit_chain(stages: list[tuple[str, list[list[str]]]], base: JobRequest) ->
         else:
             request = dataclasses.replace(base, name=f"{base.name}-{name}", after=after)
             Path(request.log_dir).mkdir(parents=True, exist_ok=True)
-            jobs[name] = slurm.sbatch(_plain_script(commands, request), sbatch_options(request))
+            jobs[name] = slurm.sbatch(command_script(request, commands), sbatch_options(request))
     return jobs
 
 

@@ -11,6 +11,7 @@ Priority classes use what SLURM offers without an accounting database:
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +98,21 @@ def batch_script(request: JobRequest) -> str:
               "cpus_per_task": request.cpus_per_task or request.cpu_devices or 32,
               "log_dir": str(Path(request.log_dir).resolve()), "setup": request.setup, "grace_s": request.grace_s}
     return render("slurm", {k: str(v) for k, v in values.items()}, request.train_args)
+
+
+def command_script(request: JobRequest, commands: list[list[str]], cpus: int = 1, gpus: int = 0,
+                   array: int = 0) -> str:
+    """A one-task batch script running `commands` in order from the repository (stopping at the first failure) on
+    `cpus` cores and `gpus` GPUs, in the request's partition and time limit; with `array` > 0, a job array of that
+    many such tasks (output `<name>-<array id>_<index>.out`)."""
+    output = f"{Path(request.log_dir).resolve()}/%x-" + ("%A_%a" if array else "%j") + ".out"
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={request.name}", "#SBATCH --ntasks=1",
+             f"#SBATCH --cpus-per-task={cpus}", f"#SBATCH --partition={request.partition_name()}",
+             f"#SBATCH --time={request.time}", f"#SBATCH --output={output}"]
+    lines += [f"#SBATCH --gres=gpu:{gpus}"] if gpus else []
+    lines += [f"#SBATCH --array=0-{array - 1}"] if array else []
+    lines += ["set -euo pipefail", f"cd {shlex.quote(str(ROOT))}", request.setup, *(shlex.join(c) for c in commands)]
+    return "\n".join(lines) + "\n"
 
 
 def sbatch_options(request: JobRequest) -> list[str]:

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from jaxllm.cluster import slurm
-from jaxllm.cluster.submit import ROOT, JobRequest, submit
+from jaxllm.cluster.submit import ROOT, JobRequest, command_script, never_fits, sbatch_options, submit
 from jaxllm.config.cli import UsageError
 
 STUDY_NAME = "sweep"
@@ -339,3 +340,18 @@ def run_worker(study: optuna.Study, space: dict, launcher: Launcher, study_dir: 
         if not running and not by_state[TrialState.RUNNING] and not by_state[TrialState.WAITING]:
             return
         time.sleep(poll_s)
+
+
+def submit_workers(request: JobRequest, command: list[str], workers: int, seed: int) -> str:
+    """A SLURM job array of `workers` sweep workers, each running `command` (scripts/sweep.py with --launcher
+    local) on an allocation of the request's devices, its sampler seeded apart from the others'; the array's job
+    id. They share the study like any workers."""
+    reason = never_fits(request)
+    if reason:
+        raise slurm.SlurmError(f"the workers can never run ({request.describe()}): {reason}")
+    Path(request.log_dir).mkdir(parents=True, exist_ok=True)
+    gpus = 0 if request.cpu_devices else request.gpus_per_node
+    seeded = shlex.join(command) + f' --seed "$(({seed} + 1000 * SLURM_ARRAY_TASK_ID))"'
+    script = command_script(request, [], cpus=request.cpus_per_task or request.cpu_devices or 32, gpus=gpus,
+                            array=workers)
+    return slurm.sbatch(script + seeded + "\n", sbatch_options(request))

@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import warnings
 from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
+
+
+def _replace(path: Path, write) -> None:
+    """`write(tmp)` then rename it to `path`: workers that end together each leave whole files."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def steps_run(workdir: Path) -> int:
@@ -58,14 +66,14 @@ def write_best_config(study: optuna.Study, path: Path) -> optuna.trial.FrozenTri
     trial's parameters (scripts/train.py --config <path>)."""
     best = study.best_trial
     overrides = [tuple(kv) for kv in study.user_attrs["overrides"]] + [(k, str(v)) for k, v in best.params.items()]
-    path.write_text(
+    _replace(path, lambda tmp: tmp.write_text(
         f'"""Best trial {best.number} of the sweep in {path.parent}: held-out loss {best.value:.6g}.\n'
         f'Written by scripts/sweep.py; train it with `python scripts/train.py --config {path}`."""\n\n'
         "from jaxllm.config.cli import build_config\n\n"
         f"BASE = {study.user_attrs['config']!r}\n"
         "# The sweep's fixed overrides, then the trial's parameters.\nOVERRIDES = [\n"
         + "".join(f"    {kv!r},\n" for kv in overrides) + "]\n\n\n"
-        "def get_config():\n    return build_config(BASE, OVERRIDES)\n")
+        "def get_config():\n    return build_config(BASE, OVERRIDES)\n"))
     return best
 
 
@@ -83,7 +91,8 @@ def save_plots(study: optuna.Study, out: Path) -> list[str]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # optuna marks its matplotlib plots experimental
                 axes = plot(study)
-            axes.figure.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
+            _replace(out / f"{name}.png", lambda tmp: axes.figure.savefig(tmp, format="png", dpi=100,
+                                                                          bbox_inches="tight"))
             matplotlib.pyplot.close(axes.figure)
         except (ValueError, RuntimeError) as exc:
             notes.append(f"{name}.png not drawn: {exc}")
@@ -95,10 +104,13 @@ def write_results(study: optuna.Study, out: Path, log=print) -> None:
     logged."""
     rows = trial_rows(study)
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / "trials.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
+    def write_csv(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    _replace(out / "trials.csv", write_csv)
     log(format_rows(rows))
     for note in save_plots(study, out):
         log(note)
