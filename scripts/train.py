@@ -77,8 +77,10 @@ def main(argv):
         sizes = [cd.mesh[axis] for axis in MESH_AXES]
         # A dry run plans for the mesh as written (it may be larger than this machine).
         num_devices = math.prod(sizes) if args.dry_run and -1 not in sizes else jax.device_count()
+        # The dry run and the comms plan take the mesh as written; the parameter reports lay it over this
+        # machine's devices, less an RL run's rollout devices, as the run would.
         cfg = validate(cd, num_devices, check_batch=not args.dry_run,
-                       num_processes=None if planning else jax.process_count())
+                       num_processes=None if args.dry_run or args.print_comms else jax.process_count())
     except (ConfigError, UsageError) as exc:
         fail(str(exc))
     if cd.precision.compute == "auto":
@@ -110,12 +112,12 @@ def main(argv):
     if args.print_sharding:
         from flax import nnx
 
-        from jaxllm.parallel.mesh import make_mesh
+        from jaxllm.parallel.mesh import run_mesh
         from jaxllm.parallel.sharding import format_report, report_rows
         from jaxllm.model.build import abstract_model
 
         state = nnx.state(abstract_model(cfg.model, cfg.precision))
-        print(format_report(report_rows(state, make_mesh(cfg.mesh))))
+        print(format_report(report_rows(state, run_mesh(cfg))))  # the trainer's devices only
         return 0
     if args.print_comms:
         from jaxllm.observe.comms import format_comms

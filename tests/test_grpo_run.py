@@ -290,5 +290,13 @@ def test_the_checkpoint_serves_generate_eval_export_and_restore_from(grpo_run, t
     assert_serves_the_tools(grpo_run, tmp_path)
 
 
+@pytest.mark.parametrize("report, expected", [("--print_sharding", "PartitionSpec"), ("--print_memory", "largest of")])
+def test_parameter_reports_of_a_run_with_rollout_devices_use_the_trainer_mesh(lora_run, prompts, tmp_path, report,
+                                                                             expected):
+    proc = run_command([*_command(lora_run, prompts, tmp_path / "w", *ONE_STEP_OFF), report])
+    assert proc.returncode == 0 and expected in proc.stdout, proc.stderr[-3000:]
+    assert not (tmp_path / "w").exists()  # a report trains nothing
+
+
 def test_the_dry_run_plans_what_the_run_built(grpo_run, lora_run, prompts):
     assert_dry_run_plans_the_run(_command(lora_run, prompts, grpo_run, "--config.train.steps=6", *NAN_AT_3), grpo_run)

@@ -10,7 +10,7 @@ from jaxllm.objectives.registry import planned_model
 from jaxllm.observe.comms import step_comms
 from jaxllm.observe.memory import buffer_rows, format_buffers
 from jaxllm.optim.chain import make_optimizer
-from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.mesh import run_mesh
 from jaxllm.plan.footprint import compiled_step
 from jaxllm.train.state import abstract_objective_state, state_shardings
 
@@ -22,7 +22,7 @@ def memory_report(cfg, count: int = 20) -> str:
     objective = planned_model(cfg)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     state, frozen = abstract_objective_state(objective, tx, cfg.anomaly.window)
-    mesh = make_mesh(cfg.mesh)
+    mesh = run_mesh(cfg)  # an RL run's trainer mesh leaves out the devices set aside for rollouts
     return format_buffers(buffer_rows(state, frozen, mesh, state_shardings(state, mesh, cfg.optim.offload,
                                                                          cfg.optim.zero1)), count)
 
