@@ -10,12 +10,11 @@ order by a one-task batch script.
 from __future__ import annotations
 
 import dataclasses
-import time
 from datetime import datetime
 from pathlib import Path
 
 from jaxllm.cluster import slurm
-from jaxllm.cluster.submit import JobRequest, command_script, sbatch_options, submit
+from jaxllm.cluster.submit import JobRequest, command_script, submit
 
 
 def _is_training(command: list[str]) -> bool:
@@ -42,8 +41,7 @@ def submit_chain(stages: list[tuple[str, list[list[str]]]], base: JobRequest) ->
             jobs[name] = submit(_training_request(name, training[0], base, after))
         else:
             request = dataclasses.replace(base, name=f"{base.name}-{name}", after=after)
-            Path(request.log_dir).mkdir(parents=True, exist_ok=True)
-            jobs[name] = slurm.sbatch(command_script(request, commands), sbatch_options(request))
+            jobs[name] = submit(request, command_script(request, commands))
     return jobs
 
 
@@ -54,24 +52,13 @@ def _seconds(start: str, end: str) -> float:
         return 0.0
 
 
-def wait_chain(jobs: dict[str, str], timeout: float, on_end=lambda name, info: None, poll_s: float = 2.0) -> dict:
-    """Poll until every job has ended; {stage: scontrol's fields at its end, plus wall_s (its last run's start to
-    end)}. Each job's end is recorded when first seen (SLURM forgets ended jobs after MinJobAge) and reported to
-    `on_end(stage, info)`. SlurmError after `timeout` seconds."""
-    ended: dict[str, dict] = {}
-    deadline = time.monotonic() + timeout
-    while len(ended) < len(jobs):
-        for name, job_id in jobs.items():
-            if name in ended:
-                continue
-            info = slurm.job(job_id) or {"JobState": "GONE"}
-            if info["JobState"] in slurm.FINAL_STATES:
-                info["wall_s"] = _seconds(info.get("StartTime", ""), info.get("EndTime", ""))
-                ended[name] = info
-                on_end(name, info)
-        if len(ended) < len(jobs):
-            if time.monotonic() > deadline:
-                raise slurm.SlurmError(f"the chain did not end in {timeout:.0f} s: "
-                                       f"{sorted(set(jobs) - set(ended))} still going")
-            time.sleep(poll_s)
-    return {name: ended[name] for name in jobs}
+def wait_chain(jobs: dict[str, str], timeout: float, on_end=lambda name, info: None) -> None:
+    """Wait until every stage's job has ended (`slurm.wait`), reporting each to `on_end(stage, info)` with
+    scontrol's fields at its end plus wall_s, its last run's start to end."""
+    stage = {job_id: name for name, job_id in jobs.items()}
+
+    def ended(job_id: str, info: dict) -> None:
+        info["wall_s"] = _seconds(info.get("StartTime", ""), info.get("EndTime", ""))
+        on_end(stage[job_id], info)
+
+    slurm.wait(list(jobs.values()), timeout, on_end=ended)

@@ -59,12 +59,21 @@ def state(job_id: str) -> str:
     return "GONE" if info is None else info["JobState"]
 
 
-def wait(job_ids: Sequence[str], timeout: float, poll_s: float = 2.0, until=FINAL_STATES) -> dict[str, str]:
-    """Poll until every job's state is in `until` (by default a final one); their states. A requeued job is waited
-    for through its restart. SlurmError on `timeout` seconds, naming the jobs still going."""
+def wait(job_ids: Sequence[str], timeout: float, poll_s: float = 2.0, until=FINAL_STATES,
+         on_end=lambda job_id, info: None) -> dict[str, str]:
+    """Poll until every job's state is in `until` (by default a final one); their states. Each job's fields are
+    handed to `on_end(job_id, info)` when first seen there (SLURM forgets ended jobs after MinJobAge). A requeued
+    job is waited for through its restart. SlurmError on `timeout` seconds, naming the jobs still going."""
     deadline = time.monotonic() + timeout
+    states: dict[str, str] = {}
     while True:
-        states = {j: state(j) for j in job_ids}
+        for job_id in job_ids:
+            if states.get(job_id) in until:
+                continue
+            info = job(job_id) or {"JobState": "GONE"}
+            states[job_id] = info["JobState"]
+            if states[job_id] in until:
+                on_end(job_id, info)
         if all(s in until for s in states.values()):
             return states
         if time.monotonic() > deadline:

@@ -57,6 +57,12 @@ class JobRequest:
     def partition_name(self) -> str:
         return self.priority if self.priority_by == "partition" else self.partition
 
+    def cpus_a_task(self) -> int:
+        return self.cpus_per_task or self.cpu_devices or 32
+
+    def gpus_a_node(self) -> int:
+        return 0 if self.cpu_devices else self.gpus_per_node
+
 
 def add_request_arguments(p) -> None:
     """The job's shape and place as command-line flags (scripts/submit.py, scripts/pipeline.py --launcher slurm,
@@ -92,10 +98,10 @@ def request_from_args(args, config: str, workdir: str, train_args: list[str]) ->
 def batch_script(request: JobRequest) -> str:
     """The shipped SLURM template rendered for `request` (scripts/launch/render.py's checks apply)."""
     values = {"name": request.name, "nodes": request.nodes, "ntasks_per_node": request.tasks_per_node,
-              "gpus_per_node": 0 if request.cpu_devices else request.gpus_per_node,
+              "gpus_per_node": request.gpus_a_node(),
               "cpu_devices": request.cpu_devices, "config": request.config, "workdir": request.workdir,
               "repo": str(ROOT), "time": request.time, "partition": request.partition_name(),
-              "cpus_per_task": request.cpus_per_task or request.cpu_devices or 32,
+              "cpus_per_task": request.cpus_a_task(),
               "log_dir": str(Path(request.log_dir).resolve()), "setup": request.setup, "grace_s": request.grace_s}
     return render("slurm", {k: str(v) for k, v in values.items()}, request.train_args)
 
@@ -133,8 +139,7 @@ def never_fits(request: JobRequest) -> str | None:
     kinds = slurm.partition_nodes(request.partition_name())
     if not kinds:
         return f"no partition {request.partition_name()!r} (sinfo lists none)"
-    cpus = request.tasks_per_node * (request.cpus_per_task or request.cpu_devices or 32)
-    gpus = 0 if request.cpu_devices else request.gpus_per_node
+    cpus, gpus = request.tasks_per_node * request.cpus_a_task(), request.gpus_a_node()
     usable = sum(count for count, node_cpus, node_gpus in kinds if node_cpus >= cpus and node_gpus >= gpus)
     if usable < request.nodes:
         largest = max(kinds, key=lambda k: (k[1], k[2]))
@@ -144,9 +149,10 @@ def never_fits(request: JobRequest) -> str | None:
     return None
 
 
-def submit(request: JobRequest) -> str:
-    """Submit `request`; its job id. A job that can never fit, or one SLURM refuses (an unknown partition, a bad
-    dependency), raises SlurmError with the reason and the request."""
+def submit(request: JobRequest, script: str | None = None) -> str:
+    """Submit `request` as the shipped training script, or as `script` (a `command_script` of the same request);
+    its job id. A job that can never fit, or one SLURM refuses (an unknown partition, a bad dependency), raises
+    SlurmError with the reason and the request."""
     if request.priority not in PRIORITY_CLASSES:
         raise slurm.SlurmError(f"priority {request.priority!r}: expected one of {PRIORITY_CLASSES}")
     reason = never_fits(request)
@@ -154,6 +160,6 @@ def submit(request: JobRequest) -> str:
         raise slurm.SlurmError(f"the job can never run ({request.describe()}): {reason}")
     Path(request.log_dir).mkdir(parents=True, exist_ok=True)  # SLURM does not create its output's directory
     try:
-        return slurm.sbatch(batch_script(request), sbatch_options(request))
+        return slurm.sbatch(script or batch_script(request), sbatch_options(request))
     except slurm.SlurmError as exc:
         raise slurm.SlurmError(f"SLURM refused the job ({request.describe()}): {exc}") from None

@@ -34,8 +34,9 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from jaxllm.cluster import slurm
-from jaxllm.cluster.submit import ROOT, JobRequest, command_script, never_fits, sbatch_options, submit
+from jaxllm.cluster.submit import ROOT, JobRequest, command_script, submit
 from jaxllm.config.cli import UsageError
+from jaxllm.drill.job import JsonlTail
 
 STUDY_NAME = "sweep"
 # The worker drives trials by ask-and-tell and records their heartbeats itself, which optuna warns about (it expects
@@ -165,22 +166,6 @@ def open_study(study_dir: Path, sampler=None, pruner=None, heartbeat_s: int = 10
                                pruner=pruner, load_if_exists=True)
 
 
-def held_out_losses(workdir: Path) -> list[tuple[int, float]]:
-    """(step, held-out loss) of every evaluation a run has written to its metrics.jsonl so far."""
-    path = workdir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # the line being written
-            continue
-        if "eval_loss" in record and math.isfinite(record["eval_loss"]):
-            out.append((record["step"], record["eval_loss"]))
-    return out
-
-
 def trial_args(params: dict) -> list[str]:
     """A trial's parameters as scripts/train.py overrides."""
     return [f"--config.{key}={value}" for key, value in params.items()]
@@ -256,12 +241,17 @@ def heartbeat(study: optuna.Study, trial: optuna.Trial) -> None:
 
 @dataclass
 class Running:
-    """A trial this worker runs: optuna's handle, its run directory and launcher handle, the steps reported."""
+    """A trial this worker runs: optuna's handle, its run directory and launcher handle, the steps reported, and
+    the tail of its metrics.jsonl (read from the start: a taken-over run's earlier records count too)."""
 
     trial: optuna.Trial
     workdir: Path
     handle: str
     reported: set = field(default_factory=set)
+    metrics: JsonlTail = None
+
+    def __post_init__(self):
+        self.metrics = JsonlTail(self.workdir / "metrics.jsonl")
 
 
 def start_trial(study: optuna.Study, space: dict, launcher: Launcher, study_dir: Path, name: str) -> Running:
@@ -270,8 +260,9 @@ def start_trial(study: optuna.Study, space: dict, launcher: Launcher, study_dir:
     otherwise its new run resumes from those checkpoints."""
     trial = study.ask(space)
     heartbeat(study, trial)  # at once: a worker killed before its first heartbeat would leave a trial never stale
-    first = RetryHeartbeatStaleTrialCallback.retry_history(study.trials[trial.number])
-    origin = study.trials[first[0]] if first else None
+    trials = study.get_trials(deepcopy=False)
+    first = RetryHeartbeatStaleTrialCallback.retry_history(trials[trial.number])
+    origin = trials[first[0]] if first else None
     workdir = Path(origin.user_attrs["workdir"]) if origin else study_dir / "trials" / f"{trial.number:04d}"
     trial.set_user_attr("workdir", str(workdir))
     previous_job = origin.user_attrs.get("handle") if origin else None
@@ -287,8 +278,9 @@ def advance(study: optuna.Study, run: Running, launcher: Launcher, log=print) ->
     """Report the run's new held-out losses, stop it if the pruner says so, or tell its outcome once it ended;
     True while it still runs."""
     heartbeat(study, run.trial)
-    for step, loss in held_out_losses(run.workdir):
-        if step in run.reported:
+    for record in run.metrics.poll():
+        loss, step = record.get("eval_loss", math.nan), record["step"]
+        if not math.isfinite(loss) or step in run.reported:  # a step replayed after a rollback counts once
             continue
         run.reported.add(step)
         run.trial.report(loss, step)
@@ -346,12 +338,6 @@ def submit_workers(request: JobRequest, command: list[str], workers: int, seed: 
     """A SLURM job array of `workers` sweep workers, each running `command` (scripts/sweep.py with --launcher
     local) on an allocation of the request's devices, its sampler seeded apart from the others'; the array's job
     id. They share the study like any workers."""
-    reason = never_fits(request)
-    if reason:
-        raise slurm.SlurmError(f"the workers can never run ({request.describe()}): {reason}")
-    Path(request.log_dir).mkdir(parents=True, exist_ok=True)
-    gpus = 0 if request.cpu_devices else request.gpus_per_node
     seeded = shlex.join(command) + f' --seed "$(({seed} + 1000 * SLURM_ARRAY_TASK_ID))"'
-    script = command_script(request, [], cpus=request.cpus_per_task or request.cpu_devices or 32, gpus=gpus,
-                            array=workers)
-    return slurm.sbatch(script + seeded + "\n", sbatch_options(request))
+    script = command_script(request, [], cpus=request.cpus_a_task(), gpus=request.gpus_a_node(), array=workers)
+    return submit(request, script + seeded + "\n")

@@ -4,13 +4,14 @@ and the best trial as a config file that scripts/train.py takes."""
 from __future__ import annotations
 
 import csv
-import json
 import os
 import warnings
 from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
+
+from jaxllm.diagnose.run_data import read_jsonl
 
 
 def _replace(path: Path, write) -> None:
@@ -23,16 +24,8 @@ def _replace(path: Path, write) -> None:
 def steps_run(workdir: Path) -> int:
     """The last step a trial's run trained (its metrics.jsonl), 0 if none."""
     path = workdir / "metrics.jsonl"
-    steps = [0]
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "loss" in record:
-                steps.append(record["step"])
-    return max(steps)
+    records = read_jsonl(path) if path.exists() else []
+    return max((r["step"] for r in records if "loss" in r), default=0)
 
 
 def trial_rows(study: optuna.Study) -> list[dict]:
