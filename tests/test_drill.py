@@ -36,6 +36,25 @@ def test_short_drill_recovers_bitwise(shakespeare_store, uninterrupted, tmp_path
     assert not [p.name for p in checkpoints.iterdir() if "tmp" in p.name]
 
 
+def test_drill_on_two_checkpoint_tiers_recovers_bitwise(shakespeare_store, uninterrupted, tmp_path):
+    """A job with a local checkpoint tier: its local tier deleted while it is down (a replaced node), its
+    persistent tier throttled so that copies fall behind, and a corrupt local copy; each restart resumes the
+    newest step that verifies on either tier and the job ends bitwise on the one-tier reference."""
+    local = tmp_path / "local"
+    result = run_drill(shakespeare_store, uninterrupted, tmp_path / "drill", "local_wipe:1,slow_persistent:1,corrupt:1",
+                       *JOB, f"--config.checkpoint.local_dir={local}", seed=3)
+    assert result["recoveries"] == result["injected"] == 3 and result["unplanned_exits"] == []
+    assert result["wrong_resumes"] == [] and result["corrupt_loads"] == 0
+    assert result["bitwise_equal"] is True and result["losses_equal"] is True and result["finished"]
+    events = {e["kind"]: e for e in result["events"]}
+    wipe = events["local_wipe"]
+    persistent_step = int(re.search(r"persistent tier at step (\d+)", wipe["detail"]).group(1))
+    assert "local tier deleted" in wipe["detail"] and wipe["resumed"] == persistent_step, wipe
+    assert "throttled" in events["slow_persistent"]["detail"]
+    corrupt = events["corrupt"]  # the damaged local copy is moved aside; its persistent copy resumes
+    assert corrupt["quarantined"] and corrupt["resumed"] == int(corrupt["detail"].split()[1].rstrip(":")), corrupt
+
+
 def test_full_disk_stops_the_job_loudly_and_it_resumes_bitwise(shakespeare_store, uninterrupted, tmp_path):
     problem = mount_problem(tmp_path / "probe")
     if problem is not None:

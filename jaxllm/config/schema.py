@@ -452,7 +452,12 @@ class DataConfig:
 class CheckpointConfig:
     """Orbax checkpoints in `<workdir>/checkpoints`: async saves every `every` steps, the last `keep` kept plus
     every `keep_every`-th step permanently (0: none). `restore_from` starts a new run from another run's
-    checkpoint directory (or one step directory in it): parameters only, or everything with `restore_all`."""
+    checkpoint directory (or one step directory in it): parameters only, or everything with `restore_all`.
+
+    `local_dir` (empty: off) puts a fast local tier in front (jaxllm/runs/tiers.py): saves land there (the last
+    `local_keep` kept) and each `persist_every`-th step (0: every save) is copied to `<workdir>/checkpoints` in
+    the background, which then keeps `keep` and `keep_every` as above; a resume takes the newest step that
+    verifies on either tier."""
 
     every: int = 100
     keep: int = 3
@@ -460,13 +465,20 @@ class CheckpointConfig:
     async_save: bool = True
     restore_from: str = ""
     restore_all: bool = False
+    local_dir: str = ""
+    local_keep: int = 2
+    persist_every: int = 0
 
     def check(self) -> None:
         """This section's fields (whether `restore_from` exists: `probe_environment`)."""
         check_positive("checkpoint.every", self.every)
         check_positive("checkpoint.keep", self.keep)
+        check_positive("checkpoint.local_keep", self.local_keep)
         if self.keep_every < 0:
             raise ConfigError("checkpoint.keep_every", f"must be >= 0, got {self.keep_every}")
+        if self.persist_every < 0 or self.persist_every % self.every:
+            raise ConfigError("checkpoint.persist_every", f"must be 0 (every save) or a multiple of "
+                                                          f"checkpoint.every={self.every}, got {self.persist_every}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,6 +532,8 @@ class DebugConfig:
     `kill_in_rollout` (PPO and GRPO): the job's last process SIGKILLs itself in iteration K's rollout, once its
     rows are sampled and before they are scored, while the others wait for it in the rollout's collectives (a
     host lost mid-rollout, for the peer watch; a restart without it resumes).
+    `slow_persistent_mb_s` (0: off): the copies to the persistent checkpoint tier (`checkpoint.local_dir`) run at
+    most this fast, a throttled shared filesystem (drills and scripts/bench_checkpoint.py).
     `emulate_fp8`: accept precision.quant=fp8 on a CPU, where XLA widens the float8 dots to float32: fp8's
     numerics without its speed, for convergence checks (scripts/bench_quant.py).
     """
@@ -534,6 +548,7 @@ class DebugConfig:
     router_scale: float = 1.0
     emulate_fp8: bool = False
     kill_in_rollout: int = 0
+    slow_persistent_mb_s: float = 0.0
 
     def check(self) -> None:
         """This section's fields (`zero_layer` against the model: `check_across`)."""
@@ -541,6 +556,9 @@ class DebugConfig:
         if not self.data_sleep_s >= 0:
             raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {self.data_sleep_s}")
         check_positive("debug.router_scale", self.router_scale)
+        if not self.slow_persistent_mb_s >= 0:
+            raise ConfigError("debug.slow_persistent_mb_s", f"must be >= 0 MB/s (0: off), got "
+                                                            f"{self.slow_persistent_mb_s}")
         if self.kill_in_rollout < 0:
             raise ConfigError("debug.kill_in_rollout", f"must be an iteration >= 0 (0: off), got "
                                                        f"{self.kill_in_rollout}")

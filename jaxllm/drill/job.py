@@ -13,7 +13,7 @@ from pathlib import Path
 from jaxllm.runtime.distributed import free_port_pair
 
 RESUMED = re.compile(r"resuming from checkpoint step (\d+)")
-QUARANTINED = re.compile(r"checkpoints/(\d+) is unreadable.*moved it to \S*corrupt-\1-\d+")
+QUARANTINED = re.compile(r"/(\d+) is unreadable.*moved it to \S*corrupt-\1-\d+")
 DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a checkpoint still being written
 

@@ -13,6 +13,11 @@ process faults) after a further random fraction of a step time, so that kills al
 - `peer`: SIGKILL to one process of a 2-process job (the whole drill then runs the job, and its reference, as
   2 processes on this host); the other must stop on its own with an error naming the dead process
   (jaxllm/runtime/peer_watch.py), then both restart.
+- `local_wipe` (a job with `checkpoint.local_dir`): SIGKILL, then the local checkpoint tier is deleted while the
+  job is down, as when its node is replaced; the restart must resume the newest step on the persistent tier.
+- `slow_persistent` (a job with `checkpoint.local_dir`): SIGKILL, and from the restart on the persistent tier is
+  throttled to SLOW_PERSISTENT_MB_S (`debug.slow_persistent_mb_s`), so its copies fall behind the saves; the
+  job must resume the newest step on either tier and end bitwise like its reference.
 - `nan`, `spike`: the loop's own injections (`debug.inject_nan_at_step`, `debug.inject_spike_at_step`), at most
   one of each per run; the job handles them in process per `train.on_anomaly` (rollback by default).
 - `hotlr`: a hot update (jaxllm/train/control.py) that halves the LR scale at the drawn step, written to the job's
@@ -27,7 +32,9 @@ from __future__ import annotations
 import dataclasses
 import random
 
-PROCESS_KINDS = ("kill9", "sigterm", "corrupt", "diskfull", "peer")
+PROCESS_KINDS = ("kill9", "sigterm", "corrupt", "diskfull", "peer", "local_wipe", "slow_persistent")
+TIER_KINDS = ("local_wipe", "slow_persistent")  # need a job with a local checkpoint tier
+SLOW_PERSISTENT_MB_S = 1.0  # the throttled persistent tier of slow_persistent faults
 ANOMALY_KINDS = ("nan", "spike")
 HOT_KINDS = ("hotlr",)
 STOPPED_BY_SIGTERM = ("sigterm", "corrupt")

@@ -11,14 +11,16 @@ from pathlib import Path
 from jaxllm.config.cli import UsageError, build_config
 from jaxllm.drill.disk import DiskError, SmallDisk
 from jaxllm.drill.job import Start, final_history, recorded_hot_updates, write_hot_updates
-from jaxllm.drill.plan import ANOMALY_KINDS, Fault, anomaly_flags, hot_changes, parse_faults, schedule
+from jaxllm.drill.plan import (ANOMALY_KINDS, TIER_KINDS, Fault, anomaly_flags, hot_changes, parse_faults,
+                              schedule)
 from jaxllm.drill.report import compare_params, summarize
 from jaxllm.drill.supervisor import DrillError, Supervisor
 from jaxllm.runtime.preemption import CHECK_EVERY
 
-# Config keys that may differ between the drilled run and its reference: where it runs, and the injections that
-# each start of the drilled job gets or not (the reference's are checked separately).
-UNCOMPARED = ("workdir", "debug")
+# Config keys (sections or dotted keys) that may differ between the drilled run and its reference: where it
+# runs and keeps checkpoints, and the injections that each start of the drilled job gets or not (the
+# reference's are checked separately).
+UNCOMPARED = ("workdir", "debug", "checkpoint.local_dir", "checkpoint.local_keep", "checkpoint.persist_every")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Drill:
     reference: Path
     run_reference: bool
     processes: int = 1
+    local: Path | None = None  # the job's local checkpoint tier (checkpoint.local_dir), if it has one
 
     @property
     def workdir(self) -> Path:
@@ -58,6 +61,10 @@ def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, s
     if "diskfull" in counts and os.geteuid() != 0:
         raise UsageError(f"--faults: diskfull needs root to mount a tmpfs over the checkpoint directory (running as "
                          f"uid {os.geteuid()})")
+    tiers = [kind for kind in TIER_KINDS if kind in counts]
+    if tiers and not cd.checkpoint.local_dir:
+        raise UsageError(f"--faults: {', '.join(tiers)} need a local checkpoint tier "
+                         f"(--config.checkpoint.local_dir=DIR)")
     if reference is not None and not (Path(reference) / "checkpoints").is_dir():
         raise UsageError(f"--reference: {reference} holds no checkpoints directory")
     processes = 2 if "peer" in counts else 1
@@ -67,19 +74,28 @@ def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, s
                *(["--heartbeat_timeout", str(heartbeat_timeout)] if processes > 1 else []),
                *(f"--config.{key}={value}" for key, value in overrides)]
     return Drill(command, base, counts, plan, seed, cd.train.steps,
-                 Path(reference) if reference else base / "reference", reference is None, processes)
+                 Path(reference) if reference else base / "reference", reference is None, processes,
+                 Path(cd.checkpoint.local_dir).absolute() if cd.checkpoint.local_dir else None)
 
 
 def _config(workdir: Path) -> dict:
     return json.loads((workdir / "config.json").read_text())
 
 
+def _compared(config: dict) -> dict:
+    """{"section.key": value} of a run's config.json, less `UNCOMPARED`."""
+    flat = {f"{section}.{key}" if isinstance(values, dict) else section: value
+            for section, values in config.items()
+            for key, value in (values.items() if isinstance(values, dict) else [(None, values)])}
+    return {k: v for k, v in flat.items() if k not in UNCOMPARED and k.split(".")[0] not in UNCOMPARED}
+
+
 def check_reference(drill: Drill) -> None:
     """The reference ran the drilled job's config (apart from `UNCOMPARED`) with the drill's injections and hot
     updates (each applied at its step)."""
-    ours, theirs = _config(drill.workdir), _config(drill.reference)
+    ours, theirs = _compared(_config(drill.workdir)), _compared(_config(drill.reference))
     for key in sorted(set(ours) | set(theirs)):
-        if key not in UNCOMPARED and ours.get(key) != theirs.get(key):
+        if ours.get(key) != theirs.get(key):
             raise DrillError(f"--reference: {drill.reference} ran another config: {key} differs")
     want = {f"inject_{f.kind}_at_step": f.step for f in drill.faults if f.kind in ANOMALY_KINDS}
     got = {k: theirs.get("debug", {}).get(k, 0) for k in ("inject_nan_at_step", "inject_spike_at_step")}
@@ -99,7 +115,9 @@ def check_reference(drill: Drill) -> None:
 def run_reference(drill: Drill, env: dict | None, timeout: float = 24 * 3600) -> None:
     """The uninterrupted job in `drill.reference`, with every injection of the drill fired once and its hot
     updates in its control.json from the start."""
-    command = [*drill.command, *anomaly_flags(drill.faults, 0, 0)]
+    # The reference keeps its checkpoints on one tier: the drilled job's local tier is its own.
+    command = [arg for arg in drill.command if not arg.startswith("--config.checkpoint.local_dir=")]
+    command = [*command, *anomaly_flags(drill.faults, 0, 0)]
     command[command.index("--workdir") + 1] = str(drill.reference)
     write_hot_updates(drill.reference, hot_changes(drill.faults))
     process = Start(command, drill.directory / "logs" / "reference.log", env, drill.processes)
@@ -125,7 +143,7 @@ def run_drill(drill: Drill, env: dict | None = None, log=print) -> dict:
             raise DrillError(f"diskfull: {exc}") from None
     try:
         run = Supervisor(drill.command, drill.workdir, drill.faults, drill.directory / "logs", env, disk,
-                         drill.processes).run()
+                         drill.processes, local=drill.local).run()
         check_reference(drill)
         history = final_history(drill.workdir / "metrics.jsonl")
         finished = run.finished and (drill.workdir / "checkpoints" / str(drill.steps)).is_dir()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -19,8 +20,8 @@ from jaxllm.drill.damage import corrupt_checkpoint
 from jaxllm.drill.disk import DiskError, SmallDisk
 from jaxllm.drill.job import (JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight,
                              write_hot_updates)
-from jaxllm.drill.plan import (HOT_KINDS, HOT_LR_SCALE, PROCESS_KINDS, Fault, anomaly_flags, hot_change_id,
-                              hot_changes)
+from jaxllm.drill.plan import (HOT_KINDS, HOT_LR_SCALE, PROCESS_KINDS, SLOW_PERSISTENT_MB_S, TIER_KINDS, Fault,
+                              anomaly_flags, hot_change_id, hot_changes)
 
 PREEMPTED = re.compile(r"preempted: saved step (\d+)")
 # The incident each injection must cause (jaxllm/train/anomaly.py), not one a healthy step may report by chance.
@@ -79,14 +80,18 @@ class Supervisor:
 
     def __init__(self, command: list[str], workdir: Path, faults: list[Fault], logs: Path, env: dict | None = None,
                  disk: SmallDisk | None = None, processes: int = 1, stall_timeout: float = 600.0,
-                 poll_s: float = 0.02):
+                 poll_s: float = 0.02, local: Path | None = None):
         if disk is None and any(f.kind == "diskfull" for f in faults):
             raise ValueError("diskfull faults need the checkpoint directory on a SmallDisk")
         if processes < 2 and any(f.kind == "peer" for f in faults):
             raise ValueError("peer faults need a job of several processes")
         self.command, self.faults, self.logs, self.env, self.disk = command, faults, Path(logs), env, disk
         self.processes = processes
+        if local is None and any(f.kind in TIER_KINDS for f in faults):
+            raise ValueError("local_wipe and slow_persistent faults need a job with a local checkpoint tier")
         self.checkpoints = Path(workdir) / "checkpoints"
+        self.local = local  # the local checkpoint tier (None: the job has one tier)
+        self.throttled = False  # a slow_persistent fault has landed: every later start throttles the copies
         self.metrics = JsonlTail(Path(workdir) / "metrics.jsonl")
         self.incidents = JsonlTail(Path(workdir) / "incidents.jsonl")
         self.stall_timeout, self.poll_s = stall_timeout, poll_s
@@ -126,15 +131,29 @@ class Supervisor:
     def _start(self, resume: int) -> None:
         """Start the job as an operator would; only the loop's injections that the checkpoint it will resume has
         not seen are added (`plan.anomaly_flags`)."""
-        rollbacks = recorded_rollbacks(self.checkpoints, resume) if resume else 0
-        command = [*self.command, *anomaly_flags(self.faults, resume, rollbacks)]
+        # the persistent tier's copy when it has one: a verified copy (the local one may be the corrupted one)
+        tier = self.checkpoints if resume in committed_steps(self.checkpoints) else self._read_first(resume)
+        rollbacks = recorded_rollbacks(tier, resume) if resume else 0
+        command = [*self.command, *anomaly_flags(self.faults, resume, rollbacks),
+                   *([f"--config.debug.slow_persistent_mb_s={SLOW_PERSISTENT_MB_S}"] if self.throttled else [])]
         self.starts += 1
         self.process = Start(command, self.logs / f"start-{self.starts}.log", self.env, self.processes)
         self.last_step, self.first_record_at = None, None
 
+    def _committed(self) -> list[int]:
+        """Committed steps on either checkpoint tier."""
+        local = committed_steps(self.local) if self.local is not None else []
+        return sorted(set(committed_steps(self.checkpoints)) | set(local))
+
     def _newest_committed(self) -> int:
-        steps = committed_steps(self.checkpoints)
+        steps = self._committed()
         return steps[-1] if steps else 0
+
+    def _read_first(self, step: int) -> Path:
+        """The tier a restore reads `step` from first: the local one when it holds it."""
+        if self.local is not None and step in committed_steps(self.local):
+            return self.local
+        return self.checkpoints
 
     def _drain(self) -> None:
         """Read what the job logged since the last call: incidents first, then steps."""
@@ -220,6 +239,35 @@ class Supervisor:
             raise DrillError(f"the job exited on its own {len(self.unplanned)} times; last: {self.unplanned[-1]}")
         self._start(self._newest_committed())
 
+    def _corrupt(self, outcome: Outcome) -> tuple[int | None, int | None, Path]:
+        """Damage the newest committed checkpoint on the tier a restore reads first, while the job is down:
+        (the step the restart must not resume (None: none, or its persistent copy is intact), the step
+        damaged, its tier)."""
+        fault = outcome.fault
+        damaged = self._newest_committed() or None
+        if damaged is None:
+            return None, None, self.checkpoints
+        tier = self._read_first(damaged)
+        outcome.detail = f"checkpoint {damaged}: " + corrupt_checkpoint(tier / str(damaged), fault.damage, fault.pick)
+        intact_copy = tier != self.checkpoints and damaged in committed_steps(self.checkpoints)
+        return (None if intact_copy else damaged), damaged, tier
+
+    def _land_on_tiers(self, outcome: Outcome) -> None:
+        """While the job is down: wipe its local tier (local_wipe), or throttle its persistent tier from the
+        restart on (slow_persistent); the detail says where each tier stood."""
+        kind = outcome.fault.kind
+        if kind not in TIER_KINDS:
+            return
+        local, persistent = committed_steps(self.local), committed_steps(self.checkpoints)
+        where = (f"local tier at step {local[-1] if local else 0}, persistent tier at step "
+                 f"{persistent[-1] if persistent else 0}")
+        if kind == "local_wipe":
+            shutil.rmtree(self.local, ignore_errors=True)
+            outcome.detail = f"{where}: local tier deleted"
+        else:
+            self.throttled = True
+            outcome.detail = f"{where}: persistent tier throttled to {SLOW_PERSISTENT_MB_S:g} MB/s from the restart on"
+
     def _step_time(self) -> float:
         recent = self.step_times[-10:]
         return statistics.median(recent) if recent else 0.1
@@ -242,7 +290,8 @@ class Supervisor:
                 return
             self._unplanned_exit(rc)  # failed on its own meanwhile: restarted, and the fault waits for its step
         self._drain()
-        outcome.at_step, outcome.during_save = self.last_step, save_in_flight(self.checkpoints)
+        outcome.at_step = self.last_step
+        outcome.during_save = save_in_flight(self.local if self.local is not None else self.checkpoints)
         landed = time.monotonic()
         victim = min(int(fault.pick * self.processes), self.processes - 1)
         if fault.kind == "diskfull":
@@ -250,7 +299,8 @@ class Supervisor:
         elif fault.kind == "peer":
             self.process.signal(signal.SIGKILL, process=victim)
         else:
-            self.process.signal(signal.SIGKILL if fault.kind == "kill9" else signal.SIGTERM)
+            killed = fault.kind in ("kill9", *TIER_KINDS)
+            self.process.signal(signal.SIGKILL if killed else signal.SIGTERM)
         try:
             rc = self.process.wait(timeout=self.stall_timeout)
         except subprocess.TimeoutExpired:
@@ -262,7 +312,8 @@ class Supervisor:
                 self.disk.free()
         self._drain()
         outcome.at_step = self.last_step  # a full disk stops the job at its next save, steps later
-        expected_rc = {"kill9": -signal.SIGKILL, "diskfull": 1}.get(fault.kind, 0)
+        expected_rc = {"kill9": -signal.SIGKILL, "diskfull": 1, **dict.fromkeys(TIER_KINDS, -signal.SIGKILL)}.get(
+            fault.kind, 0)
         stopped_as_expected = rc == expected_rc
         if fault.kind == "diskfull":
             errors = [line for line in self.process.log().splitlines() if line.startswith("error:")]
@@ -281,13 +332,9 @@ class Supervisor:
         if fault.kind in ("sigterm", "corrupt"):
             saved = PREEMPTED.search(self.process.log())
             outcome.at_step = int(saved.group(1)) if saved else self.last_step
-        corrupted = None
-        if fault.kind == "corrupt":
-            corrupted = self._newest_committed()
-            if corrupted:
-                outcome.detail = f"checkpoint {corrupted}: " + corrupt_checkpoint(
-                    self.checkpoints / str(corrupted), fault.damage, fault.pick)
-        committed = [s for s in committed_steps(self.checkpoints) if s != corrupted]
+        corrupted, damaged, damaged_tier = self._corrupt(outcome) if fault.kind == "corrupt" else (None, None, None)
+        self._land_on_tiers(outcome)
+        committed = [s for s in self._committed() if s != corrupted]
         outcome.expected_resume = committed[-1] if committed else 0
         self._start(outcome.expected_resume)
         started = self.process.started
@@ -299,7 +346,7 @@ class Supervisor:
         outcome.resumed = self.process.resumed_step()
         outcome.steps_lost = (outcome.at_step or 0) - outcome.resumed
         outcome.corrupt_load = corrupted is not None and outcome.resumed == corrupted
-        if corrupted:
-            outcome.quarantined = corrupted in self.process.quarantined(self.checkpoints)
+        if damaged:
+            outcome.quarantined = damaged in self.process.quarantined(damaged_tier)
         outcome.recovered = (stopped_as_expected and outcome.resumed == outcome.expected_resume
                              and not outcome.corrupt_load and outcome.quarantined is not False)

@@ -78,6 +78,13 @@ def layout_differences(saved: dict[str, tuple], wanted: dict[str, tuple]) -> lis
     return shapes + missing + extra
 
 
+def everywhere(ok: bool) -> bool:
+    """True when `ok` holds on every process (one collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
+
+
 def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
@@ -173,6 +180,11 @@ class Checkpointer:
         self.saves.append(record)
         self.log(f"checkpoint {step} committed: {size / 1e6:.2f} MB, blocking {record['blocking_s']:.2f}s, "
                  f"total {total:.2f}s, {1000 * record['gb_per_s']:.0f} MB/s")
+
+    @property
+    def copies(self) -> list[dict]:
+        """Copies to a persistent tier: none, this is one tier (see jaxllm/runs/tiers.py)."""
+        return []
 
     def steps(self) -> list[int]:
         """Committed checkpoint steps, oldest first."""

@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxllm.optim import powersgd
 from jaxllm.observe.sizes import GB
-from jaxllm.runs.checkpoint import Checkpointer
+from jaxllm.runs.tiers import open_checkpointer
 from jaxllm.config.schema import AUTO_GRAD_ACCUM, AUTO_REMAT, AUTO_VOCAB, Config, ConfigError
 from jaxllm.data.pipeline import packing_efficiency
 from jaxllm.observe.comms import step_comms
@@ -190,8 +190,7 @@ def fit(cfg: Config, objective: Objective, stream=sys.stdout) -> dict:
     print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices, "
           f"reading batch rows block {rows[0]} of {rows[1]}", file=stream if is_main else sys.stderr, flush=True)
 
-    checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep,
-                                keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save, log=log)
+    checkpointer = open_checkpointer(cfg.checkpoint, workdir, log, slow_mb_s=cfg.debug.slow_persistent_mb_s)
     incidents = JsonlWriter(workdir / "incidents.jsonl", enabled=is_main)
     peak_live = PeakLiveBytes()
     with jax.set_mesh(mesh):
@@ -334,6 +333,8 @@ def fit(cfg: Config, objective: Objective, stream=sys.stdout) -> dict:
         mfu=metrics_log.mfu(tps), mfu_causal=metrics_log.mfu(tps, causal=True),
         checkpoint_saves=checkpointer.saves, rollbacks=run.rollbacks, lr_scale=float(run.state.lr_scale),
     )
+    if checkpointer.copies:
+        summary["checkpoint_copies"] = checkpointer.copies
     if recover.grad_spikes:
         summary["grad_spikes"] = recover.grad_spikes
     if recover.loss_spikes:

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxllm.runs.checkpoint import CheckpointError, CheckpointMismatch, Checkpointer, locate_checkpoints
+from jaxllm.runs.checkpoint import (CheckpointError, CheckpointMismatch, Checkpointer, everywhere,
+                                   locate_checkpoints)
 from jaxllm.config.schema import Config, ConfigError
 from jaxllm.optim.loss_scale import loss_scaling
 from jaxllm.train.anomaly import incident_kind
@@ -24,7 +25,6 @@ from jaxllm.runs.loader import load_base
 from jaxllm.train.control import HOT_UPDATES
 from jaxllm.train.state import (init_frozen, init_objective_state, init_part, init_trainable_state, older_layout,
                                state_from_params, state_shardings)
-from jax.experimental import multihost_utils
 
 
 class AnomalyAbort(RuntimeError):
@@ -42,20 +42,13 @@ def restore_latest(checkpointer: Checkpointer, abstract, mesh, log, items=("stat
             restored = checkpointer.restore(step, abstract, mesh, items=items, shardings=shardings, older=older)
         except CheckpointError as exc:
             error = exc
-        if not _everywhere(error is None):  # all processes must fall back together, or none
+        if not everywhere(error is None):  # all processes must fall back together, or none
             moved = checkpointer.quarantine(step)
             log(f"warning: {error or f'checkpoint {step} failed to restore on another process'}; moved it to "
                 f"{moved} and trying an earlier checkpoint")
             continue
         return restored["state"], {**restored.get("meta", {}), "data": restored.get("data", {})}
     return None
-
-
-def _everywhere(ok: bool) -> bool:
-    """True when `ok` holds on every process."""
-    if jax.process_count() == 1:
-        return ok
-    return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
 
 
 # The config keys that decide the train state's arrays (names, shapes), by dotted prefix: when a run's
