@@ -1,14 +1,16 @@
 """Step time with and without the persistent checkpoint copy (docs/storage.md):
-`python scripts/bench_tiers.py [--steps 120] [--every 10] [--out build/bench_tiers] [--slow_mb_s 100,10]`.
+`python scripts/bench_tiers.py [--steps 120] [--every 10] [--rounds 2] [--out build/bench_tiers]
+[--slow_mb_s 100,10]`.
 
 Trains the default job (configs/pretrain.py, after `make data`) as its own scripts/train.py process on 8 CPU
 devices, saving every `--every` steps, once per setting, in one invocation:
 - one tier: checkpoints straight to `<workdir>/checkpoints` (the baseline);
 - two tiers: `checkpoint.local_dir` with the persistent copy at full speed;
 - two tiers with the persistent tier throttled to each `--slow_mb_s` (MB/s; the seeds' HDD tier is 100 MB/s).
-For each: the median and mean step time over every step (the save steps included), the loop's mean blocking
-time in a save, the copies made and their MB/s, and the mean step time against one tier's. Ends with one JSON
-line.
+The settings run in turn, `--rounds` times (interleaved, so that drift of the machine hits all alike). For
+each: the median and mean step time over every step of every round (the save steps included), the loop's
+mean blocking time in a save, the copies made and their MB/s, and the mean step time against one tier's. Ends
+with one JSON line.
 """
 
 import argparse
@@ -47,10 +49,21 @@ def train(workdir: Path, steps: int, every: int, extra: list[str]) -> dict:
                 checkpoint_mb=summary["checkpoint_saves"][-1]["bytes"] / 1e6, wall_s=wall)
 
 
+def combine(rounds: list[dict]) -> dict:
+    """One setting's rounds: step times over all of them (medians of the rounds' medians), summed counts."""
+    mean = lambda key: statistics.fmean(r[key] for r in rounds if r[key] is not None) if any(
+        r[key] is not None for r in rounds) else None
+    return dict(step_median_s=statistics.median(r["step_median_s"] for r in rounds), step_mean_s=mean("step_mean_s"),
+                save_block_mean_s=mean("save_block_mean_s"), saves=sum(r["saves"] for r in rounds),
+                copies=sum(r["copies"] for r in rounds), copy_mb_s=mean("copy_mb_s"),
+                checkpoint_mb=rounds[0]["checkpoint_mb"], wall_s=mean("wall_s"), rounds=len(rounds))
+
+
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default="build/bench_tiers")
     p.add_argument("--slow_mb_s", default="100,10", help="throttled persistent tiers to measure, MB/s")
     args = p.parse_args(argv)
@@ -61,10 +74,13 @@ def main(argv):
     for rate in (r for r in args.slow_mb_s.split(",") if r):
         settings[f"two tiers, persistent {rate} MB/s"] = [f"--config.checkpoint.local_dir={out / f'local-{rate}'}",
                                                           f"--config.debug.slow_persistent_mb_s={rate}"]
-    results = {}
-    for name, extra in settings.items():
-        results[name] = train(out / name.replace(" ", "_").replace(",", "").replace("/", ""), args.steps,
-                              args.every, extra)
+    runs = {name: [] for name in settings}
+    for round_ in range(args.rounds):
+        for name, extra in settings.items():
+            workdir = out / f"{name.replace(' ', '_').replace(',', '').replace('/', '')}-{round_}"
+            runs[name].append(train(workdir, args.steps, args.every,
+                                    [a.replace("local-", f"local-{round_}-") for a in extra]))
+    results = {name: combine(rounds) for name, rounds in runs.items()}
     base = results["one tier"]["step_mean_s"]
     print(f"{'setting':36s} {'median s':>9s} {'mean s':>9s} {'vs one':>7s} {'save block s':>12s} {'copies':>7s} "
           f"{'copy MB/s':>9s} {'wall s':>7s}")

@@ -6,8 +6,12 @@ DIR/run and lands the faults on it at moments drawn from the seed: kill9 (SIGKIL
 sigterm, corrupt (a file of the newest committed checkpoint truncated or deleted while the job is down), diskfull
 (root only: the checkpoint directory on a tmpfs that fills up, so a save fails), peer (one process of a
 2-process job killed: with peer faults the job and its reference run as 2 processes on this host, the fake CPU
-devices of XLA_FLAGS split between them), nan and spike (the loop's injections, rolled back in process), hotlr (a
-hot update through the job's control.json halving the LR at a drawn step, which every restart must keep; the
+devices of XLA_FLAGS split between them), local_wipe and slow_persistent (a job with checkpoint.local_dir: its
+local tier deleted while it is down, or its persistent tier throttled from the restart on), host_down (one
+process killed and its host down for --host_down_s seconds: with elastic.wait_s > 0 the job goes on without it,
+then grows back; the final parameters must then be within 1e-5 relative of the reference, not bitwise), nan
+and spike (the loop's injections, rolled back in process), hotlr (a hot update through the job's control.json
+halving the LR at a drawn step, which every restart must keep; the
 reference gets it too). After each process fault it restarts the job as SLURM --requeue would,
 until the last step. The uninterrupted reference runs first in DIR/reference, unless --reference names a
 finished run of the same config. Prints a table, then as the last line one JSON object (bitwise_equal,
@@ -30,10 +34,13 @@ def main(argv):
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="a configs/*.py file with get_config()")
     p.add_argument("--faults", required=True,
-                   help="kind:count,... (kill9, sigterm, corrupt, diskfull, peer, nan, spike, hotlr)")
+                   help="kind:count,... (kill9, sigterm, corrupt, diskfull, peer, local_wipe, slow_persistent, "
+                        "host_down, nan, spike, hotlr)")
     p.add_argument("--seed", type=int, default=0, help="draws the faults' steps and moments (default 0)")
     p.add_argument("--workdir", default="runs/drill", help="the drill's directory, empty or new (default runs/drill)")
     p.add_argument("--reference", default=None, help="a finished uninterrupted run of the same config")
+    p.add_argument("--host_down_s", type=float, default=60.0,
+                   help="host_down faults: seconds the killed process's host stays down (default 60)")
     p.add_argument("--heartbeat_timeout", type=int, default=20,
                    help="with peer faults: seconds after which a process stops when a peer is gone (default 20)")
     args = p.parse_args(args_list)
@@ -43,7 +50,7 @@ def main(argv):
 
     try:
         drill = plan_drill(str(Path(__file__).with_name("train.py")), args.config, overrides, args.faults,
-                           args.seed, args.workdir, args.reference, args.heartbeat_timeout)
+                           args.seed, args.workdir, args.reference, args.heartbeat_timeout, args.host_down_s)
     except (FaultSpecError, ConfigError, UsageError) as exc:
         fail(str(exc))
     try:

@@ -83,6 +83,11 @@ def main(argv):
                        num_processes=None if args.dry_run or args.print_comms else jax.process_count())
     except (ConfigError, UsageError) as exc:
         fail(str(exc))
+    if cd.elastic.wait_s and -1 not in sizes and math.prod(sizes) > num_devices:  # elastic_shape shrank the mesh
+        print(f"elastic: {num_devices} devices of the mesh's {math.prod(sizes)}: mesh "
+              f"{'x'.join(map(str, sizes))} -> {'x'.join(map(str, cfg.mesh.shape))} ({', '.join(MESH_AXES)}), "
+              f"optim.grad_accum {cd.optim.grad_accum} -> {cfg.optim.grad_accum} (global batch "
+              f"{cfg.train.batch_size} kept)", flush=True)
     if cd.precision.compute == "auto":
         from jaxllm.config.auto_precision import resolve_compute
 

@@ -294,3 +294,17 @@ def test_disaggregated_rollouts_run_on_one_process_for_now():
         apply_override(cd, key, value)
     with pytest.raises(ConfigError, match="rl.placement: disaggregated rollouts run on one process for now, not 2"):
         validate(cd, 8, num_processes=2)
+
+
+def test_elastic_shape_shrinks_data_then_fsdp_and_raises_accumulation():
+    cd = load_config_file(str(ROOT / "configs" / "pretrain.py"))  # mesh data 2, fsdp 2, tensor 2; batch 16
+    cd.elastic.wait_s = 30.0
+    shapes = {n: validate(cd, n) for n in (8, 4, 2)}
+    assert [(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.optim.grad_accum) for c in shapes.values()] == [
+        (2, 2, 2, 1), (1, 2, 2, 2), (1, 1, 2, 4)]
+    assert {c.train.batch_size for c in shapes.values()} == {16}  # the global batch, and so the data order, kept
+    with pytest.raises(ConfigError, match="elastic.wait_s: the mesh of 8 devices cannot shrink to 3"):
+        validate(cd, 3)
+    cd.elastic.wait_s = 0.0  # off: fewer devices than the mesh is the usual one-line error
+    with pytest.raises(ConfigError, match="^mesh: "):
+        validate(cd, 4)

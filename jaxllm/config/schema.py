@@ -438,14 +438,51 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where the token store lives and how it is read."""
+    """Where the token store lives and how it is read.
+
+    `path`: the store (a directory, or an fsspec URL on a cold tier); a run's held-out batches and tokenizer
+    come from it. `mixture` (empty: train on `path`): training reads a weighted mixture of stores instead,
+    `"PATH:WEIGHT,PATH:WEIGHT,..."`, each with the tokenizer of `path`; each step's share of each store is
+    logged as `data/mix/<store>` (jaxllm/data/pipeline.py's MixtureRows: exact per block of 4096 rows, a
+    pure function of seed and step). `cache_dir` (empty: off; needed for URLs): every store is read through a
+    local cache there, at most `cache_gb` of token chunks, evicted least recently used and shared by the
+    node's processes, fetched `prefetch_steps` steps ahead of the loader (jaxllm/data/cold_cache.py)."""
 
     path: str = "build/data/shakespeare"
     num_workers: int = 0
+    mixture: str = ""
+    cache_dir: str = ""
+    cache_gb: float = 20.0
+    prefetch_steps: int = 8
 
     def check(self) -> None:
         if self.num_workers < 0:
             raise ConfigError("data.num_workers", f"must be >= 0, got {self.num_workers}")
+        if not self.cache_gb > 0:
+            raise ConfigError("data.cache_gb", f"must be > 0, got {self.cache_gb}")
+        if self.prefetch_steps < 0:
+            raise ConfigError("data.prefetch_steps", f"must be >= 0, got {self.prefetch_steps}")
+        self.mixture_pairs()
+        urls = [p for p in [self.path, *(p for p, _ in self.mixture_pairs())] if "://" in p]
+        if urls and not self.cache_dir:
+            raise ConfigError("data.cache_dir", f"{urls[0]} is a URL: stores on a cold tier are read through a "
+                                                f"local cache; set data.cache_dir")
+
+    def mixture_pairs(self) -> list[tuple[str, float]]:
+        """`mixture` as [(store, weight), ...] ([] when unset)."""
+        if not self.mixture.strip():
+            return []
+        pairs = []
+        for entry in self.mixture.split(","):
+            path, sep, weight = entry.strip().rpartition(":")
+            try:
+                value = float(weight) if sep and path else -1.0
+            except ValueError:
+                value = -1.0
+            if not value > 0:
+                raise ConfigError("data.mixture", f"{entry.strip()!r} is not PATH:WEIGHT with a weight > 0")
+            pairs.append((path, value))
+        return pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,7 +570,8 @@ class DebugConfig:
     rows are sampled and before they are scored, while the others wait for it in the rollout's collectives (a
     host lost mid-rollout, for the peer watch; a restart without it resumes).
     `slow_persistent_mb_s` (0: off): the copies to the persistent checkpoint tier (`checkpoint.local_dir`) run at
-    most this fast, a throttled shared filesystem (drills and scripts/bench_checkpoint.py).
+    most this fast, a throttled shared filesystem (drills and scripts/bench_tiers.py); `slow_cold_mb_s` the
+    same for the reads of token stores on a cold tier (`data.cache_dir`; scripts/bench_data.py).
     `emulate_fp8`: accept precision.quant=fp8 on a CPU, where XLA widens the float8 dots to float32: fp8's
     numerics without its speed, for convergence checks (scripts/bench_quant.py).
     """
@@ -549,6 +587,7 @@ class DebugConfig:
     emulate_fp8: bool = False
     kill_in_rollout: int = 0
     slow_persistent_mb_s: float = 0.0
+    slow_cold_mb_s: float = 0.0
 
     def check(self) -> None:
         """This section's fields (`zero_layer` against the model: `check_across`)."""
@@ -556,6 +595,8 @@ class DebugConfig:
         if not self.data_sleep_s >= 0:
             raise ConfigError("debug.data_sleep_s", f"must be >= 0 seconds, got {self.data_sleep_s}")
         check_positive("debug.router_scale", self.router_scale)
+        if not self.slow_cold_mb_s >= 0:
+            raise ConfigError("debug.slow_cold_mb_s", f"must be >= 0 MB/s (0: off), got {self.slow_cold_mb_s}")
         if not self.slow_persistent_mb_s >= 0:
             raise ConfigError("debug.slow_persistent_mb_s", f"must be >= 0 MB/s (0: off), got "
                                                             f"{self.slow_persistent_mb_s}")
@@ -676,6 +717,21 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic recovery (docs/storage.md): `wait_s` > 0 lets a job whose process died, and did not come back
+    within `wait_s` seconds, restart on the survivors (jaxllm/drill/elastic.py drives it), and lets a start on
+    fewer devices than the mesh asks for run a smaller mesh: the `data` axis (then `fsdp`) shrinks by the
+    missing factor and `optim.grad_accum` grows by it, so each device's micro-batch, the global batch and the
+    data order stay those of the whole job (`elastic_shape`). 0: off, a restart waits for every process."""
+
+    wait_s: float = 0.0
+
+    def check(self) -> None:
+        if not self.wait_s >= 0:
+            raise ConfigError("elastic.wait_s", f"must be >= 0 seconds (0: off), got {self.wait_s}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """The whole validated configuration of a run."""
 
@@ -700,6 +756,7 @@ class Config:
     rl: RLConfig = RLConfig()
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()
+    elastic: ElasticConfig = ElasticConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
     # XLA compiler flags, name (without the leading --) -> value, put into XLA_FLAGS by the scripts before JAX
@@ -736,6 +793,33 @@ def resolve_vocab_size(cfg: Config, tokenizer_size: int, tokenizer: str) -> Conf
         raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the tokenizer's "
                                               f"{tokenizer_size} tokens ({tokenizer})")
     return cfg
+
+
+def elastic_shape(cfg: Config, num_devices: int) -> Config:
+    """`cfg` for `num_devices` devices when it asks for more and allows elastic recovery (`elastic.wait_s` > 0):
+    the mesh's `data` axis, then `fsdp`, divided by the missing factor and `optim.grad_accum` multiplied by it
+    (the global batch and its rows are the config's; each device's micro-batch stays the same). Unchanged
+    otherwise."""
+    sizes = dict(zip(MESH_AXES, cfg.mesh.shape))
+    if not cfg.elastic.wait_s or -1 in sizes.values() or math.prod(sizes.values()) <= num_devices:
+        return cfg
+    full = math.prod(sizes.values())
+    if full % num_devices:
+        raise ConfigError("elastic.wait_s", f"the mesh of {full} devices cannot shrink to {num_devices}: not a "
+                                            f"divisor")
+    missing = full // num_devices
+    for axis in ("data", "fsdp"):
+        taken = math.gcd(missing, sizes[axis])
+        sizes[axis] //= taken
+        missing //= taken
+    if missing > 1:
+        raise ConfigError("elastic.wait_s", f"the mesh {cfg.mesh.shape} cannot shrink to {num_devices} devices on "
+                                            f"its data and fsdp axes")
+    factor = full // num_devices
+    # The hosts are fewer too: the survivors' layout over hosts is laid out anew (the dcn sizes' default).
+    hosts = {f"dcn_{axis}": 0 for axis in MESH_AXES}
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **sizes, **hosts),
+                               optim=dataclasses.replace(cfg.optim, grad_accum=cfg.optim.grad_accum * factor))
 
 
 def resolve_mesh(mesh: MeshConfig, num_devices: int) -> MeshConfig:
@@ -804,8 +888,9 @@ def resolve_dcn(mesh: MeshConfig, num_processes: int) -> MeshConfig:
     return dataclasses.replace(mesh, **{f"dcn_{a}": d for a, d in dcn.items()})
 
 
+# Each section's own check(); precision's is validate's.
 SECTIONS_CHECKED_ALONE = ("model", "optim", "train", "data", "pipeline", "checkpoint", "anomaly", "debug",
-                          "diagnostics", "profile", "lora")  # each section's own check(); precision's is validate's
+                          "diagnostics", "profile", "lora", "elastic")
 def _rollout_devices(cfg: Config, num_devices: int, num_processes: int | None) -> int:
     """The devices an RL run sets aside for its rollouts (RLConfig), checked against the devices there are; a
     plan (no processes) takes the mesh as written."""
@@ -830,7 +915,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     `num_processes` processes (None: do not lay the mesh out over hosts, as in a dry run).
     `check_batch=False` skips the batch-versus-mesh checks (a dry run plans parameters and optimizer state).
     """
-    cfg = build(Config, cd, auto=AUTO_VALUES)
+    cfg = elastic_shape(build(Config, cd, auto=AUTO_VALUES), num_devices)
     mesh = resolve_mesh(cfg.mesh, num_devices - _rollout_devices(cfg, num_devices, num_processes))
     if num_processes is not None:
         mesh = resolve_dcn(mesh, num_processes)
@@ -878,6 +963,10 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
     if debug.kill_in_rollout and train.objective not in ("ppo", "grpo"):
         raise ConfigError("debug.kill_in_rollout", f"kills a process in a PPO or GRPO rollout; train.objective is "
                                                    f"{train.objective!r}")
+    for key in ("mixture", "cache_dir"):  # the other objectives prepare their own rows into data.path
+        if getattr(cfg.data, key) and train.objective != "pretrain":
+            raise ConfigError(f"data.{key}", f"reads token stores for pretraining; train.objective is "
+                                             f"{train.objective!r}")
 
 
 def _check_schedule(cfg: Config) -> None:
@@ -1081,7 +1170,8 @@ def default_config_dict() -> ml_collections.ConfigDict:
                     train=TrainConfig, data=DataConfig, pipeline=PipelineConfig, checkpoint=CheckpointConfig,
                     anomaly=AnomalyConfig, debug=DebugConfig, diagnostics=DiagnosticsConfig, lora=LoRAConfig,
                     sft=SFTConfig, preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig,
-                    ppo=PPOConfig, rl=RLConfig, metrics=MetricsConfig, profile=ProfileConfig)
+                    ppo=PPOConfig, rl=RLConfig, metrics=MetricsConfig, profile=ProfileConfig,
+                    elastic=ElasticConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 import grain
 import numpy as np
 
+from jaxllm.data.cold_cache import ChunkCache
 from jaxllm.data.token_store import StoreSplit, TokenStore
 
 FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -74,6 +75,16 @@ class PackedRows:
 
     def get_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """Rows (any ints >= 0) as a dict of int32 arrays [len(rows), seq_len]; one concurrent read for all."""
+        ranges, plans = self._plan(rows)
+        return self._assemble(self.split.read_many(ranges), plans)
+
+    def prefetch(self, rows: np.ndarray) -> None:
+        """Start bringing these rows' tokens into the local cache of a cold store (nothing for a local one)."""
+        if self.split.cold is not None:
+            self.split.prefetch(self._plan(rows)[0])
+
+    def _plan(self, rows: np.ndarray) -> tuple[list, list]:
+        """(the token ranges to read, and for each row its pieces (permuted document, start in it, length))."""
         rows = np.asarray(rows, np.int64)
         if rows.size and rows.min() < 0:
             raise IndexError(f"row indices must be >= 0, got {rows.min()}")
@@ -95,8 +106,12 @@ class PackedRows:
                     ranges.append((src, src + b - a))
                     pieces.append((k, a - int(starts[k]), b - a))
             plans.append(pieces)
-        chunks = iter(self.split.read_many(ranges))
-        out = {f: np.zeros((len(rows), T), np.int32) for f in FIELDS}
+        return ranges, plans
+
+    def _assemble(self, read: list[np.ndarray], plans: list) -> dict[str, np.ndarray]:
+        T = self.seq_len
+        chunks = iter(read)
+        out = {f: np.zeros((len(plans), T), np.int32) for f in FIELDS}
         for i, pieces in enumerate(plans):
             window = np.concatenate([next(chunks) for _ in pieces])
             doc = np.concatenate([np.full(n, k, np.int64) for k, _, n in pieces])
@@ -125,7 +140,8 @@ class MixtureRows:
     position order. Nothing depends on earlier rows, so workers, processes and resume behave as for one store.
     """
 
-    def __init__(self, sources: Sequence[PackedRows], weights: Sequence[float], seed: int = 0, block: int = 4096):
+    def __init__(self, sources: Sequence[PackedRows], weights: Sequence[float], seed: int = 0, block: int = 4096,
+                 names: Sequence[str] | None = None):
         if len(sources) != len(weights) or not sources:
             raise ValueError(f"need one weight per source, got {len(sources)} sources and {len(weights)} weights")
         w = np.asarray(weights, np.float64)
@@ -135,6 +151,7 @@ class MixtureRows:
         if len(seq) != 1:
             raise ValueError(f"mixture sources have different seq_len {sorted(seq)}")
         self.sources, self.seed, self.block = list(sources), int(seed), int(block)
+        self.names = list(names) if names is not None else [str(i) for i in range(len(sources))]
         self.seq_len = sources[0].seq_len
         self.weights = (w / w.sum()).tolist()
         exact = np.asarray(self.weights) * block
@@ -173,6 +190,18 @@ class MixtureRows:
             local[m] = b * self.counts[s[pos]] + r[pos]
         return src, local
 
+    def fractions(self, rows: np.ndarray) -> dict[str, float]:
+        """{source name: the share of `rows` it supplies} (what a step's batch realises of the weights)."""
+        src, _ = self.assign(rows)
+        counts = np.bincount(src, minlength=len(self.sources))
+        return {name: float(c) / max(len(src), 1) for name, c in zip(self.names, counts)}
+
+    def prefetch(self, rows: np.ndarray) -> None:
+        src, local = self.assign(rows)
+        for i, source in enumerate(self.sources):
+            if (src == i).any():
+                source.prefetch(local[src == i])
+
     def get_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         src, local = self.assign(rows)
         out = {f: np.zeros((len(src), self.seq_len), np.int32) for f in FIELDS}
@@ -201,17 +230,25 @@ def rows_of_step(step: int, global_batch_size: int, process_index: int, process_
 
 
 class _StepBatch:
-    """grain map fn: step -> this process's slice of the global batch (a picklable callable)."""
+    """grain map fn: step -> this process's slice of the global batch (a picklable callable). With a cold store,
+    each call first asks the cache for the rows of the `prefetch_steps` steps after it."""
 
-    def __init__(self, rows: PackedRows, global_batch_size: int, process_index: int, process_count: int):
+    def __init__(self, rows: PackedRows, global_batch_size: int, process_index: int, process_count: int,
+                 prefetch_steps: int = 0):
         self.rows = rows
         self.global_batch_size = global_batch_size
         self.local = global_batch_size // process_count
         self.first = process_index * self.local
+        self.prefetch_steps = prefetch_steps
+
+    def _rows(self, step: int) -> np.ndarray:
+        start = int(step) * self.global_batch_size + self.first
+        return np.arange(start, start + self.local)  # == rows_of_step(...)
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
-        start = int(step) * self.global_batch_size + self.first
-        return self.rows.get_rows(np.arange(start, start + self.local))  # == rows_of_step(...)
+        if self.prefetch_steps:
+            self.rows.prefetch(np.concatenate([self._rows(s) for s in range(step + 1, step + 1 + self.prefetch_steps)]))
+        return self.rows.get_rows(self._rows(step))
 
 
 def _allow_worker_processes() -> None:
@@ -232,9 +269,10 @@ class TrainIterator(grain.DatasetIterator):
     """
 
     def __init__(self, rows: PackedRows, *, global_batch_size: int, process_index: int, process_count: int,
-                 start_step: int, num_steps: int, num_workers: int, prefetch: int):
+                 start_step: int, num_steps: int, num_workers: int, prefetch: int, prefetch_steps: int = 0):
         super().__init__()
-        self._fn = _StepBatch(rows, global_batch_size, process_index, process_count)
+        self._fn = _StepBatch(rows, global_batch_size, process_index, process_count, prefetch_steps)
+        self._rows, self._global_batch_size = rows, global_batch_size
         self._key = {"seed": rows.seed, "seq_len": rows.seq_len, "global_batch_size": global_batch_size}
         if isinstance(rows, MixtureRows):  # a state must not restore into a different mixture
             self._key["mixture_weights"] = rows.weights
@@ -265,6 +303,20 @@ class TrainIterator(grain.DatasetIterator):
     def step(self) -> int:
         """The step whose batch the next call to next() returns."""
         return self._step
+
+    def step_metrics(self) -> dict[str, float]:
+        """Of the batch last returned: its data index (`data_index`: the step of the data order it is, which an
+        audit of a resumed or elastic run checks for steps seen twice or skipped) and, of a mixture, each
+        store's share of it (`data/mix/<name>`). A pure function of the step: no process reads another's rows
+        to know it."""
+        if self._step == 0:
+            return {}
+        metrics = {"data_index": self._step - 1}
+        if isinstance(self._rows, MixtureRows):
+            first = (self._step - 1) * self._global_batch_size
+            shares = self._rows.fractions(np.arange(first, first + self._global_batch_size))
+            metrics.update({f"data/mix/{name}": share for name, share in shares.items()})
+        return metrics
 
     def get_state(self) -> dict:
         return {"step": self._step, **self._key}
@@ -302,14 +354,15 @@ def auto_num_workers(cpu_count: int | None = None, platform: str | None = None) 
     return min(4, cpu_count // 4) if platform.startswith("linux") else 0
 
 
-def _open_rows(store_path, split: str, seq_len: int, seed: int):
-    """PackedRows of one store, or MixtureRows of [(store_path, weight), ...] sharing one tokenizer."""
+def _open_rows(store_path, split: str, seq_len: int, seed: int, cache: ChunkCache | None = None):
+    """PackedRows of one store, or MixtureRows of [(store_path, weight), ...] sharing one tokenizer; read
+    through `cache` when given (stores on a cold tier)."""
     if isinstance(store_path, (str, os.PathLike)):
-        return PackedRows(TokenStore.open(store_path).split(split), seq_len, seed, shuffle=True)
+        return PackedRows(TokenStore.open(store_path, cache).split(split), seq_len, seed, shuffle=True)
     pairs = list(store_path)
     if not pairs or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
         raise ValueError("a mixture is a list of (store_path, weight) pairs")
-    stores = [TokenStore.open(p) for p, _ in pairs]
+    stores = [TokenStore.open(p, cache) for p, _ in pairs]
     ref = stores[0].manifest
     for (path, _), st in zip(pairs, stores):
         m = st.manifest
@@ -318,7 +371,13 @@ def _open_rows(store_path, split: str, seq_len: int, seed: int):
             raise ValueError(f"mixture store {path} uses a different tokenizer than {pairs[0][0]}; "
                              "all stores of a mixture must be tokenized with the same model")
     sources = [PackedRows(st.split(split), seq_len, seed, shuffle=True) for st in stores]
-    return MixtureRows(sources, [float(w) for _, w in pairs], seed)
+    return MixtureRows(sources, [float(w) for _, w in pairs], seed, names=mixture_names([p for p, _ in pairs]))
+
+
+def mixture_names(paths: Sequence) -> list[str]:
+    """Each mixture store's name in the logs: its directory's name, numbered where two share one."""
+    names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in paths]
+    return [f"{n}.{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
 def make_mixture_iterator(stores: Sequence[tuple[str | os.PathLike, float]], **kwargs) -> "TrainIterator":
@@ -339,6 +398,8 @@ def make_train_iterator(
     num_steps: int,
     num_workers: int | None = None,
     prefetch: int = 2,
+    cache: ChunkCache | None = None,
+    prefetch_steps: int = 0,
 ) -> TrainIterator:
     """Iterator over this process's batches for steps start_step .. num_steps - 1.
 
@@ -347,17 +408,20 @@ def make_train_iterator(
 
     Each batch is a dict of int32 numpy arrays [global_batch_size // process_count, seq_len] with keys
     tokens, targets, segment_ids, positions, loss_mask. Supports get_state()/set_state() (see TrainIterator).
+    `cache`: read the stores through this local cache (stores on a cold tier), fetching the rows of the next
+    `prefetch_steps` steps ahead of each batch.
     """
     if global_batch_size % process_count:
         raise ValueError(f"global_batch_size {global_batch_size} is not divisible by process_count {process_count}")
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} outside [0, {process_count})")
-    rows = _open_rows(store_path, split, seq_len, seed)
+    rows = _open_rows(store_path, split, seq_len, seed, cache)
     if num_workers is None:
         num_workers = auto_num_workers()
     return TrainIterator(rows, global_batch_size=global_batch_size, process_index=process_index,
                          process_count=process_count, start_step=start_step, num_steps=num_steps,
-                         num_workers=num_workers, prefetch=prefetch)
+                         num_workers=num_workers, prefetch=prefetch,
+                         prefetch_steps=prefetch_steps if cache is not None else 0)
 
 
 class EvalBatches:
@@ -398,9 +462,11 @@ def make_eval_batches(
     max_batches: int | None = None,
     process_index: int = 0,
     process_count: int = 1,
+    cache: ChunkCache | None = None,
 ) -> EvalBatches:
-    """Re-iterable batches covering every row of the split exactly once, unshuffled (see EvalBatches)."""
-    rows = PackedRows(TokenStore.open(store_path).split(split), seq_len, seed=0, shuffle=False)
+    """Re-iterable batches covering every row of the split exactly once, unshuffled (see EvalBatches); read
+    through `cache` when given."""
+    rows = PackedRows(TokenStore.open(store_path, cache).split(split), seq_len, seed=0, shuffle=False)
     return EvalBatches(rows, batch_size, max_batches, process_index, process_count)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from jaxllm.data.cold_cache import ChunkCache, ColdTokens, is_url, normalize_location
 from jaxllm.data.tokenizer import SENTENCEPIECE_FILE, tokenizer_files
 
 FORMAT = "jaxllm.token_store"
@@ -185,10 +186,11 @@ def _commit(tmp: Path, path: Path, manifest: dict) -> None:
 
 
 class StoreSplit:
-    """One split of a token store: a concatenated token stream plus document offsets (held in memory)."""
+    """One split of a token store: a concatenated token stream plus document offsets (held in memory). `cold`:
+    the tokens of a store on a cold tier, read through the local cache (jaxllm/data/cold_cache.py)."""
 
-    def __init__(self, root: Path, name: str, info: dict):
-        self.root, self.name = root, name
+    def __init__(self, root: Path, name: str, info: dict, cold: ColdTokens | None = None):
+        self.root, self.name, self.cold = root, name, cold
         self.num_docs = int(info["num_docs"])
         self.num_tokens = int(info["num_tokens"])
         off_path = root / name / "doc_offsets"
@@ -230,12 +232,19 @@ class StoreSplit:
 
     def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
         """Several reads issued concurrently (one round trip instead of len(ranges))."""
-        arr = self._arr()
         for a, b in ranges:
             if not 0 <= a <= b <= self.num_tokens:
                 raise IndexError(f"token range [{a}, {b}) outside [0, {self.num_tokens}) of split {self.name!r}")
+        if self.cold is not None:
+            return [self.cold.read(a, b) for a, b in ranges]
+        arr = self._arr()
         futures = [arr[a:b].read() for a, b in ranges]
         return [np.asarray(f.result(), np.int32) for f in futures]
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Start bringing these token ranges of a cold store into the local cache (nothing for a local store)."""
+        if self.cold is not None:
+            self.cold.prefetch(ranges)
 
     def doc(self, i: int) -> np.ndarray:
         """Token ids of document i (including its BOS/EOS)."""
@@ -250,14 +259,24 @@ class StoreSplit:
 class TokenStore:
     """A token store directory opened for reading."""
 
-    def __init__(self, root: Path, manifest: dict):
+    def __init__(self, root: Path, manifest: dict, cold: tuple[ChunkCache, str] | None = None):
         self.root = root
         self.manifest = manifest
+        self.cold = cold  # (cache, location) of a store read through the local cache
         self._splits: dict[str, StoreSplit] = {}
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "TokenStore":
-        """Open and validate the manifest; raises FileNotFoundError / ValueError naming what is wrong."""
+    def open(cls, path: str | os.PathLike, cache: ChunkCache | None = None) -> "TokenStore":
+        """Open and validate the manifest; raises FileNotFoundError / ValueError naming what is wrong.
+
+        With `cache` (or for a URL, which needs one), the store is read through that local cache: its small
+        files from the cache's mirror, its tokens chunk by chunk (jaxllm/data/cold_cache.py)."""
+        if is_url(str(path)) and cache is None:
+            raise ValueError(f"token store {path} is a URL: it is read through a local cache (data.cache_dir)")
+        location = None
+        if cache is not None:
+            location = normalize_location(str(path))
+            path = cache.mirror(location)
         root = Path(path)
         mpath = root / MANIFEST
         if not mpath.is_file():
@@ -275,7 +294,7 @@ class TokenStore:
         missing = [k for k in ("vocab_size", "bos_id", "eos_id", "pad_id", "splits", "tokenizer") if k not in manifest]
         if missing:
             raise ValueError(f"corrupt token store manifest {mpath}: missing keys {missing}")
-        return cls(root, manifest)
+        return cls(root, manifest, (cache, location) if cache is not None else None)
 
     @property
     def tokenizer_path(self) -> Path:
@@ -290,5 +309,6 @@ class TokenStore:
         if name not in self.manifest["splits"]:
             raise ValueError(f"token store {self.root} has no split {name!r} (it has {self.split_names})")
         if name not in self._splits:
-            self._splits[name] = StoreSplit(self.root, name, self.manifest["splits"][name])
+            cold = ColdTokens(self.cold[0], self.cold[1], name, self.root) if self.cold is not None else None
+            self._splits[name] = StoreSplit(self.root, name, self.manifest["splits"][name], cold)
         return self._splits[name]

@@ -26,7 +26,8 @@ class Start:
     (`--xla_force_host_platform_device_count`) split between them.
     """
 
-    def __init__(self, command: list[str], log_path: Path, env: dict | None = None, processes: int = 1):
+    def __init__(self, command: list[str], log_path: Path, env: dict | None = None, processes: int = 1,
+                 devices_per_process: int | None = None):
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
@@ -41,7 +42,7 @@ class Start:
                 path = self.log_path if i == 0 else self.log_path.with_suffix(f".p{i}.log")
             with open(path, "w") as log:
                 self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                   env=split_devices(env, processes)))
+                                                   env=split_devices(env, processes, devices_per_process)))
 
     def poll(self) -> int | None:
         """None while any process runs; then 0 when all exited 0, else process 0's status if it failed, else
@@ -85,15 +86,16 @@ class Start:
         return [step for step in said if any(checkpoints.glob(f"corrupt-{step}-*"))]
 
 
-def split_devices(env: dict | None, processes: int) -> dict | None:
-    """`env` (None: this one's) with its fake CPU device count divided among `processes` processes."""
-    if processes == 1:
+def split_devices(env: dict | None, processes: int, devices_per_process: int | None = None) -> dict | None:
+    """`env` (None: this one's) with its fake CPU device count divided among `processes` processes, or set to
+    `devices_per_process` each (a host's devices, whatever the number of hosts left)."""
+    if processes == 1 and devices_per_process is None:
         return env
     env = dict(os.environ if env is None else env)
     flags = env.get("XLA_FLAGS", "")
     found = DEVICE_COUNT.search(flags)
     if found:
-        per_process = int(found.group(1)) // processes
+        per_process = devices_per_process or int(found.group(1)) // processes
         env["XLA_FLAGS"] = DEVICE_COUNT.sub(f"--xla_force_host_platform_device_count={per_process}", flags)
     return env
 

@@ -18,6 +18,10 @@ process faults) after a further random fraction of a step time, so that kills al
 - `slow_persistent` (a job with `checkpoint.local_dir`): SIGKILL, and from the restart on the persistent tier is
   throttled to SLOW_PERSISTENT_MB_S (`debug.slow_persistent_mb_s`), so its copies fall behind the saves; the
   job must resume the newest step on either tier and end bitwise like its reference.
+- `host_down` (a 2-process job): SIGKILL to one process, whose host then stays down for the drill's
+  `--host_down_s`; the other stops on its own (as for `peer`). With `elastic.wait_s` > 0 the job restarts on
+  the survivor once that wait is over and the host is still down, and grows back to every process at the
+  first checkpoint after the host returns (jaxllm/drill/elastic.py); with 0 it waits for the host (stop-and-wait).
 - `nan`, `spike`: the loop's own injections (`debug.inject_nan_at_step`, `debug.inject_spike_at_step`), at most
   one of each per run; the job handles them in process per `train.on_anomaly` (rollback by default).
 - `hotlr`: a hot update (jaxllm/train/control.py) that halves the LR scale at the drawn step, written to the job's
@@ -32,7 +36,9 @@ from __future__ import annotations
 import dataclasses
 import random
 
-PROCESS_KINDS = ("kill9", "sigterm", "corrupt", "diskfull", "peer", "local_wipe", "slow_persistent")
+PROCESS_KINDS = ("kill9", "sigterm", "corrupt", "diskfull", "peer", "local_wipe", "slow_persistent",
+                 "host_down")
+MULTI_PROCESS_KINDS = ("peer", "host_down")  # need a job of several processes
 TIER_KINDS = ("local_wipe", "slow_persistent")  # need a job with a local checkpoint tier
 SLOW_PERSISTENT_MB_S = 1.0  # the throttled persistent tier of slow_persistent faults
 ANOMALY_KINDS = ("nan", "spike")
@@ -74,7 +80,7 @@ class Fault:
 
     `delay`: the fraction of a step time waited after that (process faults). `damage` and `pick` (corrupt): delete
     or truncate the file at fraction `pick` of the sorted manifest, keeping a fraction `pick` of its bytes;
-    `pick` (peer): the process killed is the one at fraction `pick` of the job's processes."""
+    `pick` (peer, host_down): the process killed is the one at fraction `pick` of the job's processes."""
 
     index: int
     kind: str
@@ -111,7 +117,7 @@ def schedule(counts: dict[str, int], seed: int, steps: int, every: int, min_hist
                             rng.random()))
     process.sort(key=lambda draw: draw[0])
     faults = [Fault(i, kind, step, delay, damage if kind == "corrupt" else "",
-                    pick if kind in ("corrupt", "peer") else 0.0)
+                    pick if kind in ("corrupt", *MULTI_PROCESS_KINDS) else 0.0)
               for i, (step, kind, delay, damage, pick) in enumerate(process)]
     taken = set(_rollbacks_past_a_stop(faults, every, stop_every, last))
     for kind in ANOMALY_KINDS:

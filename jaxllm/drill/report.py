@@ -11,9 +11,10 @@ from jaxllm.drill.plan import KINDS, PROCESS_KINDS
 from jaxllm.drill.supervisor import DrillRun
 
 
-def compare_params(run_dir: Path, reference_dir: Path, step: int) -> tuple[bool, str]:
+def compare_params(run_dir: Path, reference_dir: Path, step: int) -> tuple[bool, str, float]:
     """Whether `step`'s parameters in two runs' checkpoints are equal bit for bit (dtype, shape and every value),
-    and a note naming the first differing parameters."""
+    a note naming the first differing parameters, and the largest relative difference over the arrays
+    (||ours - theirs|| / ||theirs||; inf when they differ in layout)."""
     # start-up speed: JAX and the checkpoint loader only once a drill compares parameters
     import jax
     import numpy as np
@@ -22,29 +23,46 @@ def compare_params(run_dir: Path, reference_dir: Path, step: int) -> tuple[bool,
 
     ours = jax.tree_util.tree_leaves_with_path(load_checkpoint(str(run_dir), step=step).params)
     theirs = jax.tree_util.tree_leaves_with_path(load_checkpoint(str(reference_dir), step=step).params)
-    if [p for p, _ in ours] != [p for p, _ in theirs]:
-        return False, "the two checkpoints hold different parameters"
-    differing = [jax.tree_util.keystr(path) for (path, a), (_, b) in zip(ours, theirs)
-                 if a.dtype != b.dtype or a.shape != b.shape
-                 or not np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)]
+    if [p for p, _ in ours] != [p for p, _ in theirs] or any(
+            a.dtype != b.dtype or a.shape != b.shape for (_, a), (_, b) in zip(ours, theirs)):
+        return False, "the two checkpoints hold different parameters", math.inf
+    pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64)) for (_, a), (_, b) in zip(ours, theirs)]
+    relative = max(float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)) for a, b in pairs)
+    differing = [jax.tree_util.keystr(path) for ((path, _), (a, b)) in zip(ours, pairs)
+                 if not np.array_equal(a, b, equal_nan=True)]
     if differing:
-        return False, f"{len(differing)} of {len(ours)} parameters differ, first {differing[:3]}"
-    return True, f"all {len(ours)} parameters of step {step} equal"
+        return False, (f"{len(differing)} of {len(ours)} parameters differ, first {differing[:3]}, largest relative "
+                       f"difference {relative:.2e}"), relative
+    return True, f"all {len(ours)} parameters of step {step} equal", relative
 
 
-def _same(a: float, b: float) -> bool:
-    return a == b or (math.isnan(a) and math.isnan(b))
+def _close(a: float, b: float, tolerance: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tolerance * abs(b)
+
+
+def data_audit(history: dict[int, dict]) -> dict:
+    """Which data each finally kept step trained on (its `data_index`, where the batch source logs one): the
+    indices seen twice, and those skipped other than by a rollback (a rollback's skip is on purpose)."""
+    indices = [record["data_index"] for _, record in sorted(history.items()) if "data_index" in record]
+    if not indices:
+        return {}
+    offsets = {step - 1 - record["data_index"] for step, record in history.items() if "data_index" in record}
+    return dict(data_indices=len(indices), data_seen_twice=len(indices) - len(set(indices)),
+                data_in_order=indices == sorted(indices), data_offsets=sorted(offsets))
 
 
 def summarize(run: DrillRun, counts: dict[str, int], seed: int, steps: int, history: dict[int, dict],
-              reference: dict[int, dict], bitwise: tuple[bool, str] | None) -> dict:
+              reference: dict[int, dict], bitwise: tuple[bool, str, float] | None, tolerance: float = 0.0) -> dict:
     """The drill's JSON object. `history`/`reference`: the last record of each step of the drilled and the
-    reference run; `bitwise`: `compare_params`'s answer (None: the drilled run has no final checkpoint)."""
+    reference run; `bitwise`: `compare_params`'s answer (None: the drilled run has no final checkpoint).
+    `tolerance` (elastic drills, whose reductions run in another order on fewer devices): the relative
+    difference the final parameters and each step's loss may have (0: bit for bit)."""
     done = [o for o in run.outcomes if o.injected]
     complete = sorted(history) == list(range(1, steps + 1))
-    losses_equal = complete and all(s in reference and _same(history[s]["loss"], reference[s]["loss"])
+    losses_equal = complete and all(s in reference and _close(history[s]["loss"], reference[s]["loss"], tolerance)
                                     for s in history)
     bitwise_equal = bool(bitwise and bitwise[0])
+    params_close = bool(bitwise) and bitwise[2] <= tolerance
     median_step = statistics.median(r["step_time_s"] for r in history.values()) if history else 0.0
     by_kind = {}
     for kind in (k for k in KINDS if k in counts):
@@ -65,7 +83,8 @@ def summarize(run: DrillRun, counts: dict[str, int], seed: int, steps: int, hist
         history_steps=len(history), median_step_s=median_step, wall_s=run.wall_s,
         goodput=len(history) * median_step / run.wall_s if run.wall_s > 0 else 0.0,
         bitwise_equal=bitwise_equal, bitwise_note=bitwise[1] if bitwise else "no final checkpoint to compare",
-        losses_equal=losses_equal, by_kind=by_kind,
+        max_relative_difference=bitwise[2] if bitwise else None, tolerance=tolerance,
+        losses_equal=losses_equal, by_kind=by_kind, **data_audit(history),
         events=[dict(kind=o.fault.kind, step=o.fault.step, delay=round(o.fault.delay, 3), injected=o.injected,
                      at_step=o.at_step, during_save=o.during_save, resumed=o.resumed,
                      expected_resume=o.expected_resume, steps_lost=o.steps_lost,
@@ -75,7 +94,8 @@ def summarize(run: DrillRun, counts: dict[str, int], seed: int, steps: int, hist
     result["passed"] = (result["finished"] and not run.error
                         and all(v["injected"] == v["requested"] for v in by_kind.values())
                         and result["recoveries"] == len(done) and result["corrupt_loads"] == 0
-                        and not wrong_resumes and bitwise_equal and losses_equal)
+                        and not wrong_resumes and (bitwise_equal or (tolerance > 0 and params_close))
+                        and losses_equal and not result.get("data_seen_twice"))
     return result
 
 
@@ -108,6 +128,12 @@ def format_table(result: dict) -> str:
         f"{result['wall_s']:.1f} s wall = {100 * result['goodput']:.1f}%",
         f"final parameters bitwise equal to the reference: {yes(result['bitwise_equal'])} ({result['bitwise_note']}); "
         f"loss history equal: {yes(result['losses_equal'])}; finished: {yes(result['finished'])}",
+        *([f"elastic: final parameters within {result['tolerance']:g} relative of the reference: "
+           f"{yes((result['max_relative_difference'] or 0) <= result['tolerance'])} (largest "
+           f"{result['max_relative_difference']:.2e}); losses within it: {yes(result['losses_equal'])}"]
+          if result["tolerance"] and result["max_relative_difference"] is not None else []),
+        *([f"data: {result['data_indices']} steps' data indices, {result['data_seen_twice']} seen twice, in order: "
+           f"{yes(result['data_in_order'])}, offsets {result['data_offsets']}"] if "data_indices" in result else []),
         f"drill {'passed' if result['passed'] else 'FAILED'}" + (f": {result['error']}" if result["error"] else ""),
     ]
     return "\n".join(lines)

@@ -11,8 +11,9 @@ from pathlib import Path
 from jaxllm.config.cli import UsageError, build_config
 from jaxllm.drill.disk import DiskError, SmallDisk
 from jaxllm.drill.job import Start, final_history, recorded_hot_updates, write_hot_updates
-from jaxllm.drill.plan import (ANOMALY_KINDS, TIER_KINDS, Fault, anomaly_flags, hot_changes, parse_faults,
-                              schedule)
+from jaxllm.drill.elastic import ElasticSupervisor
+from jaxllm.drill.plan import (ANOMALY_KINDS, MULTI_PROCESS_KINDS, TIER_KINDS, Fault, anomaly_flags, hot_changes,
+                              parse_faults, schedule)
 from jaxllm.drill.report import compare_params, summarize
 from jaxllm.drill.supervisor import DrillError, Supervisor
 from jaxllm.runtime.preemption import CHECK_EVERY
@@ -20,7 +21,10 @@ from jaxllm.runtime.preemption import CHECK_EVERY
 # Config keys (sections or dotted keys) that may differ between the drilled run and its reference: where it
 # runs and keeps checkpoints, and the injections that each start of the drilled job gets or not (the
 # reference's are checked separately).
-UNCOMPARED = ("workdir", "debug", "checkpoint.local_dir", "checkpoint.local_keep", "checkpoint.persist_every")
+UNCOMPARED = ("workdir", "debug", "checkpoint.local_dir", "checkpoint.local_keep", "checkpoint.persist_every",
+              "elastic.wait_s")
+ELASTIC_UNCOMPARED = ("mesh", "optim.grad_accum")  # an elastic drill may end on the survivors' smaller mesh
+ELASTIC_TOLERANCE = 1e-5  # relative: an elastic run's final parameters and losses against its reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,19 +42,29 @@ class Drill:
     run_reference: bool
     processes: int = 1
     local: Path | None = None  # the job's local checkpoint tier (checkpoint.local_dir), if it has one
+    every: int = 1  # the job's checkpoint.every
+    elastic_wait_s: float = 0.0  # the job's elastic.wait_s
+    host_down_s: float = 0.0  # how long a host_down fault's host stays down
 
     @property
     def workdir(self) -> Path:
         return self.directory / "run"
 
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may go on with fewer processes (then it cannot end bit for bit)."""
+        return "host_down" in self.counts and self.elastic_wait_s > 0
+
 
 def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, str]], faults: str, seed: int,
-               directory: str, reference: str | None = None, heartbeat_timeout: int = 20) -> Drill:
+               directory: str, reference: str | None = None, heartbeat_timeout: int = 20,
+               host_down_s: float = 60.0) -> Drill:
     """Check the command line and draw the faults. Raises FaultSpecError, ConfigError or UsageError (one-line
     messages naming the bad flag, key or entry) before anything runs.
 
-    With peer faults the job (and the reference the drill runs) is 2 processes on this host, which stop within
-    `heartbeat_timeout` seconds of losing a peer."""
+    With peer and host_down faults the job (and the reference the drill runs) is 2 processes on this host, which
+    stop within `heartbeat_timeout` seconds of losing a peer; a host_down fault's host stays down `host_down_s`
+    seconds."""
     counts = parse_faults(faults)
     cd = build_config(config_path, overrides)
     base = Path(directory)
@@ -67,7 +81,9 @@ def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, s
                          f"(--config.checkpoint.local_dir=DIR)")
     if reference is not None and not (Path(reference) / "checkpoints").is_dir():
         raise UsageError(f"--reference: {reference} holds no checkpoints directory")
-    processes = 2 if "peer" in counts else 1
+    if "host_down" in counts and host_down_s <= 0:
+        raise UsageError(f"--host_down_s: must be positive, got {host_down_s}")
+    processes = 2 if any(kind in counts for kind in MULTI_PROCESS_KINDS) else 1
     plan = schedule(counts, seed, cd.train.steps, cd.checkpoint.every, cd.anomaly.min_history,
                     CHECK_EVERY if processes > 1 else 1)
     command = [sys.executable, train_script, "--config", config_path, "--workdir", str(base / "run"),
@@ -75,25 +91,27 @@ def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, s
                *(f"--config.{key}={value}" for key, value in overrides)]
     return Drill(command, base, counts, plan, seed, cd.train.steps,
                  Path(reference) if reference else base / "reference", reference is None, processes,
-                 Path(cd.checkpoint.local_dir).absolute() if cd.checkpoint.local_dir else None)
+                 Path(cd.checkpoint.local_dir).absolute() if cd.checkpoint.local_dir else None,
+                 cd.checkpoint.every, cd.elastic.wait_s, host_down_s)
 
 
 def _config(workdir: Path) -> dict:
     return json.loads((workdir / "config.json").read_text())
 
 
-def _compared(config: dict) -> dict:
-    """{"section.key": value} of a run's config.json, less `UNCOMPARED`."""
+def _compared(config: dict, skip: tuple = UNCOMPARED) -> dict:
+    """{"section.key": value} of a run's config.json, less the sections and keys of `skip`."""
     flat = {f"{section}.{key}" if isinstance(values, dict) else section: value
             for section, values in config.items()
             for key, value in (values.items() if isinstance(values, dict) else [(None, values)])}
-    return {k: v for k, v in flat.items() if k not in UNCOMPARED and k.split(".")[0] not in UNCOMPARED}
+    return {k: v for k, v in flat.items() if k not in skip and k.split(".")[0] not in skip}
 
 
 def check_reference(drill: Drill) -> None:
     """The reference ran the drilled job's config (apart from `UNCOMPARED`) with the drill's injections and hot
     updates (each applied at its step)."""
-    ours, theirs = _compared(_config(drill.workdir)), _compared(_config(drill.reference))
+    skip = UNCOMPARED + (ELASTIC_UNCOMPARED if drill.elastic else ())
+    ours, theirs = _compared(_config(drill.workdir), skip), _compared(_config(drill.reference), skip)
     for key in sorted(set(ours) | set(theirs)):
         if ours.get(key) != theirs.get(key):
             raise DrillError(f"--reference: {drill.reference} ran another config: {key} differs")
@@ -142,8 +160,11 @@ def run_drill(drill: Drill, env: dict | None = None, log=print) -> dict:
         except DiskError as exc:
             raise DrillError(f"diskfull: {exc}") from None
     try:
-        run = Supervisor(drill.command, drill.workdir, drill.faults, drill.directory / "logs", env, disk,
-                         drill.processes, local=drill.local).run()
+        supervise = ElasticSupervisor if "host_down" in drill.counts else Supervisor
+        extra = (dict(wait_s=drill.elastic_wait_s, down_s=drill.host_down_s, every=drill.every)
+                 if "host_down" in drill.counts else {})
+        run = supervise(drill.command, drill.workdir, drill.faults, drill.directory / "logs", env, disk,
+                        drill.processes, local=drill.local, **extra).run()
         check_reference(drill)
         history = final_history(drill.workdir / "metrics.jsonl")
         finished = run.finished and (drill.workdir / "checkpoints" / str(drill.steps)).is_dir()
@@ -154,5 +175,7 @@ def run_drill(drill: Drill, env: dict | None = None, log=print) -> dict:
                 disk.close()
             except DiskError as exc:
                 raise DrillError(f"diskfull: {exc}") from None
+    # A run that went on with fewer devices reduced in another order: close, never bit for bit.
     return summarize(run, drill.counts, drill.seed, drill.steps, history,
-                     final_history(drill.reference / "metrics.jsonl"), bitwise)
+                     final_history(drill.reference / "metrics.jsonl"), bitwise,
+                     tolerance=ELASTIC_TOLERANCE if drill.elastic else 0.0)

@@ -20,8 +20,8 @@ from jaxllm.drill.damage import corrupt_checkpoint
 from jaxllm.drill.disk import DiskError, SmallDisk
 from jaxllm.drill.job import (JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight,
                              write_hot_updates)
-from jaxllm.drill.plan import (HOT_KINDS, HOT_LR_SCALE, PROCESS_KINDS, SLOW_PERSISTENT_MB_S, TIER_KINDS, Fault,
-                              anomaly_flags, hot_change_id, hot_changes)
+from jaxllm.drill.plan import (HOT_KINDS, HOT_LR_SCALE, MULTI_PROCESS_KINDS, PROCESS_KINDS, SLOW_PERSISTENT_MB_S,
+                              TIER_KINDS, Fault, anomaly_flags, hot_change_id, hot_changes)
 
 PREEMPTED = re.compile(r"preempted: saved step (\d+)")
 # The incident each injection must cause (jaxllm/train/anomaly.py), not one a healthy step may report by chance.
@@ -83,14 +83,15 @@ class Supervisor:
                  poll_s: float = 0.02, local: Path | None = None):
         if disk is None and any(f.kind == "diskfull" for f in faults):
             raise ValueError("diskfull faults need the checkpoint directory on a SmallDisk")
-        if processes < 2 and any(f.kind == "peer" for f in faults):
-            raise ValueError("peer faults need a job of several processes")
+        if processes < 2 and any(f.kind in MULTI_PROCESS_KINDS for f in faults):
+            raise ValueError("peer and host_down faults need a job of several processes")
         self.command, self.faults, self.logs, self.env, self.disk = command, faults, Path(logs), env, disk
         self.processes = processes
         if local is None and any(f.kind in TIER_KINDS for f in faults):
             raise ValueError("local_wipe and slow_persistent faults need a job with a local checkpoint tier")
         self.checkpoints = Path(workdir) / "checkpoints"
         self.local = local  # the local checkpoint tier (None: the job has one tier)
+        self.devices_per_process: int | None = None  # None: the environment's devices split among the processes
         self.throttled = False  # a slow_persistent fault has landed: every later start throttles the copies
         self.metrics = JsonlTail(Path(workdir) / "metrics.jsonl")
         self.incidents = JsonlTail(Path(workdir) / "incidents.jsonl")
@@ -137,13 +138,23 @@ class Supervisor:
         command = [*self.command, *anomaly_flags(self.faults, resume, rollbacks),
                    *([f"--config.debug.slow_persistent_mb_s={SLOW_PERSISTENT_MB_S}"] if self.throttled else [])]
         self.starts += 1
-        self.process = Start(command, self.logs / f"start-{self.starts}.log", self.env, self.processes)
+        self.process = Start(command, self.logs / f"start-{self.starts}.log", self.env, self._processes_now(),
+                             self.devices_per_process)
         self.last_step, self.first_record_at = None, None
 
     def _committed(self) -> list[int]:
         """Committed steps on either checkpoint tier."""
         local = committed_steps(self.local) if self.local is not None else []
         return sorted(set(committed_steps(self.checkpoints)) | set(local))
+
+    def _restarted_after_planned_stop(self) -> bool:
+        """Whether a job that exited 0 had stopped only because the supervisor asked it to (an elastic
+        supervisor's growing back), and was restarted; never for this supervisor."""
+        return False
+
+    def _processes_now(self) -> int:
+        """How many processes a start runs (an elastic supervisor starts fewer while a host is down)."""
+        return self.processes
 
     def _newest_committed(self) -> int:
         steps = self._committed()
@@ -224,6 +235,9 @@ class Supervisor:
                 if target is not None and self.last_step is not None and self.last_step >= target:
                     return True
                 if rc == 0:
+                    if self._restarted_after_planned_stop():
+                        deadline = time.monotonic() + self.stall_timeout
+                        continue
                     return False
                 self._unplanned_exit(rc)
                 deadline = time.monotonic() + self.stall_timeout
@@ -252,9 +266,10 @@ class Supervisor:
         intact_copy = tier != self.checkpoints and damaged in committed_steps(self.checkpoints)
         return (None if intact_copy else damaged), damaged, tier
 
-    def _land_on_tiers(self, outcome: Outcome) -> None:
-        """While the job is down: wipe its local tier (local_wipe), or throttle its persistent tier from the
-        restart on (slow_persistent); the detail says where each tier stood."""
+    def _while_down(self, outcome: Outcome) -> None:
+        """What a fault does while the job is down, before its restart: wipe its local tier (local_wipe), or
+        throttle its persistent tier from the restart on (slow_persistent); the detail says where each tier
+        stood. (An elastic supervisor also waits out a lost host here.)"""
         kind = outcome.fault.kind
         if kind not in TIER_KINDS:
             return
@@ -296,7 +311,7 @@ class Supervisor:
         victim = min(int(fault.pick * self.processes), self.processes - 1)
         if fault.kind == "diskfull":
             outcome.detail = f"checkpoint filesystem limited to {self.disk.fill() >> 10} KiB"
-        elif fault.kind == "peer":
+        elif fault.kind in ("peer", "host_down"):
             self.process.signal(signal.SIGKILL, process=victim)
         else:
             killed = fault.kind in ("kill9", *TIER_KINDS)
@@ -318,11 +333,11 @@ class Supervisor:
         if fault.kind == "diskfull":
             errors = [line for line in self.process.log().splitlines() if line.startswith("error:")]
             outcome.detail += f"; the job stopped with {rc}: {errors[-1] if errors else 'no error line'}"
-        elif fault.kind == "peer":  # the killed one, and every other stopping on its own with an error
+        elif fault.kind in ("peer", "host_down"):  # the killed one, and every other stopping on its own with an error
             codes = self.process.codes()
             others = [rc for i, rc in enumerate(codes) if i != victim]
             stopped_as_expected = codes[victim] == -signal.SIGKILL and all(rc not in (0, None) for rc in others)
-            outcome.detail = (f"killed process {victim} of {self.processes}; the others exited {others} after "
+            outcome.detail = (f"killed process {victim} of {len(codes)}; the others exited {others} after "
                               f"{self.process.ended - landed:.1f}s")
         elif not stopped_as_expected:
             outcome.detail = f"exited with {rc}, not {expected_rc}"
@@ -333,7 +348,7 @@ class Supervisor:
             saved = PREEMPTED.search(self.process.log())
             outcome.at_step = int(saved.group(1)) if saved else self.last_step
         corrupted, damaged, damaged_tier = self._corrupt(outcome) if fault.kind == "corrupt" else (None, None, None)
-        self._land_on_tiers(outcome)
+        self._while_down(outcome)
         committed = [s for s in self._committed() if s != corrupted]
         outcome.expected_resume = committed[-1] if committed else 0
         self._start(outcome.expected_resume)

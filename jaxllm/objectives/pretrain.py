@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 
 
-from jaxllm.config.schema import (AUTO_VOCAB, Config, ConfigError, LoRAConfig, ModelConfig, PipelineConfig, PrecisionConfig,
-                           resolve_vocab_size)
+from jaxllm.config.schema import (AUTO_VOCAB, Config, ConfigError, DataConfig, LoRAConfig, ModelConfig,
+                                  PipelineConfig, PrecisionConfig, resolve_vocab_size)
+from jaxllm.data.cold_cache import ChunkCache
 from jaxllm.data.pipeline import make_eval_batches, make_train_iterator
 from jaxllm.data.token_store import TokenStore
 from jaxllm.data.tokenizer import Tokenizer, load_tokenizer
@@ -36,15 +36,37 @@ def lm_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: Pipel
                      loss_fn=next_token_loss, trainable=lora_trainable(lora))
 
 
+def data_cache(data: DataConfig, slow_mb_s: float = 0.0) -> ChunkCache | None:
+    """The local cache the run's token stores are read through (`data.cache_dir`), or None."""
+    if not data.cache_dir:
+        return None
+    return ChunkCache(data.cache_dir, int(data.cache_gb * 1e9), slow_mb_s)
+
+
+def open_store(key: str, path: str, cache: ChunkCache | None, what: str = "") -> TokenStore:
+    """The token store at `path` (config key `key`); a missing or unreadable one is a ConfigError."""
+    try:
+        return TokenStore.open(path, cache)
+    except FileNotFoundError:
+        raise ConfigError(key, f"no token store at {path}{what} (run `make data` or scripts/prepare_data.py)") from None
+    except (ValueError, OSError) as exc:
+        raise ConfigError(key, f"{exc}") from None
+
+
 def open_data(cfg: Config) -> tuple[TokenStore, Tokenizer]:
-    """The token store and its tokenizer, checked against the model's vocabulary."""
-    store_path = Path(cfg.data.path)
-    if not (store_path / "manifest.json").exists():
-        raise ConfigError("data.path", f"no token store at {store_path} (run `make data` or scripts/prepare_data.py)")
-    store = TokenStore.open(str(store_path))
+    """The token store and its tokenizer, checked against the model's vocabulary, and the stores of a mixture
+    against that tokenizer."""
+    cache = data_cache(cfg.data)
+    store = open_store("data.path", cfg.data.path, cache)
     check_rows_fit(store, cfg.train.seq_len)
-    tokenizer = load_tokenizer(str(store_path / store.manifest.get("tokenizer", "tokenizer.model")))
-    resolve_vocab_size(cfg, tokenizer.vocab_size, str(store_path))
+    for path, _ in cfg.data.mixture_pairs():
+        member = open_store("data.mixture", path, cache)
+        check_rows_fit(member, cfg.train.seq_len, ("train",))
+        if member.manifest.get("tokenizer_sha256") != store.manifest.get("tokenizer_sha256"):
+            raise ConfigError("data.mixture", f"{path} was tokenized with another tokenizer than data.path "
+                                              f"{cfg.data.path}: every store of a mixture needs the run's tokenizer")
+    tokenizer = load_tokenizer(str(store.root / store.manifest.get("tokenizer", "tokenizer.model")))
+    resolve_vocab_size(cfg, tokenizer.vocab_size, cfg.data.path)
     return store, tokenizer
 
 
@@ -53,15 +75,10 @@ def with_store_vocab(cfg: Config) -> Config:
     plans use it too); a ConfigError when there is no store to size it from."""
     if cfg.model.vocab_size != AUTO_VOCAB:
         return cfg
-    manifest = Path(cfg.data.path) / "manifest.json"
-    if not manifest.exists():
-        raise ConfigError("model.vocab_size", f"auto takes the tokenizer's size from the token store at data.path, "
-                                              f"and there is none at {cfg.data.path}: give a number to run without it")
-    try:
-        tokenizer_size = TokenStore.open(cfg.data.path).manifest["vocab_size"]
-    except ValueError as exc:
-        raise ConfigError("model.vocab_size", f"auto: {exc}") from None
-    return resolve_vocab_size(cfg, tokenizer_size, str(manifest))
+    tokenizer_size = open_store("model.vocab_size", cfg.data.path, data_cache(cfg.data),
+                                what=": auto takes the tokenizer's size from it; give a number to run without it"
+                                ).manifest["vocab_size"]
+    return resolve_vocab_size(cfg, tokenizer_size, f"{cfg.data.path}/manifest.json")
 
 
 def check_rows_fit(store: TokenStore, seq_len: int, splits: tuple[str, ...] = ("train", "eval")) -> None:
@@ -80,20 +97,23 @@ def pretrain_objective(cfg: Config) -> Objective:
     count; held-out batches come from the store's eval split."""
     _, tokenizer = open_data(cfg)
     tc = cfg.train
+    cache = data_cache(cfg.data, cfg.debug.slow_cold_mb_s)
+    train_stores = cfg.data.mixture_pairs() or cfg.data.path
 
     def open_batches(request: BatchRequest):
         index, count = request.rows
-        source = make_train_iterator(cfg.data.path, split="train", global_batch_size=tc.batch_size,
+        source = make_train_iterator(train_stores, split="train", global_batch_size=tc.batch_size,
                                      seq_len=tc.seq_len, seed=tc.seed, process_index=index, process_count=count,
                                      start_step=request.first, num_steps=request.end,
-                                     num_workers=cfg.data.num_workers)
+                                     num_workers=cfg.data.num_workers, cache=cache,
+                                     prefetch_steps=cfg.data.prefetch_steps)
         return ThrottledBatches(source, cfg.debug.data_sleep_s) if cfg.debug.data_sleep_s > 0 else source
 
     def eval_batches(rows):
         index, count = rows
         return list(make_eval_batches(cfg.data.path, split="eval", batch_size=tc.batch_size, seq_len=tc.seq_len,
                                       max_batches=tc.eval_batches or None, process_index=index,
-                                      process_count=count))
+                                      process_count=count, cache=cache))
 
     objective = dataclasses.replace(lm_objective(cfg.model, cfg.precision, cfg.pipeline,
                                                  sequence_parallel=cfg.mesh.sequence_parallel),

@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 from jaxllm.config.schema import CheckpointConfig, ConfigError
 from jaxllm.runs.checkpoint import CheckpointError, Checkpointer, everywhere
 from jaxllm.runs.checksums import MANIFEST, verify_manifest
+from jaxllm.runtime.throttle import Throttle
 
 COPYING = ".orbax-checkpoint-tmp-copy"  # orbax's temporary suffix: never listed as a step, cleaned up on start
 UNBOUNDED = 1 << 30  # orbax's retention of a tier whose retention jaxllm applies itself
@@ -90,7 +91,7 @@ class PersistentCopier:
     def __init__(self, local: Path, persistent: Path, *, keep: int, keep_every: int, slow_mb_s: float,
                  log: Callable[[str], None]):
         self.local, self.persistent, self.keep, self.keep_every = local, persistent, max(keep, 1), keep_every
-        self.slow_bytes_s = slow_mb_s * 1e6
+        self.throttle = Throttle(slow_mb_s)
         self.log = log
         self.copies: list[dict] = []
         self._queue: queue.Queue = queue.Queue()
@@ -190,7 +191,6 @@ class PersistentCopier:
     def _copy_tree(self, source: Path, target: Path) -> int:
         """Copy `source` to `target` file by file (fsynced), at most `slow_mb_s` when throttled; bytes copied."""
         copied = 0
-        started = time.perf_counter()
         for path in sorted(source.rglob("*")):
             destination = target / path.relative_to(source)
             if path.is_dir():
@@ -199,10 +199,9 @@ class PersistentCopier:
             destination.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "rb") as reader, open(destination, "wb") as writer:
                 while chunk := reader.read(COPY_CHUNK):
+                    self.throttle.pass_bytes(len(chunk))  # a throttled tier: never faster than its rate
                     writer.write(chunk)
                     copied += len(chunk)
-                    if self.slow_bytes_s:  # a throttled tier: never faster than its rate
-                        time.sleep(max(0.0, copied / self.slow_bytes_s - (time.perf_counter() - started)))
                 writer.flush()
                 os.fsync(writer.fileno())
         return copied
