@@ -12,8 +12,11 @@ chunk is read whole into memory under its checksum and decoded (zstd, as the sto
 any moment only costs a refetch.
 
 Several worker processes and several jobs on a node share one cache: the index is SQLite (its locking
-serialises updates), files are written to a temporary name and renamed into place, and a reader that finds
-a file gone or damaged (size or CRC-32 not those recorded at fetch) fetches it again.
+serialises updates; a fetch evicts and records in one transaction, so the index never holds more than the
+bound), files are written to a temporary name and renamed into place, and a reader that finds a file gone or
+damaged (size or CRC-32 not those recorded at fetch) fetches it again. On disk the cache may exceed the bound
+by the chunks being fetched at that moment (one per fetching thread); a process killed in a fetch can leave
+that one chunk's file behind, outside the index.
 """
 
 from __future__ import annotations
@@ -114,14 +117,11 @@ class ChunkCache:
         """Fetch these files into the cache in the background (those already there are left)."""
         self._process().prefetch(location, relatives, self.max_bytes)
 
-    def wait_prefetched(self) -> None:
-        """Block until this process's background fetches are done (between them the cache may hold the bound
-        plus the chunks being fetched)."""
-        self._process().drain()
-
     def stats(self) -> dict:
-        """This process's hits, misses (fetches), fetched bytes and evictions so far."""
-        return dict(self._process().counts)
+        """This process's hits, misses (fetches), fetched bytes and evictions so far, and the bytes the cache
+        holds (all processes')."""
+        state = self._process()
+        return dict(state.counts, stored_bytes=state.stored_bytes())
 
 
 class _ProcessState:
@@ -186,32 +186,40 @@ class _ProcessState:
         temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         temporary.write_bytes(data)
         os.replace(temporary, path)
-        self._sql("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?)", key, len(data), zlib.crc32(data), time.time())
+        for victim in self._admit(key, len(data), zlib.crc32(data), max_bytes):
+            (self.directory / "chunks" / victim).unlink(missing_ok=True)
         self.counts["fetched_bytes"] += len(data)
-        self._evict(max_bytes, keep=key)
         return data
 
-    def _evict(self, max_bytes: int, keep: str) -> None:
-        """Delete the least recently used chunks until the cache holds at most `max_bytes` (never `keep`)."""
+    def _admit(self, key: str, size: int, crc: int, max_bytes: int) -> list[str]:
+        """Record `key` in the index, first dropping the least recently used records until it fits in
+        `max_bytes`, in one transaction (so the index never holds more, whatever the processes do at once);
+        the keys dropped, whose files the caller deletes. A file is written before its record: a record whose
+        file an eviction deleted meanwhile is only a miss, fetched again."""
         with self.db_lock:
-            self.db.execute("BEGIN IMMEDIATE")  # one evicting process at a time
+            self.db.execute("BEGIN IMMEDIATE")  # one writer at a time, across processes
             try:
-                total = self.db.execute("SELECT COALESCE(SUM(size), 0) FROM chunks").fetchone()[0]
+                total = self.db.execute("SELECT COALESCE(SUM(size), 0) FROM chunks WHERE key != ?",
+                                        (key,)).fetchone()[0]
                 victims = []
-                for key, size in self.db.execute("SELECT key, size FROM chunks ORDER BY used"):
-                    if total <= max_bytes:
+                for victim, victim_size in self.db.execute("SELECT key, size FROM chunks WHERE key != ? "
+                                                           "ORDER BY used", (key,)).fetchall():
+                    if total + size <= max_bytes:
                         break
-                    if key != keep:
-                        victims.append(key)
-                        total -= size
-                self.db.executemany("DELETE FROM chunks WHERE key = ?", [(k,) for k in victims])
+                    victims.append(victim)
+                    total -= victim_size
+                self.db.executemany("DELETE FROM chunks WHERE key = ?", [(v,) for v in victims])
+                self.db.execute("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?)", (key, size, crc, time.time()))
                 self.db.execute("COMMIT")
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
-        for key in victims:
-            (self.directory / "chunks" / key).unlink(missing_ok=True)
         self.counts["evicted"] += len(victims)
+        return victims
+
+    def stored_bytes(self) -> int:
+        """The bytes of chunks the index holds (at most the cache's bound at every moment)."""
+        return self._sql("SELECT COALESCE(SUM(size), 0) FROM chunks")[0][0]
 
     def prefetch(self, location: str, relatives: list[str], max_bytes: int) -> None:
         for relative in relatives:
@@ -222,12 +230,6 @@ class _ProcessState:
                 if self._sql("SELECT 1 FROM chunks WHERE key = ?", key):
                     continue
                 self.in_flight[key] = self.pool.submit(self._prefetch_one, location, relative, key, max_bytes)
-
-    def drain(self) -> None:
-        with self.flight_lock:
-            pending = list(self.in_flight.values())
-        for future in pending:
-            future.result()
 
     def _prefetch_one(self, location: str, relative: str, key: str, max_bytes: int) -> None:
         try:

@@ -43,12 +43,12 @@ def data_cache(data: DataConfig, slow_mb_s: float = 0.0) -> ChunkCache | None:
     return ChunkCache(data.cache_dir, int(data.cache_gb * 1e9), slow_mb_s)
 
 
-def open_store(key: str, path: str, cache: ChunkCache | None, what: str = "") -> TokenStore:
+def open_store(key: str, path: str, cache: ChunkCache | None) -> TokenStore:
     """The token store at `path` (config key `key`); a missing or unreadable one is a ConfigError."""
     try:
         return TokenStore.open(path, cache)
     except FileNotFoundError:
-        raise ConfigError(key, f"no token store at {path}{what} (run `make data` or scripts/prepare_data.py)") from None
+        raise ConfigError(key, f"no token store at {path} (run `make data` or scripts/prepare_data.py)") from None
     except (ValueError, OSError) as exc:
         raise ConfigError(key, f"{exc}") from None
 
@@ -75,9 +75,14 @@ def with_store_vocab(cfg: Config) -> Config:
     plans use it too); a ConfigError when there is no store to size it from."""
     if cfg.model.vocab_size != AUTO_VOCAB:
         return cfg
-    tokenizer_size = open_store("model.vocab_size", cfg.data.path, data_cache(cfg.data),
-                                what=": auto takes the tokenizer's size from it; give a number to run without it"
-                                ).manifest["vocab_size"]
+    try:
+        tokenizer_size = TokenStore.open(cfg.data.path, data_cache(cfg.data)).manifest["vocab_size"]
+    except FileNotFoundError:
+        raise ConfigError("model.vocab_size", f"auto takes the tokenizer's size from the token store at data.path, "
+                                              f"and there is none at {cfg.data.path}: give a number to run without "
+                                              f"it") from None
+    except (ValueError, OSError) as exc:
+        raise ConfigError("model.vocab_size", f"auto: {exc}") from None
     return resolve_vocab_size(cfg, tokenizer_size, f"{cfg.data.path}/manifest.json")
 
 
