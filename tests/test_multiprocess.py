@@ -235,8 +235,8 @@ def test_a_lost_host_shrinks_the_job_onto_the_survivor_and_it_grows_back(runs, s
     (the reductions ran in another order), every step's data seen once, in order. Its checkpoints go through a
     local tier that both processes share (process 0 copies them to the persistent tier)."""
     result = run_drill(shakespeare_store, runs["two"], tmp_path / "drill", "host_down:1,hotlr:1", *RUN,
-                       "--config.elastic.wait_s=1", "--host_down_s=3", f"--config.checkpoint.local_dir={tmp_path}/local",
-                       seed=DRILL_SEED)
+                       "--config.elastic.wait_s=1", "--host_down_s=3",
+                       f"--config.checkpoint.local_dir={tmp_path}/local", seed=DRILL_SEED)
     lost, hot = result["events"]
     assert lost["recovered"] and hot["recovered"] and result["starts"] == 3, lost
     assert "restarted on 1 of 2 processes" in lost["detail"] and "grew back to 2 processes" in lost["detail"], lost
