@@ -11,9 +11,9 @@ local tier deleted while it is down, or its persistent tier throttled from the r
 process killed and its host down for --host_down_s seconds: with elastic.wait_s > 0 the job goes on without it,
 then grows back; the final parameters must then be within 1e-5 relative of the reference, not bitwise), nan
 and spike (the loop's injections, rolled back in process), hotlr (a hot update through the job's control.json
-halving the LR at a drawn step, which every restart must keep; the
-reference gets it too). After each process fault it restarts the job as SLURM --requeue would,
-until the last step. The uninterrupted reference runs first in DIR/reference, unless --reference names a
+halving the LR at a drawn step, which every restart must keep; the reference gets it too). After each process
+fault it restarts the job as SLURM --requeue would, until the last step; with --launcher slurm each start is one
+`srun` of the job's tasks. The uninterrupted reference runs first in DIR/reference, unless --reference names a
 finished run of the same config. Prints a table, then as the last line one JSON object (bitwise_equal,
 corrupt_loads, recoveries, steps_lost, recover_s, goodput, ...). Exit 0 when the drill passed (every fault
 injected and recovered from, no corrupt checkpoint loaded, final parameters and loss history bitwise equal to
@@ -39,6 +39,8 @@ def main(argv):
     p.add_argument("--seed", type=int, default=0, help="draws the faults' steps and moments (default 0)")
     p.add_argument("--workdir", default="runs/drill", help="the drill's directory, empty or new (default runs/drill)")
     p.add_argument("--reference", default=None, help="a finished uninterrupted run of the same config")
+    p.add_argument("--launcher", default="local", choices=("local", "slurm"),
+                   help="start each start's processes here (local) or as one srun of the job's tasks (slurm)")
     p.add_argument("--host_down_s", type=float, default=60.0,
                    help="host_down faults: seconds the killed process's host stays down (default 60)")
     p.add_argument("--heartbeat_timeout", type=int, default=20,
@@ -50,7 +52,8 @@ def main(argv):
 
     try:
         drill = plan_drill(str(Path(__file__).with_name("train.py")), args.config, overrides, args.faults,
-                           args.seed, args.workdir, args.reference, args.heartbeat_timeout, args.host_down_s)
+                           args.seed, args.workdir, args.reference, args.heartbeat_timeout, args.host_down_s,
+                           args.launcher)
     except (FaultSpecError, ConfigError, UsageError) as exc:
         fail(str(exc))
     try:

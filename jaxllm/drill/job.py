@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -84,6 +85,69 @@ class Start:
         corrupt-<step>-* (the log line alone would pass a restore that deleted the checkpoint instead)."""
         said = [int(m.group(1)) for m in QUARANTINED.finditer(self.log())]
         return [step for step in said if any(checkpoints.glob(f"corrupt-{step}-*"))]
+
+
+class SrunStart(Start):
+    """One start of the job as one `srun` of `processes` tasks (SLURM's launcher): each task is a JAX process
+    that joins the others from SLURM's variables, logging as `Start`'s processes do. Outside an allocation each
+    start is a job of its own; inside one (a batch script running the drill), a job step of it.
+
+    srun knows its tasks only as a whole, so each task's shell records its process id and exit status beside
+    the logs (`<log>.tasks/`): a single task can be killed (a lost host) and each task's status read."""
+
+    def __init__(self, command: list[str], log_path: Path, env: dict | None = None, processes: int = 1,
+                 devices_per_process: int | None = None):
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.tasks = self.log_path.with_suffix(".tasks")
+        self.tasks.mkdir(exist_ok=True)
+        self.processes = processes
+        self.started, self.ended = time.monotonic(), None
+        task_log = f'{self.log_path.with_suffix("")}.p$SLURM_PROCID.log'
+        script = (f'log={shlex.quote(str(self.log_path))}; [ "$SLURM_PROCID" = 0 ] || log={task_log}; '
+                  f'{shlex.join(command)} > "$log" 2>&1 & echo $! > {self.tasks}/pid.$SLURM_PROCID; '
+                  f'wait $!; status=$?; echo $status > {self.tasks}/status.$SLURM_PROCID; exit $status')
+        cpus = devices_per_process or 1
+        srun = ["srun", f"--ntasks={processes}", "--nodes=1", f"--cpus-per-task={cpus}", "--kill-on-bad-exit=0",
+                f"--job-name={self.log_path.stem}", "bash", "-c", script]
+        with open(self.log_path.with_suffix(".srun.log"), "w") as log:
+            self.procs = [subprocess.Popen(srun, stdout=log, stderr=subprocess.STDOUT,
+                                           env=split_devices(env, processes, devices_per_process))]
+
+    def _task_file(self, kind: str, task: int) -> str | None:
+        try:
+            return (self.tasks / f"{kind}.{task}").read_text().strip()
+        except FileNotFoundError:
+            return None
+
+    def codes(self) -> list[int | None]:
+        """Each task's exit status as Popen gives it (negative: killed by that signal; None: running)."""
+        codes = []
+        for task in range(self.processes):
+            status = self._task_file("status", task)
+            code = None if status is None else int(status)
+            codes.append(128 - code if code is not None and code > 128 else code)  # the shell's 128 + signal
+        return codes
+
+    def poll(self) -> int | None:
+        if self.procs[0].poll() is None:
+            return None
+        if self.ended is None:
+            self.ended = time.monotonic()
+        codes = [self.procs[0].returncode if rc is None else rc for rc in self.codes()]
+        return next((rc for rc in codes if rc != 0), 0)
+
+    def signal(self, signum: int, process: int | None = None) -> None:
+        for task in range(self.processes):
+            pid = self._task_file("pid", task)
+            if (process is None or task == process) and pid:
+                try:
+                    os.kill(int(pid), signum)
+                except ProcessLookupError:
+                    pass
+
+
+LAUNCHERS = {"local": Start, "slurm": SrunStart}  # how the drill starts the job's processes (--launcher)
 
 
 def split_devices(env: dict | None, processes: int, devices_per_process: int | None = None) -> dict | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxllm.config.cli import UsageError, build_config
 from jaxllm.drill.disk import DiskError, SmallDisk
-from jaxllm.drill.job import Start, final_history, recorded_hot_updates, write_hot_updates
+from jaxllm.drill.job import LAUNCHERS, final_history, recorded_hot_updates, write_hot_updates
 from jaxllm.drill.elastic import ElasticSupervisor
 from jaxllm.drill.plan import (ANOMALY_KINDS, MULTI_PROCESS_KINDS, TIER_KINDS, Fault, anomaly_flags, hot_changes,
                               parse_faults, schedule)
@@ -45,6 +45,7 @@ class Drill:
     every: int = 1  # the job's checkpoint.every
     elastic_wait_s: float = 0.0  # the job's elastic.wait_s
     host_down_s: float = 0.0  # how long a host_down fault's host stays down
+    launcher: str = "local"  # how each start's processes are started (jaxllm.drill.job.LAUNCHERS)
 
     @property
     def workdir(self) -> Path:
@@ -58,14 +59,16 @@ class Drill:
 
 def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, str]], faults: str, seed: int,
                directory: str, reference: str | None = None, heartbeat_timeout: int = 20,
-               host_down_s: float = 60.0) -> Drill:
+               host_down_s: float = 60.0, launcher: str = "local") -> Drill:
     """Check the command line and draw the faults. Raises FaultSpecError, ConfigError or UsageError (one-line
     messages naming the bad flag, key or entry) before anything runs.
 
     With peer and host_down faults the job (and the reference the drill runs) is 2 processes on this host, which
     stop within `heartbeat_timeout` seconds of losing a peer; a host_down fault's host stays down `host_down_s`
-    seconds."""
+    seconds. `launcher`: "local" (subprocesses of this one) or "slurm" (one `srun` of the job's tasks a start)."""
     counts = parse_faults(faults)
+    if launcher not in LAUNCHERS:
+        raise UsageError(f"--launcher: expected one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     cd = build_config(config_path, overrides)
     base = Path(directory)
     if base.exists() and any(base.iterdir()):
@@ -92,7 +95,7 @@ def plan_drill(train_script: str, config_path: str, overrides: list[tuple[str, s
     return Drill(command, base, counts, plan, seed, cd.train.steps,
                  Path(reference) if reference else base / "reference", reference is None, processes,
                  Path(cd.checkpoint.local_dir).absolute() if cd.checkpoint.local_dir else None,
-                 cd.checkpoint.every, cd.elastic.wait_s, host_down_s)
+                 cd.checkpoint.every, cd.elastic.wait_s, host_down_s, launcher)
 
 
 def _config(workdir: Path) -> dict:
@@ -138,7 +141,7 @@ def run_reference(drill: Drill, env: dict | None, timeout: float = 24 * 3600) ->
     command = [*command, *anomaly_flags(drill.faults, 0, 0)]
     command[command.index("--workdir") + 1] = str(drill.reference)
     write_hot_updates(drill.reference, hot_changes(drill.faults))
-    process = Start(command, drill.directory / "logs" / "reference.log", env, drill.processes)
+    process = LAUNCHERS[drill.launcher](command, drill.directory / "logs" / "reference.log", env, drill.processes)
     rc = process.wait(timeout=timeout)
     if rc != 0:
         raise DrillError(f"the reference run failed with {rc}; see {process.log_path}")
@@ -164,7 +167,7 @@ def run_drill(drill: Drill, env: dict | None = None, log=print) -> dict:
         extra = (dict(wait_s=drill.elastic_wait_s, down_s=drill.host_down_s, every=drill.every)
                  if "host_down" in drill.counts else {})
         run = supervise(drill.command, drill.workdir, drill.faults, drill.directory / "logs", env, disk,
-                        drill.processes, local=drill.local, **extra).run()
+                        drill.processes, local=drill.local, launcher=drill.launcher, **extra).run()
         check_reference(drill)
         history = final_history(drill.workdir / "metrics.jsonl")
         finished = run.finished and (drill.workdir / "checkpoints" / str(drill.steps)).is_dir()

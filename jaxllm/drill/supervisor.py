@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jaxllm.drill.damage import corrupt_checkpoint
 from jaxllm.drill.disk import DiskError, SmallDisk
-from jaxllm.drill.job import (JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight,
+from jaxllm.drill.job import (LAUNCHERS, JsonlTail, Start, committed_steps, recorded_rollbacks, save_in_flight,
                              write_hot_updates)
 from jaxllm.drill.plan import (HOT_KINDS, HOT_LR_SCALE, MULTI_PROCESS_KINDS, PROCESS_KINDS, SLOW_PERSISTENT_MB_S,
                               TIER_KINDS, Fault, anomaly_flags, hot_change_id, hot_changes)
@@ -80,7 +80,7 @@ class Supervisor:
 
     def __init__(self, command: list[str], workdir: Path, faults: list[Fault], logs: Path, env: dict | None = None,
                  disk: SmallDisk | None = None, processes: int = 1, stall_timeout: float = 600.0,
-                 poll_s: float = 0.02, local: Path | None = None):
+                 poll_s: float = 0.02, local: Path | None = None, launcher: str = "local"):
         if disk is None and any(f.kind == "diskfull" for f in faults):
             raise ValueError("diskfull faults need the checkpoint directory on a SmallDisk")
         if processes < 2 and any(f.kind in MULTI_PROCESS_KINDS for f in faults):
@@ -91,6 +91,7 @@ class Supervisor:
             raise ValueError("local_wipe and slow_persistent faults need a job with a local checkpoint tier")
         self.checkpoints = Path(workdir) / "checkpoints"
         self.local = local  # the local checkpoint tier (None: the job has one tier)
+        self.launch = LAUNCHERS[launcher]  # each start's processes: local subprocesses, or one srun of tasks
         self.devices_per_process: int | None = None  # None: the environment's devices split among the processes
         self.throttled = False  # a slow_persistent fault has landed: every later start throttles the copies
         self.metrics = JsonlTail(Path(workdir) / "metrics.jsonl")
@@ -138,8 +139,8 @@ class Supervisor:
         command = [*self.command, *anomaly_flags(self.faults, resume, rollbacks),
                    *([f"--config.debug.slow_persistent_mb_s={SLOW_PERSISTENT_MB_S}"] if self.throttled else [])]
         self.starts += 1
-        self.process = Start(command, self.logs / f"start-{self.starts}.log", self.env, self._processes_now(),
-                             self.devices_per_process)
+        self.process = self.launch(command, self.logs / f"start-{self.starts}.log", self.env, self._processes_now(),
+                                   self.devices_per_process)
         self.last_step, self.first_record_at = None, None
 
     def _committed(self) -> list[int]:
