@@ -122,7 +122,9 @@ def test_high_priority_job_submitted_last_starts_first(slurm_cluster, shakespear
         for priority in ("low", "high"):
             jobs.append(submit(shakespeare_store, tmp_path / priority, "--priority", priority, *how))
         low, high = jobs
-        positions = {line.split()[0]: line.split()[5] for line in _submit_status().splitlines()[1:]}
+        # The columns end "position start" (one word each); a pending job's reason may be several words
+        # ("Nodes required for job" while a job of a higher partition waits).
+        positions = {line.split()[0]: line.split()[-2] for line in _submit_status().splitlines()[1:]}
         assert (positions[high], positions[low]) == ("1", "2"), _submit_status()
         slurm.cancel(blocker)
         slurm.wait([high], timeout=60, until={"RUNNING"})
