@@ -225,4 +225,3 @@ def test_killed_peer_stops_the_survivor_and_the_job_resumes_bitwise(runs, shakes
     assert hot["kind"] == "hotlr" and hot["recovered"] and hot["step"] == change["at_step"], hot
     assert hot["detail"].startswith(f"lr_scale x0.5 at step {change['at_step']}: applied at steps "
                                     f"[{change['at_step']}"), hot
-

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxllm.drill.job import committed_steps
 from jaxllm.config.schema import CheckpointConfig, ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig
 from jaxllm.objectives.pretrain import abstract_train_state, create_train_state
 from jaxllm.optim.chain import make_optimizer
@@ -41,10 +42,6 @@ def _tiered(tmp_path, lines=None, slow_mb_s=0.0, **fields) -> TieredCheckpointer
     return checkpointer
 
 
-def _steps(directory) -> list[int]:
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
-
-
 def test_saves_copy_to_the_persistent_tier_verified_with_each_tiers_retention(states, tmp_path):
     (state, _), abstract, mesh = states
     ckpt = _tiered(tmp_path, local_keep=2, keep=2, keep_every=4, persist_every=2)
@@ -52,9 +49,9 @@ def test_saves_copy_to_the_persistent_tier_verified_with_each_tiers_retention(st
         ckpt.save(step, state, {"step": step}, {})
     ckpt.close()
     local, persistent = tmp_path / "local", tmp_path / "run" / "checkpoints"
-    assert _steps(local) == [7, 8]  # the last local_keep
-    assert _steps(persistent) == [4, 6, 8]  # every persist_every-th copied; the last 2 kept, and every 4th
-    for step in _steps(persistent):  # each copy complete: its files verify against the manifest of the save
+    assert committed_steps(local) == [7, 8]  # the last local_keep
+    assert committed_steps(persistent) == [4, 6, 8]  # every persist_every-th copied; the last 2 kept, and every 4th
+    for step in committed_steps(persistent):  # each copy complete: its files verify against its save's manifest
         assert verify_manifest(persistent / str(step)) is None
     assert not [p.name for p in persistent.iterdir() if "tmp" in p.name]
     assert [c["step"] for c in ckpt.copies] == [2, 4, 6, 8]
@@ -119,8 +116,9 @@ def test_the_copy_never_holds_up_a_save(states, tmp_path):
     # Behind, the copier skipped steps (each named in the log), never the newest; what it copied verifies.
     skipped = {int(s) for line in lines if "persistent tier behind" in line
                for s in line.split("[")[1].split("]")[0].split(", ")}
-    assert 4 in _steps(persistent) and skipped and set(_steps(persistent)) | skipped == {1, 2, 3, 4}, lines
-    assert all(verify_manifest(persistent / str(step)) is None for step in _steps(persistent))
+    copied = set(committed_steps(persistent))
+    assert 4 in copied and skipped and copied | skipped == {1, 2, 3, 4}, lines
+    assert all(verify_manifest(persistent / str(step)) is None for step in committed_steps(persistent))
 
 
 def test_bad_local_dir_is_refused(tmp_path):

@@ -462,7 +462,6 @@ class DataConfig:
             raise ConfigError("data.cache_gb", f"must be > 0, got {self.cache_gb}")
         if self.prefetch_steps < 0:
             raise ConfigError("data.prefetch_steps", f"must be >= 0, got {self.prefetch_steps}")
-        self.mixture_pairs()
         urls = [p for p in [self.path, *(p for p, _ in self.mixture_pairs())] if "://" in p]
         if urls and not self.cache_dir:
             raise ConfigError("data.cache_dir", f"{urls[0]} is a URL: stores on a cold tier are read through a "

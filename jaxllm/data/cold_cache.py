@@ -92,10 +92,14 @@ class ChunkCache:
             return target
         temporary = target.with_name(f"{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         shutil.rmtree(temporary, ignore_errors=True)
-        for path in fs.find(root):
-            relative = path[len(root):].lstrip("/")
-            if "/tokens/c/" in f"/{relative}" or relative.startswith("stages/"):
-                continue  # token chunks come on demand; the preparation's stage outputs are not read
+        # The store's top-level files (manifest, tokenizer) and each split's array metadata and offsets: never a
+        # listing of the token chunks (a large store has millions) nor of the preparation's stage outputs.
+        splits = json.loads(manifest).get("splits", {})
+        wanted = [p for p in fs.ls(root, detail=False) if fs.isfile(p)]
+        for split in splits:
+            wanted += [f"{root}/{split}/tokens/zarr.json", *fs.find(f"{root}/{split}/doc_offsets")]
+        for path in wanted:
+            relative = path.rstrip("/")[len(root.rstrip("/")):].lstrip("/")
             (temporary / relative).parent.mkdir(parents=True, exist_ok=True)
             (temporary / relative).write_bytes(fs.cat_file(path))
         (temporary / MIRRORED).write_bytes(manifest)

@@ -240,14 +240,17 @@ class _StepBatch:
         self.local = global_batch_size // process_count
         self.first = process_index * self.local
         self.prefetch_steps = prefetch_steps
+        self._prefetched_to = -1  # the last step whose rows were asked for (each step is planned once)
 
     def _rows(self, step: int) -> np.ndarray:
         start = int(step) * self.global_batch_size + self.first
         return np.arange(start, start + self.local)  # == rows_of_step(...)
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
-        if self.prefetch_steps:
-            self.rows.prefetch(np.concatenate([self._rows(s) for s in range(step + 1, step + 1 + self.prefetch_steps)]))
+        ahead = range(max(step, self._prefetched_to) + 1, step + 1 + self.prefetch_steps)
+        if ahead:
+            self._prefetched_to = ahead[-1]
+            self.rows.prefetch(np.concatenate([self._rows(s) for s in ahead]))
         return self.rows.get_rows(self._rows(step))
 
 
