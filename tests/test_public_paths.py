@@ -13,6 +13,7 @@ PUBLIC = [
       "group_advantages", "grpo_loss")),
     ("jaxllm.post.rewards", "jaxllm.objectives.reward_fns", ("register", "resolve", "single_line")),
     ("jaxllm.train.loop", "jaxllm.launch.train", ("train",)),
+    ("jaxllm.model.blockwise", "jaxllm.model.blockwise", ("nf4_quantize", "nf4_dequantize")),
 ]
 
 

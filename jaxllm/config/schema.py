@@ -645,6 +645,8 @@ class ProfileConfig:
         check_positive("profile.steps", self.steps)
 
 
+# lora.base_quant: how a LoRA run's frozen base kernels are stored (jaxllm/model/base_quant.py)
+BASE_QUANTS = ("none", "int8", "nf4")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -652,13 +654,15 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class LoRAConfig:
     """Adapters of rank `rank` on `targets` (comma-separated projection names), scaled by alpha / rank (alpha /
     sqrt(rank) with `rslora`), with dropout `dropout` on their input. Rank 0 means full fine-tuning (no
-    adapters)."""
+    adapters). `base_quant` stores the frozen base's projection kernels quantised: "nf4" (QLoRA) or "int8"
+    (jaxllm/model/base_quant.py)."""
 
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.1
     targets: str = "q_proj,v_proj"
     rslora: bool = False
+    base_quant: str = "none"
 
     @property
     def target_list(self) -> tuple[str, ...]:
@@ -679,6 +683,10 @@ class LoRAConfig:
         if unknown or (self.rank and not self.target_list):
             raise ConfigError("lora.targets", f"expected a comma-separated subset of {','.join(LORA_TARGETS)}, "
                                               f"got {self.targets!r}")
+        check_choice("lora.base_quant", self.base_quant, BASE_QUANTS)
+        if self.base_quant != "none" and not self.rank:
+            raise ConfigError("lora.base_quant", f"{self.base_quant} stores a frozen base: it needs adapters "
+                                                 "(lora.rank > 0); full fine-tuning trains the kernels in float")
 
 
 ANOMALY_POLICIES = ("rollback", "skip", "abort")

@@ -289,17 +289,25 @@ def _full_slices(index, shape) -> tuple[slice, ...]:
     return tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
 
 
-def _tensor_names(row: Row, shape: tuple) -> dict[tuple, str]:
-    """The HF tensor name of each index of the row's leading axes (layer, expert) in a parameter of `shape`."""
+def _tensor_names(row: Row, shape: tuple, first_layer: int = 0) -> dict[tuple, str]:
+    """The HF tensor name of each index of the row's leading axes (layer, expert) in a parameter of `shape` whose
+    layers start at `first_layer`."""
     keys = row.lead_keys
-    return {at: row.hf.format(**dict(zip(keys, at))) for at in itertools.product(*map(range, shape[:len(keys)]))}
+    names = {}
+    for at in itertools.product(*map(range, shape[:len(keys)])):
+        index = dict(zip(keys, at))
+        if "i" in index:
+            index["i"] += first_layer
+        names[at] = row.hf.format(**index)
+    return names
 
 
-def _load_param(weights: _Weights, row: Row, shape: tuple, dtype, sharding) -> jax.Array:
-    """Parameter `row` of global `shape` placed by `sharding`, each shard reading just its slice."""
+def _load_param(weights: _Weights, row: Row, shape: tuple, dtype, sharding, first_layer: int = 0) -> jax.Array:
+    """Parameter `row` of global `shape` placed by `sharding`, each shard reading just its slice (a stacked
+    parameter's layers from `first_layer` on: `shape[0]` of them)."""
     lead = len(row.lead_keys)
     tensor_shape = shape[lead:]  # one HF tensor's part: a layer's, or a layer's expert's
-    names = _tensor_names(row, shape)
+    names = _tensor_names(row, shape, first_layer)
     for name in names.values():
         weights.check_shape(name, row.transform.hf_shape(tensor_shape))
 
@@ -372,6 +380,27 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "f
             loaded = _load_param(weights, row, tuple(value.shape), value.dtype, sharding)
             var.set_value(loaded)
     return nnx.merge(graphdef, abstract)
+
+
+def load_params(path, abstract: nnx.State, mesh: jax.sharding.Mesh, first_layer: int = 0) -> nnx.State:
+    """The parameters `abstract` names (ShapeDtypeStructs in nnx variables keyed as the family's jaxllm model's:
+    all of its parameters, or a part) from the Hugging Face directory `path`, each in its dtype and created in
+    its shards per the sharding rules on `mesh`: only what `abstract` names is read from disk. Stacked parameters
+    may be a run of layers from `first_layer` on (their leading dimension says how many)."""
+    path = Path(path)
+    hf_cfg = json.loads((path / CONFIG_FILE).read_text())
+    weights = _Weights(path)
+    rows = {row.path: row for row in _rows_in_file(table(config_from_hf(hf_cfg), is_reward_config(hf_cfg)), weights)}
+    shardings = dict(nnx.to_flat_state(sharding_tree(abstract, mesh)))
+    loaded = []
+    for at, var in nnx.to_flat_state(abstract):
+        if at not in rows:
+            raise ValueError(f"{path}: no tensor of this family holds the parameter {'/'.join(map(str, at))}")
+        value = var.get_value()
+        array = _load_param(weights, rows[at], tuple(value.shape), value.dtype, _unwrap(shardings[at]),
+                            first_layer if rows[at].stacked else 0)
+        loaded.append((at, var.replace(array)))
+    return nnx.from_flat_state(loaded)
 
 
 # ----------------------------------------------------------------------------------------------- writing

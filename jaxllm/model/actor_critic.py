@@ -17,6 +17,7 @@ from flax import nnx
 from jaxllm.config.schema import LoRAConfig, ModelConfig, PrecisionConfig
 from jaxllm.model.rope import RopeScaling
 from jaxllm.model.reward import RewardModel
+from jaxllm.model.base_quant import QuantizedKernel
 from jaxllm.model.transformer import Transformer
 
 VALUE = nnx.PathContains("value")  # the critic's variables (adapters and head; and its body, when it has its own)
@@ -42,14 +43,15 @@ class ActorCritic(Transformer):
 
 
 def _tie_base(critic: nnx.Module, policy: nnx.Module) -> None:
-    """Replace each plain Param of `critic` (its base; not its adapters, not the head the policy lacks) by the
-    policy's Variable at the same path. The critic's own copies, initialised and then dropped, cost nothing under
-    jit: XLA removes what no output uses."""
+    """Replace each plain Param of `critic` (its base; not its adapters, not the head the policy lacks) and each
+    quantised kernel of a QLoRA base by the policy's at the same path. The critic's own copies, initialised and
+    then dropped, cost nothing under jit: XLA removes what no output uses."""
     policy_nodes = dict(nnx.iter_graph(policy))
     for path, node in list(nnx.iter_graph(critic)):
         if not isinstance(node, nnx.Module):
             continue
         for name, variable in list(vars(node).items()):
             shared = policy_nodes.get(tuple(path) + (name,))
-            if type(variable) is nnx.Param and type(shared) is nnx.Param:
+            plain = type(variable) is nnx.Param and type(shared) is nnx.Param
+            if plain or (isinstance(variable, QuantizedKernel) and isinstance(shared, QuantizedKernel)):
                 setattr(node, name, shared)

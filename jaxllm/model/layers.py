@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxllm.model.base_quant import frozen_kernel
 from jaxllm.model.lora import adapter, project
 from jaxllm.model.cudnn_attention import cudnn_attention
 from jaxllm.model.rope import apply_rope
@@ -40,6 +41,13 @@ def param(rngs: nnx.Rngs, shape, names, dtype, std: float | None) -> nnx.Param:
     else:
         value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, out_sharding=tuple(names))
+
+
+def kernel(rngs: nnx.Rngs, shape, names, dtype, std: float, *, n_in: int, stack: tuple, base_quant: str):
+    """A projection kernel drawn as `param` draws it (its first `len(stack)` axes layers, then `n_in` input
+    axes), stored as `base_quant` says: plain, or quantised for a frozen base (jaxllm/model/base_quant.py)."""
+    value = param(rngs, shape, names, dtype, std)
+    return value if base_quant == "none" else frozen_kernel(value[...], names, n_in, len(stack), base_quant)
 
 
 class Embed(nnx.Module):
@@ -127,14 +135,21 @@ class Attention(nnx.Module):
     add biases to q, k and v (q_bias, k_bias, v_bias), an RMSNorm over each head of q and k before the rotation
     (q_norm, k_norm), and a sliding window (`cfg.sliding_window` positions, the mask's; static)."""
 
-    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None, quant: str = "none"):
+    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None, quant: str = "none",
+                 base_quant: str = "none"):
         D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lead = ("layers",) * len(stack)
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        self.q_proj = param(rngs, stack + (D, N, H), lead + ("embed", "heads", "head_dim"), dtype, std)
-        self.k_proj = param(rngs, stack + (D, K, H), lead + ("embed", "kv_heads", "head_dim"), dtype, std)
-        self.v_proj = param(rngs, stack + (D, K, H), lead + ("embed", "kv_heads", "head_dim"), dtype, std)
-        self.o_proj = param(rngs, stack + (N, H, D), lead + ("heads", "head_dim", "embed"), dtype, out_std)
+        # the frozen base's kernels stored quantised under QLoRA (lora.base_quant)
+        frozen = dict(stack=stack, base_quant=base_quant)
+        self.q_proj = kernel(rngs, stack + (D, N, H), lead + ("embed", "heads", "head_dim"), dtype, std, n_in=1,
+                             **frozen)
+        self.k_proj = kernel(rngs, stack + (D, K, H), lead + ("embed", "kv_heads", "head_dim"), dtype, std, n_in=1,
+                             **frozen)
+        self.v_proj = kernel(rngs, stack + (D, K, H), lead + ("embed", "kv_heads", "head_dim"), dtype, std, n_in=1,
+                             **frozen)
+        self.o_proj = kernel(rngs, stack + (N, H, D), lead + ("heads", "head_dim", "embed"), dtype, out_std, n_in=2,
+                             **frozen)
         kw = dict(stack=stack, dtype=dtype, rngs=rngs)
         self.q_proj_lora = adapter(lora, "q_proj", (D,), (N, H), ("embed",), ("heads", "head_dim"), **kw)
         self.k_proj_lora = adapter(lora, "k_proj", (D,), (K, H), ("embed",), ("kv_heads", "head_dim"), **kw)
@@ -227,13 +242,15 @@ class MLP(nnx.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)) with the family's activation (SwiGLU, GeGLU), each
     projection with an optional LoRA adapter."""
 
-    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None, quant: str = "none"):
+    def __init__(self, cfg, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None, quant: str = "none",
+                 base_quant: str = "none"):
         D, F = cfg.dim, cfg.mlp_dim
         lead = ("layers",) * len(stack)
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        self.gate_proj = param(rngs, stack + (D, F), lead + ("embed", "mlp"), dtype, std)
-        self.up_proj = param(rngs, stack + (D, F), lead + ("embed", "mlp"), dtype, std)
-        self.down_proj = param(rngs, stack + (F, D), lead + ("mlp", "embed"), dtype, out_std)
+        frozen = dict(n_in=1, stack=stack, base_quant=base_quant)  # QLoRA's quantised base
+        self.gate_proj = kernel(rngs, stack + (D, F), lead + ("embed", "mlp"), dtype, std, **frozen)
+        self.up_proj = kernel(rngs, stack + (D, F), lead + ("embed", "mlp"), dtype, std, **frozen)
+        self.down_proj = kernel(rngs, stack + (F, D), lead + ("mlp", "embed"), dtype, out_std, **frozen)
         kw = dict(stack=stack, dtype=dtype, rngs=rngs)
         self.gate_proj_lora = adapter(lora, "gate_proj", (D,), (F,), ("embed",), ("mlp",), **kw)
         self.up_proj_lora = adapter(lora, "up_proj", (D,), (F,), ("embed",), ("mlp",), **kw)

@@ -15,6 +15,7 @@ raw `lax.scan`; this is why the adapters are written here by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import string
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config.schema import LoRAConfig
-from jaxllm.model.quant import weight_einsum
+from jaxllm.model.base_quant import dequantized, kernel_einsum
 
 # Each target's adapter is the attribute `<target>_lora` of its module (jaxllm/model/layers.py), so this suffix
 # marks adapter arrays in a checkpoint's names too.
@@ -89,8 +90,17 @@ def project(spec: str, x, kernel, lora: LoRA | None, rng=None, quant: str = "non
     """`einsum(spec, x, kernel)` plus the adapter's contribution when there is one (the one place model code
     applies LoRA: training, evaluation and KV-cache decoding all go through it). `quant` (`precision.quant`)
     quantises the kernel's matmul only, never the adapter's (jaxllm/model/quant.py)."""
-    y = weight_einsum(spec, x, kernel[...].astype(x.dtype), quant)
+    y = kernel_einsum(spec, x, kernel, quant)
     return y if lora is None else y + lora(x, rng).astype(y.dtype)
+
+
+def adapters_off(cfg: LoRAConfig | None) -> LoRAConfig | None:
+    """The `lora` argument of the adapters-off view of a model built with `cfg` (the frozen reference of DPO, PPO
+    and GRPO): None, the plain model, unless its base is stored quantised (`lora.base_quant`), which the view keeps
+    (rank 0: no adapters)."""
+    if cfg is None or cfg.base_quant == "none":
+        return None
+    return dataclasses.replace(cfg, rank=0)
 
 
 def trainable(cfg: LoRAConfig | None):
@@ -107,7 +117,9 @@ def adapters_of(model) -> dict[str, LoRA]:
 
 def merge(model):
     """The plain model of the same class (no adapters) with each target kernel W + scale * A @ B, computed in
-    float32 and stored in the kernel's dtype, as PEFT's merge_and_unload does. A model without adapters is returned as it is."""
+    float32 and stored in the kernel's dtype, as PEFT's merge_and_unload does. A model without adapters is returned
+    as it is. A quantised base (`lora.base_quant`) is dequantised to the parameter dtype first: the merge is a float
+    model."""
     if model.lora is None:
         return model
 
@@ -122,6 +134,7 @@ def merge(model):
 
     # New Variables around the same arrays: the merged model must not share (and so rewrite) `model`'s.
     base = jax.tree.map(lambda x: x, nnx.state(model, nnx.Not(nnx.LoRAParam)))
+    base = dequantized(model, base, jnp.dtype(model.precision.params))
     merged = nnx.merge(jax.eval_shape(plain), base)
     for target, lora in adapters_of(model).items():
         kernel = getattr(getattr(merged.layers, MODULE_OF[target]), target)

@@ -70,14 +70,15 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, stack: tuple = (), rngs: nnx.Rngs, lora=None,
-                 seq_axis: str = "seq", quant: str = "none"):
+                 seq_axis: str = "seq", quant: str = "none", base_quant: str = "none"):
         self.seq_axis = seq_axis  # static: in the graphdef, not a parameter
         norm = lambda: RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, stack=stack, rngs=rngs,
                                plus_one=cfg.blocks.norm_plus_one)
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
+        self.self_attn = Attention(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant,
+                                   base_quant=base_quant)
         self.post_attention_layernorm = norm()
-        self.mlp = _feed_forward_block(cfg, dtype, stack, rngs, lora, quant)
+        self.mlp = _feed_forward_block(cfg, dtype, stack, rngs, lora, quant, base_quant)
         # Sandwich norms (Gemma): post_attention_layernorm then normalises attention's output, and these two go
         # around the MLP; without them post_attention_layernorm is the MLP's input norm (Llama).
         self.pre_feedforward_layernorm = norm() if cfg.blocks.sandwich_norms else None
@@ -120,11 +121,11 @@ class DecoderLayer(nnx.Module):
         return constrain(h_BTD + self._feed_forward(h_BTD, decoding=True)[0], residual), k_BTKH, v_BTKH
 
 
-def _feed_forward_block(cfg: ModelConfig, dtype, stack: tuple, rngs: nnx.Rngs, lora, quant: str):
+def _feed_forward_block(cfg: ModelConfig, dtype, stack: tuple, rngs: nnx.Rngs, lora, quant: str, base_quant: str):
     """The layer's MLP: dense, or the mixture of experts of `cfg.num_experts` > 0 (no adapters or quantised
-    kernels on its experts: config.validate refuses them)."""
+    kernels on its experts: config.validate refuses them; under QLoRA they stay in float)."""
     if not cfg.num_experts:
-        return MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant)
+        return MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant, base_quant=base_quant)
     return MoEMLP(cfg.dim, cfg.mlp_dim, cfg.num_experts, cfg.experts_per_token, renormalize=cfg.moe_renormalize,
                   activation=cfg.blocks.activation, init_std=cfg.init_std,
                   out_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, dtype=dtype, rngs=rngs, stack=stack,
@@ -380,8 +381,11 @@ class Transformer(nnx.Module):
         self.lora = lora if lora is not None and lora.rank else None
         self.embed_tokens = Embed(cfg.vocab_size, cfg.dim, std=cfg.init_std, dtype=dtype, rngs=rngs,
                                   scaled=cfg.blocks.embed_scale)
+        # QLoRA (lora.base_quant): the frozen kernels stored quantised, with adapters or (rank 0: the adapters-off
+        # view, `jaxllm.model.lora.adapters_off`) without
+        base_quant = lora.base_quant if lora is not None else "none"
         self.layers = DecoderLayer(cfg, dtype=dtype, stack=(cfg.num_layers,), rngs=rngs, lora=self.lora,
-                                   seq_axis=self.seq_axis, quant=precision.quant)
+                                   seq_axis=self.seq_axis, quant=precision.quant, base_quant=base_quant)
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, rngs=rngs, plus_one=cfg.blocks.norm_plus_one)
         if lm_head and not cfg.tie_embeddings:  # a reward model (jaxllm/model/reward.py) has a score head instead
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, cfg.init_std)

@@ -27,6 +27,7 @@ from jaxllm.config.fine_tuning import DPOConfig
 from jaxllm.config.schema import Config, ConfigError
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.model.head import head_stats
+from jaxllm.model.lora import adapters_off
 from jaxllm.model.reference import reference_model
 from jaxllm.objectives import pair_eval
 from jaxllm.objectives.retention import with_sft_task
@@ -86,7 +87,8 @@ def dpo_model(cfg: Config, rope_scaling=None) -> tuple[Objective, Objective]:
     objective trains and compiled plans compile. The reference is the policy's base with its adapters off (the
     plain model's graph over the same arrays); with stored reference sums in a batch the loss reads those."""
     sp = cfg.mesh.sequence_parallel
-    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope_scaling, sequence_parallel=sp)
+    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, adapters_off(cfg.lora), rope_scaling=rope_scaling,
+                         sequence_parallel=sp)
     policy = lm_objective(cfg.model, cfg.precision, cfg.pipeline, cfg.lora if cfg.lora.rank else None,
                           rope_scaling=rope_scaling, sequence_parallel=sp)
     loss_fn = functools.partial(dpo_loss_fn, plain_graphdef=plain.graphdef, pairs_per_row=cfg.preference.pairs_per_row,

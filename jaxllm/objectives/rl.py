@@ -52,6 +52,7 @@ from jaxllm.objectives import reward_fns as rewards
 from jaxllm.objectives.retention import with_sft_task
 from jaxllm.objectives.rollout import response_logps, rollout, sequence_layout
 from jaxllm.objectives.rollout_ahead import RolloutAhead
+from jaxllm.model.lora import adapters_off
 from jaxllm.model.reference import reference_model
 from jaxllm.model.sample import left_pad
 from jaxllm.objectives.finetune import data_errors, locate_base, tokenizer_path
@@ -586,7 +587,8 @@ def rl_setup(cfg: Config, section: str, log, build_policy=lm_objective, value_fn
         raise ConfigError(f"{section}.train_file", f"no usable prompts in {settings.train_file}")
     rope = base.rope_scaling
     sp = cfg.mesh.sequence_parallel
-    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, rope_scaling=rope, sequence_parallel=sp)
+    plain = lm_objective(cfg.model, cfg.precision, cfg.pipeline, adapters_off(cfg.lora), rope_scaling=rope,
+                         sequence_parallel=sp)
     policy = build_policy(cfg.model, cfg.precision, cfg.pipeline, cfg.lora, rope_scaling=rope, sequence_parallel=sp)
     reference = frozen_reference(base, plain, own) if not cfg.lora.rank else None
     sampler = Sampler(policy.graphdef, plain.graphdef, mesh, tokenizer, reward_fn, settings,

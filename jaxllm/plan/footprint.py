@@ -11,6 +11,7 @@ import math
 
 import jax
 
+from jaxllm.model.base_quant import as_float
 from jaxllm.optim import powersgd
 from jaxllm.plan.activation_memory import host_activation_bytes, planned_attention, step_temp_bytes
 from jaxllm.config.schema import Config
@@ -48,7 +49,7 @@ def memory_plan(cfg: Config, compiled: bool | None = None) -> dict:
     plan = dict(
         preset=cfg.model.preset or "custom",
         mesh=dict(zip(mesh.axis_names, mesh.axis_sizes)),
-        num_params=trainable + _count(frozen),
+        num_params=trainable + _count(as_float(frozen)),  # a quantised base counts its float kernels
         trainable_params=trainable,
         frozen_bytes_per_device=bytes_per_device(frozen, mesh) if jax.tree.leaves(frozen) else 0,
         param_bytes_per_device=bytes_per_device(state.params, mesh),

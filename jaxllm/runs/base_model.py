@@ -24,6 +24,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.model.rope import RopeScaling
 from jaxllm.model.lora import ADAPTER_SUFFIX
@@ -149,17 +150,40 @@ def _rope_fields(model: ModelConfig, base: Base) -> dict:
     return {k: getattr(model, k) for k in ROPE_FIELDS} if base_scaling is None or ours is not None else theirs
 
 
-def _leaf_checksum(x: jax.Array) -> jax.Array:
-    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32).ravel()
-    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+def _leaf_checksum(x: jax.Array, start=0) -> jax.Array:
+    """The checksum of `x`, or of the part of a larger leaf whose flattened elements from `start` on `x` is (a
+    leaf's checksum is the wrapping sum of its parts')."""
+    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+    # each element's row-major position, from iotas in the array's own shape: a flattened (raveled) copy of a
+    # sharded array would be gathered whole onto every device first (8x a base's bytes on 8 devices)
+    positions, stride = jnp.asarray(start, jnp.uint32), 1
+    for axis in reversed(range(x.ndim)):
+        positions = positions + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= x.shape[axis]
+    weights = positions * jnp.uint32(2654435761) + jnp.uint32(1)
     return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+def part_checksum(x: jax.Array, start: int) -> int:
+    """`_leaf_checksum` of a part of a leaf starting at flattened element `start` (layer by layer loading)."""
+    return int(jax.jit(_leaf_checksum)(x, np.uint32(start % 2**32)))
 
 
 def fingerprint(tree) -> str:
     """A hex digest of every array in `tree` (the same on any mesh; see the module docstring)."""
-    sums = jax.device_get(jax.jit(lambda t: jax.tree.map(_leaf_checksum, t))(tree))
+    return digest_of(tree, checksums(tree))
+
+
+def checksums(tree):
+    """Each array's checksum in `tree` (the same tree of uint32 scalars, on the host)."""
+    return jax.device_get(jax.jit(lambda t: jax.tree.map(_leaf_checksum, t))(tree))
+
+
+def digest_of(tree, sums) -> str:
+    """The fingerprint of `tree` (arrays or ShapeDtypeStructs) from its leaves' `checksums`, which may have been
+    taken part by part (a base loaded one kernel at a time)."""
     digest = hashlib.sha256()
-    for (path, leaf), checksum in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(sums)):
+    for (path, leaf), checksum in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(sums), strict=True):
         digest.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype}:{int(checksum)};".encode())
     return digest.hexdigest()[:32]
 

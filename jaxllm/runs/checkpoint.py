@@ -368,14 +368,16 @@ class Checkpointer:
             raise CheckpointError(f"metadata of checkpoint {self.directory / str(step)} is unreadable: "
                                   f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
-    def restore_params(self, step: int, abstract_params: Any, mesh) -> Any:
+    def restore_params(self, step: int, abstract_params: Any, mesh, verify: bool = True) -> Any:
         """Restore only the parameters (`state.params`) of `step`, placed per the sharding rules on `mesh`.
 
         The optimizer state and the other train-state fields are not read, so a checkpoint written with a
         different optimizer, anomaly window or train-state layout still seeds these parameters. The whole
-        checkpoint is verified first (`verify`): parameters and optimizer state share data files.
+        checkpoint is verified first (`verify`): parameters and optimizer state share data files (False: the
+        caller verified it, restoring it in parts).
         """
-        self.verify(step)
+        if verify:
+            self.verify(step)
         # orbax's partial restore hands back the abstract leaf of an array the checkpoint lacks: refuse instead.
         saved = self.saved_param_names(step)
         missing = sorted(set(array_shapes({"params": abstract_params})) - saved) if saved else []

@@ -13,6 +13,7 @@ its parameters come from the run's base, the checkpoint's own arrays say: so eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from flax import nnx
 from jaxllm.config.schema import LoRAConfig, ModelConfig, PrecisionConfig
 from jaxllm.data.tokenizer import find_tokenizer_file
 from jaxllm.interop import hf
+from jaxllm.model.base_quant import as_float, float_kernel, quantize_kernel, quantized_kernels
 from jaxllm.model.build import build_model
 from jaxllm.model.lora import merge
 from jaxllm.model.reward import RewardModel
@@ -144,26 +146,103 @@ def load_checkpoint(path: str, step: int | None = None, mesh=None, compute: str 
 
 def load_base(base: base_model.Base, abstract, mesh):
     """(the parameters of `base` as the tree `abstract` (ShapeDtypeStructs of nnx.Param variables: the plain
-    model's, or part of them), placed per the sharding rules on `mesh`; the base's fingerprint).
+    model's, or part of them; a QLoRA model's quantised kernels among them), placed per the sharding rules on
+    `mesh`; the base's fingerprint).
 
     The fingerprint is of the arrays as stored: a LoRA run's base is its adapters and its own base's arrays, not
-    their merge, whose last bits follow the compiler (its optimisation level, CPU or GPU) rather than the base."""
+    their merge, whose last bits follow the compiler (its optimisation level, CPU or GPU) rather than the base.
+    A quantised base's fingerprint is its float arrays', the same as a plain LoRA run's on that base."""
+    if quantized_kernels(abstract):
+        return _load_quantized(base, abstract, mesh)
+    if base.kind == "jaxllm-lora":
+        merged, identity = _merged_lora_base(base, abstract, mesh)
+        return _placed_like(merged, abstract, mesh), identity
+    params = _restore_float(base, abstract, mesh)
+    return params, base_model.fingerprint(params)
+
+
+def _restore_float(base: base_model.Base, abstract, mesh, verify: bool = True):
+    """The float parameters `abstract` names from a jaxllm checkpoint or a Hugging Face directory, placed."""
     if base.kind == "jaxllm":
         source = Checkpointer(base.path.parent, keep=1000, log=lambda *_: None)
         try:
-            params = source.restore_params(base.step, abstract, mesh)
+            return source.restore_params(base.step, abstract, mesh, verify=verify)
         finally:
             source.close()
-        return params, base_model.fingerprint(params)
-    if base.kind == "jaxllm-lora":
-        dtype = jnp.dtype(jax.tree.leaves(abstract)[0].dtype).name
-        loaded = load_checkpoint(str(base.path), mesh=mesh, compute=dtype)
-        merged = _placed_like(nnx.state(merge(loaded.model), nnx.Param), abstract, mesh)
-        return merged, base_model.fingerprint(loaded.params)
-    dtype = jax.tree.leaves(abstract)[0].dtype
-    model = hf.from_pretrained(base.path, mesh=mesh, dtype=jnp.dtype(dtype).name)
-    params = _placed_like(nnx.state(model, nnx.Param), abstract, mesh)
-    return params, base_model.fingerprint(params)
+    return hf.load_params(base.path, abstract, mesh)
+
+
+def _merged_lora_base(base: base_model.Base, abstract, mesh):
+    """(the merged float model of a LoRA run's checkpoint (all its parameters, unplaced), its fingerprint)."""
+    dtype = jnp.dtype(next(leaf.dtype for leaf in jax.tree.leaves(abstract)
+                           if jnp.issubdtype(leaf.dtype, jnp.floating))).name
+    loaded = load_checkpoint(str(base.path), mesh=mesh, compute=dtype)
+    return nnx.state(merge(loaded.model), nnx.Param), base_model.fingerprint(loaded.params)
+
+
+def _load_quantized(base: base_model.Base, abstract, mesh):
+    """`load_base` of a tree with quantised kernels. The rest of the base loads first, then each kernel: from a
+    Hugging Face directory one layer at a time, read, quantised on the devices and written into its place in the
+    quantised stack, so the float base never exists whole, nor one float kernel of every layer; from a jaxllm
+    checkpoint one kernel (all its layers) at a time; a LoRA run's base is merged whole first."""
+    kernels = quantized_kernels(abstract)
+    floats = as_float(abstract)
+    rest = nnx.from_flat_state([(p, v) for p, v in nnx.to_flat_state(floats) if p not in kernels])
+    merged, identity = _merged_lora_base(base, floats, mesh) if base.kind == "jaxllm-lora" else (None, None)
+
+    def read(part, verify=False):
+        return _placed_like(merged, part, mesh) if merged is not None else _restore_float(base, part, mesh, verify)
+
+    placed = read(rest, verify=True) if jax.tree.leaves(rest) else rest
+    sums = {p: int(v[...]) for p, v in nnx.to_flat_state(base_model.checksums(placed))}
+    out = list(nnx.to_flat_state(placed))
+    for path, codes in kernels.items():
+        if base.kind == "hf":
+            state, sums[path] = _quantized_by_layer(base, path, codes, mesh)
+        else:
+            kernel = nnx.to_flat_state(read(nnx.from_flat_state([(path, float_kernel(codes))])))[0][1][...]
+            sums[path] = base_model.part_checksum(kernel, 0)
+            state = _quantize_on(kernel, codes, mesh)
+            kernel.delete()
+        out += [(path + sub, v) for sub, v in nnx.to_flat_state(state)]
+    if identity is None:
+        identity = base_model.digest_of(floats, nnx.from_flat_state([(p, sums[p]) for p, _ in
+                                                                     nnx.to_flat_state(floats)]))
+    return nnx.from_flat_state(out), identity
+
+
+def _quantized_by_layer(base: base_model.Base, path: tuple, codes, mesh):
+    """(the state of a Hugging Face base's kernel at `path`, quantised as `codes` says, read and quantised one
+    layer at a time into the stack; the float kernel's checksum)."""
+    whole = float_kernel(codes)
+    layers = whole.shape[0]
+    one = jax.ShapeDtypeStruct((1,) + whole.shape[1:], whole.dtype)
+    with nnx.use_eager_sharding(False):
+        layer_abstract = nnx.from_flat_state([(path, whole.replace(one))])
+    stack_shapes = jax.eval_shape(lambda k: quantize_kernel(k, codes), whole.get_value())
+    stack_shardings = sharding_tree(stack_shapes, mesh)
+    stack = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stack_shapes),
+                    out_shardings=stack_shardings)()
+    quantize = lambda value: quantize_kernel(value, codes)  # `codes` brings its metadata only
+
+    @functools.partial(jax.jit, donate_argnums=0, out_shardings=stack_shardings)
+    def write(stack, kernel, i):
+        return jax.tree.map(lambda s, x: jax.lax.dynamic_update_slice_in_dim(s, x, i, 0), stack, quantize(kernel))
+
+    checksum = 0
+    for i in range(layers):
+        kernel = nnx.to_flat_state(hf.load_params(base.path, layer_abstract, mesh, first_layer=i))[0][1][...]
+        checksum += base_model.part_checksum(kernel, i * kernel.size)
+        stack = write(stack, kernel, i)
+        kernel.delete()
+    return stack, checksum % 2**32
+
+
+def _quantize_on(kernel, codes, mesh):
+    """The quantised kernel's state (as `codes` describes it) of the float `kernel`, made on the devices into
+    its shards."""
+    quantize = lambda value: quantize_kernel(value, codes)  # `codes` brings its metadata only
+    return jax.jit(quantize, out_shardings=sharding_tree(jax.eval_shape(quantize, kernel), mesh))(kernel)
 
 
 def _placed_like(state, abstract, mesh):
