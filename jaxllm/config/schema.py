@@ -34,7 +34,7 @@ CONTEXT_ATTENTIONS = ("all_gather", "ring")  # model.context_attention (jaxllm/p
 GRAD_COMPRESSIONS = ("none", "powersgd")  # optim.grad_compression (jaxllm/optim/powersgd.py)
 OFFLOADS = ("none", "host")  # optim.offload, model.remat_offload (jaxllm/parallel/offload.py)
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn")
-OPTIMIZERS = ("adamw", "lamb", "adafactor")
+OPTIMIZERS = ("adamw", "lamb", "adafactor", "muon")  # optim.name (jaxllm/optim/chain.py, jaxllm/optim/muon.py)
 SCHEDULES = ("cosine", "constant", "wsd")
 MOE_DISPATCHES = ("dropless", "capacity")  # model.moe_dispatch (jaxllm/model/moe.py)
 MOE_ROUTER_SCORES = ("softmax", "sigmoid")  # model.moe_router_scores (jaxllm/model/moe.py)
@@ -363,6 +363,10 @@ class OptimConfig:
     # share and the new parameters are all-gathered (jaxllm/train/step.py). Parameters stay where RULES put them.
     # Off by default: on XLA:CPU's in-process collectives it can deadlock a run that rolls back (docs/parallelism.md).
     zero1: bool = False
+    # name="muon" (jaxllm/optim/muon.py): the hidden matrices' momentum (Nesterov) and Newton-Schulz iterations;
+    # Keller Jordan's and Moonlight's 0.95 and 5. The other parameters take Adam with b1, b2 and eps above.
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
 
     def check(self) -> None:
         """This section's fields (PowerSGD against the mesh: `check_across`)."""
@@ -384,6 +388,9 @@ class OptimConfig:
         check_positive("optim.powersgd_rank", self.powersgd_rank)
         if self.powersgd_start_step < 0:
             raise ConfigError("optim.powersgd_start_step", f"must be >= 0, got {self.powersgd_start_step}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError("optim.muon_momentum", f"must be in [0, 1), got {self.muon_momentum}")
+        check_positive("optim.muon_ns_steps", self.muon_ns_steps)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,8 +66,10 @@ def leaves(params) -> list[Leaf]:
 
 
 def arrays(tree) -> list[jax.Array]:
-    """The arrays of `tree` (parameters, or gradients / updates shaped like them) in `leaves` order."""
-    return [x[...] if _is_variable(x) else x for x in jax.tree.leaves(tree, is_leaf=_is_variable)]
+    """The arrays of `tree` (parameters, or gradients / updates shaped like them) in `leaves` order. A Variable
+    holding no array (`optax.MaskedNode`: a moment of Muon's Adam side for a matrix Muon updates) has none."""
+    return [x[...] if _is_variable(x) else x for x in jax.tree.leaves(tree, is_leaf=_is_variable)
+            if not _is_variable(x) or jax.tree.leaves(x)]
 
 
 def _sq(x) -> jax.Array:

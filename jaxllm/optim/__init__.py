@@ -1,3 +1,3 @@
-"""Optimisation: the optax chain built from `OptimConfig` (`chain`), PowerSGD gradient compression
-(`powersgd`) and float16 loss scaling (`loss_scale`).
+"""Optimisation: the optax chain built from `OptimConfig` (`chain`), Muon on the hidden matrices (`muon`),
+PowerSGD gradient compression (`powersgd`) and float16 loss scaling (`loss_scale`).
 """

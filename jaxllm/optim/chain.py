@@ -1,4 +1,5 @@
-"""The optax chain from `OptimConfig`: schedule, global-norm clipping, AdamW / LAMB / Adafactor, weight-decay mask.
+"""The optax chain from `OptimConfig`: schedule, global-norm clipping, AdamW / LAMB / Adafactor / Muon, weight-decay
+mask.
 
 The learning rate and the clipping threshold are hyperparameters in the optimizer state (`inject_hyperparams`),
 not constants of the compiled step: a hot update (jaxllm/train/control.py) changes `clip_norm` between steps
@@ -17,6 +18,7 @@ from flax import nnx
 
 from jaxllm.config.schema import OptimConfig
 from jaxllm.model.moe import RouterBias
+from jaxllm.optim.muon import scale_by_muon_and_adam
 from jaxllm.optim.veto import scale_by_adam, vetoable
 
 
@@ -96,7 +98,9 @@ def clip_by_global_norm(max_norm) -> optax.GradientTransformation:
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     """Clipping followed by the configured optimizer, driven by `learning_rate_schedule`. AdamW and LAMB are
     optax's, built on `jaxllm.optim.veto.scale_by_adam` so that the train step's veto costs no pass over their
-    moments (a `VetoableTransformation`); Adafactor is vetoed by the step's select.
+    moments (a `VetoableTransformation`); Adafactor is vetoed by the step's select. Muon (`jaxllm.optim.muon`:
+    orthogonalised momentum on the hidden kernels, Adam on the rest) takes AdamW's decay and learning rate after
+    it, and the step's select too (its momentum is not vetoed in place).
 
     The returned transformation is wrapped in `optax.inject_hyperparams` so the current learning rate and the
     clipping threshold (`optim.clip_norm`, 0: off) are part of the optimizer state: the rate is read back for
@@ -112,6 +116,9 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
             opt = optax.chain(adam, decay, optax.scale_by_learning_rate(learning_rate))
         elif cfg.name == "lamb":
             opt = optax.chain(adam, decay, optax.scale_by_trust_ratio(), optax.scale_by_learning_rate(learning_rate))
+        elif cfg.name == "muon":
+            muon = scale_by_muon_and_adam(cfg.muon_momentum, cfg.muon_ns_steps, cfg.b1, cfg.b2, cfg.eps)
+            opt = optax.chain(muon, decay, optax.scale_by_learning_rate(learning_rate))
         else:
             opt = adafactor(cfg, learning_rate)
         return optax.chain(clip_by_global_norm(clip_norm), opt)

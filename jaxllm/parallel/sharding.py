@@ -159,7 +159,9 @@ def spec_tree(tree: Any, mesh) -> Any:
     """Replace every array in `tree` (an nnx.State, optimizer state, ...) by its parameter PartitionSpec.
 
     Leaves inside an `nnx.Variable` with logical `out_sharding` names follow RULES; a leaf whose rank differs
-    from its names (e.g. Adafactor's factored moments) and plain leaves (step counters) are replicated.
+    from its names (e.g. Adafactor's factored moments) and plain leaves (step counters) are replicated. A
+    Variable that holds no array (`optax.MaskedNode`: a parameter the other side of `optax.partition` updates,
+    as Muon's Adam side, jaxllm/optim/muon.py) stays as it is, with no leaf to place.
     """
     sizes = mesh_sizes(mesh)
 
@@ -167,6 +169,8 @@ def spec_tree(tree: Any, mesh) -> Any:
         if _is_variable(x):
             names = _logical_names(x)
             value = x.get_value() if hasattr(x, "get_value") else x[...]
+            if not jax.tree.leaves(value):
+                return x
             shape = getattr(value, "shape", ())
             if names is None or len(names) != len(shape):
                 return x.replace(PartitionSpec())
@@ -242,7 +246,8 @@ def report_rows(state: Any, mesh) -> list[dict]:
     arrays outside a Variable, e.g. optimizer step counters, have no logical names and are replicated)."""
     sizes = mesh_sizes(mesh)
     specs = spec_tree(state, mesh)
-    flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
+    flat_vars = [(path, var) for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
+                 if jax.tree.leaves(var)]  # a Variable holding no array (see `spec_tree`) has no row
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     rows = []
     for (path, var), spec in zip(flat_vars, flat_specs):
