@@ -87,9 +87,10 @@ def mesh_axes_of(groups: list[list[int]], mesh_shape: tuple[int, ...],
 
 def _source(module: HloModule, ins: Instruction, parameter_names: set[str]) -> str:
     """Where a collective comes from: the innermost model-code frame (jaxllm/model/, past the matmul helpers
-    `lora.project` and `quant.weight_einsum`, whose callers name the parameter), else any jaxllm frame outside
-    jaxllm/observe/, and the parameter that line uses (`self.<name>` of a known parameter), if any."""
-    helpers = ("/jaxllm/model/lora.py", "/jaxllm/model/quant.py")
+    `lora.project`, `base_quant.kernel_einsum` and `quant.weight_einsum`, whose callers name the parameter), else
+    any jaxllm frame outside jaxllm/observe/, and the parameter that line uses (`self.<name>` of a known
+    parameter), if any."""
+    helpers = ("/jaxllm/model/lora.py", "/jaxllm/model/base_quant.py", "/jaxllm/model/quant.py")
     where = (module.source(ins, lambda f: "/jaxllm/model/" in f and not f.endswith(helpers))
              or module.source(ins, lambda f: "/jaxllm/" in f and "/observe/" not in f))
     if where is None:
