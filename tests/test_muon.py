@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from in_process_steps import run_steps
 
 from jaxllm.config.cli import build_config
 from jaxllm.config.schema import ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig, validate
@@ -161,14 +162,7 @@ def _train(layout: MeshConfig, devices=None, directory=None, steps: int = 3, off
         state, _, shardings, _ = init_objective_state(objective, tx, mesh, seed=0, offload=offload, zero1=zero1)
         step = jit_train_step(make_train_step(objective, tx, grad_accum=2, skip_anomalies=True, zero1=zero1),
                               shardings, mesh)
-        losses = []
-        for i in range(steps):
-            state, metrics = step(state, _batch(mesh, i))
-            losses.append(float(metrics["loss"]))
-            if directory is not None and i == 0:
-                ckpt = Checkpointer(directory, async_save=False, log=lambda msg: None)
-                ckpt.save(1, state, {}, {})
-                ckpt.close()
+        state, losses = run_steps(step, state, lambda i: _batch(mesh, i), steps, directory)
     return dict(losses=losses, state=state, step=step, mesh=mesh, tx=tx)
 
 

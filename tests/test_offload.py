@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from in_process_steps import run_steps
 
 from jaxllm.runs.checkpoint import Checkpointer
 from jaxllm.config.cli import build_config
@@ -57,14 +58,7 @@ def _train(offload: str, directory=None):
         state, _, shardings, _ = init_objective_state(objective, tx, mesh, seed=0, offload=offload)
         born = _kinds(state.opt_state)
         step = jit_train_step(make_train_step(objective, tx), shardings, mesh)
-        losses = []
-        for i in range(STEPS):
-            state, metrics = step(state, _batch(mesh, i))
-            losses.append(float(metrics["loss"]))
-            if directory is not None and i == 0:
-                ckpt = Checkpointer(directory, async_save=False, log=lambda msg: None)
-                ckpt.save(1, state, {}, {})
-                ckpt.close()
+        state, losses = run_steps(step, state, lambda i: _batch(mesh, i), STEPS, directory)
     return dict(state=state, losses=losses, step=step, born=born)
 
 
