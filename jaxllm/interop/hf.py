@@ -382,25 +382,36 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, dtype: str = "f
     return nnx.merge(graphdef, abstract)
 
 
-def load_params(path, abstract: nnx.State, mesh: jax.sharding.Mesh, first_layer: int = 0) -> nnx.State:
+def load_params(path, abstract: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
     """The parameters `abstract` names (ShapeDtypeStructs in nnx variables keyed as the family's jaxllm model's:
     all of its parameters, or a part) from the Hugging Face directory `path`, each in its dtype and created in
-    its shards per the sharding rules on `mesh`: only what `abstract` names is read from disk. Stacked parameters
-    may be a run of layers from `first_layer` on (their leading dimension says how many)."""
+    its shards per the sharding rules on `mesh`: only what `abstract` names is read from disk."""
+    return param_reader(path, abstract, mesh)(0)
+
+
+def param_reader(path, abstract: nnx.State, mesh: jax.sharding.Mesh):
+    """`read(first_layer)`: `load_params` of `abstract` whose stacked parameters are a run of layers from
+    `first_layer` on (their leading dimension says how many), with the directory's config, index and files opened
+    once for every read (a base quantised layer by layer reads each kernel's layers in turn)."""
     path = Path(path)
     hf_cfg = json.loads((path / CONFIG_FILE).read_text())
     weights = _Weights(path)
     rows = {row.path: row for row in _rows_in_file(table(config_from_hf(hf_cfg), is_reward_config(hf_cfg)), weights)}
     shardings = dict(nnx.to_flat_state(sharding_tree(abstract, mesh)))
-    loaded = []
-    for at, var in nnx.to_flat_state(abstract):
+    for at in shardings:
         if at not in rows:
             raise ValueError(f"{path}: no tensor of this family holds the parameter {'/'.join(map(str, at))}")
-        value = var.get_value()
-        array = _load_param(weights, rows[at], tuple(value.shape), value.dtype, _unwrap(shardings[at]),
-                            first_layer if rows[at].stacked else 0)
-        loaded.append((at, var.replace(array)))
-    return nnx.from_flat_state(loaded)
+
+    def read(first_layer: int) -> nnx.State:
+        loaded = []
+        for at, var in nnx.to_flat_state(abstract):
+            value = var.get_value()
+            array = _load_param(weights, rows[at], tuple(value.shape), value.dtype, _unwrap(shardings[at]),
+                                first_layer if rows[at].stacked else 0)
+            loaded.append((at, var.replace(array)))
+        return nnx.from_flat_state(loaded)
+
+    return read
 
 
 # ----------------------------------------------------------------------------------------------- writing

@@ -229,9 +229,10 @@ def _quantized_by_layer(base: base_model.Base, path: tuple, codes, mesh):
     def write(stack, kernel, i):
         return jax.tree.map(lambda s, x: jax.lax.dynamic_update_slice_in_dim(s, x, i, 0), stack, quantize(kernel))
 
+    read_layers = hf.param_reader(base.path, layer_abstract, mesh)
     checksum = 0
     for i in range(layers):
-        kernel = nnx.to_flat_state(hf.load_params(base.path, layer_abstract, mesh, first_layer=i))[0][1][...]
+        kernel = nnx.to_flat_state(read_layers(i))[0][1][...]
         checksum += base_model.part_checksum(kernel, i * kernel.size)
         stack = write(stack, kernel, i)
         kernel.delete()
