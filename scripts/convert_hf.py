@@ -12,10 +12,12 @@ docs/models.md) and jaxllm checkpoints.
       `AutoModelForSequenceClassification`: the family's *ForSequenceClassification, pad_token_id the
       tokenizer's). A LoRA fine-tuning run is exported merged into its base, or with --adapter_only as the
       adapter alone in PEFT's format (`peft.PeftModel.from_pretrained`).
+      The run's tokenizer is written beside it (jaxllm/interop/tokenizer_export.py): `AutoTokenizer` on DIR
+      gives the run's own ids, BOS first (a sentencepiece model also as a tokenizer.json); config.json records
+      the tokenizer's bos/eos/pad ids, so `generate` stops at the run's EOS.
 """
 
 import dataclasses
-import shutil
 import sys
 from pathlib import Path
 
@@ -80,8 +82,8 @@ def do_import(args) -> int:
 
 def do_export(args) -> int:
     from jaxllm.interop import hf
+    from jaxllm.interop.tokenizer_export import save_tokenizer
     from jaxllm.runs.checkpoint import CheckpointError
-    from jaxllm.data.tokenizer import load_tokenizer, tokenizer_files
     from jaxllm.runs.loader import load_checkpoint
 
     try:
@@ -90,13 +92,15 @@ def do_export(args) -> int:
         fail(str(exc))
     if args.adapter_only and loaded.model.lora is None:
         fail(f"--adapter_only: {loaded.path} holds a whole model, not LoRA adapters")
-    tokenizer = loaded.tokenizer_path()
-    pad_id = load_tokenizer(tokenizer).pad_id if tokenizer is not None else 0  # jaxllm tokenizers' pad id is 0
+    tokenizer, ids = loaded.tokenizer_path(), {"pad_token_id": 0}  # without a tokenizer: jaxllm's pad id
+    if tokenizer is not None:  # written first: a tokenizer that cannot be exported stops before the weights
+        try:
+            tok = save_tokenizer(tokenizer, args.out)
+        except (FileNotFoundError, ValueError) as exc:
+            fail(str(exc))
+        ids = {"pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
     hf.save_pretrained(loaded.model, args.out, max_shard_bytes=args.max_shard_bytes, adapter_only=args.adapter_only,
-                       pad_token_id=pad_id)
-    if tokenizer is not None:  # tokenizer.model, or tokenizer.json with its tokenizer_config.json
-        for name, src in tokenizer_files(tokenizer).items():
-            shutil.copyfile(src, Path(args.out) / name)
+                       **ids)
     print(f"wrote {Path(args.out).absolute()} from {loaded.path}")
     return 0
 

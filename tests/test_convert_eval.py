@@ -1,11 +1,14 @@
 """Hugging Face <-> jaxllm checkpoint conversion, generate/eval from checkpoints, perplexity and multiple choice."""
 
+import gzip
 import importlib.util
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import sentencepiece as spm
 
 from train_runs import train_command, train_env
 
@@ -76,6 +79,36 @@ def test_export_round_trip_matches_transformers(hf_model, imported, ids, tmp_pat
     theirs = _torch_logits(reloaded, ids)
     assert np.abs(ours - theirs).max() < 1e-4
     assert np.abs(theirs - _torch_logits(model, ids)).max() < 1e-4
+
+
+def test_export_writes_the_run_tokenizer(hf_model, tmp_path, capsys):
+    """The export's tokenizer gives the run's ids through AutoTokenizer and its config.json the run's special ids,
+    so that generate stops at the run's EOS; a tokenizer that cannot be exported is a one-line error."""
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(hf_model[1], hf_dir)
+    with gzip.open(ROOT / "data" / "shakespeare.jsonl.gz", "rt") as f:
+        docs = [json.loads(line)["text"] for _, line in zip(range(20), f)]
+    tok = Tokenizer.train(docs, hf_dir / "tokenizer.model", vocab_size=512)  # the import records it with the run
+    convert = _script("convert_hf")
+    assert convert.main(["import", "--hf", str(hf_dir), "--out", str(tmp_path / "ckpt")]) == 0
+    assert convert.main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in ("ROMEO. What say you to this?\n", "  two  spaces, é — 🙂\t12345", ""):
+        assert ref.encode(text) == [tok.bos_id] + tok.encode(text)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = (tok.bos_id, tok.eos_id, tok.pad_id)
+    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == ids == (2, 3, 0)
+    generation = model.generation_config
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == ids  # not Llama's eos 2
+    # The recorded tokenizer replaced by one whose NFKC normaliser a tokenizer.json cannot reproduce exactly.
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_prefix=str(hf_dir / "tokenizer"),
+                                   vocab_size=400, model_type="bpe", byte_fallback=True,
+                                   normalization_rule_name="nmt_nfkc", minloglevel=2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        convert.main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("error: ") and "nmt_nfkc" in err and err.count("\n") == 1
 
 
 def test_import_then_train_from_it(imported, shakespeare_store, tmp_path):

@@ -205,15 +205,22 @@ def _max_positions(rope_scaling: RopeScaling | None) -> int:
 
 
 def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtype: str = "float32",
-                 reward_pad_id: int | None = None) -> dict:
+                 reward_pad_id: int | None = None, *, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict:
     """A `config.json` dict of `cfg`'s family's causal LM (readable by transformers 4.x and 5.x); with
     `reward_pad_id`, of its sequence-classification model (one label) whose pad token is that id (it finds each
-    sequence's last non-padding token by it). `rope_scaling` None: the config's own (`model.rope_scaling`)."""
+    sequence's last non-padding token by it). `rope_scaling` None: the config's own (`model.rope_scaling`).
+
+    The token ids given are recorded (`reward_pad_id` wins over `pad_token_id`): transformers builds a model's
+    generation config from them when there is no generation_config.json, so `generate` stops at that EOS (left
+    out, the family's defaults apply, e.g. Llama's eos 2)."""
     family = FAMILIES[cfg.family]
     rope_scaling = rope_scaling or RopeScaling.from_model_config(cfg)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if rope_scaling is not None:
         rope.update(rope_type=rope_scaling.rope_type, **rope_scaling.parameters())
+    token_ids = {f"{kind}_token_id": i for kind, i in (("bos", bos_token_id), ("eos", eos_token_id),
+                                                        ("pad", pad_token_id)) if i is not None}
     reward = {} if reward_pad_id is None else {"architectures": [family.sequence_classification], "num_labels": 1,
                                                  "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
                                                  "pad_token_id": reward_pad_id}
@@ -239,6 +246,7 @@ def config_to_hf(cfg: ModelConfig, rope_scaling: RopeScaling | None = None, dtyp
         "torch_dtype": dtype,
         "dtype": dtype,
         **family.to_hf(dataclasses.asdict(cfg), rope),
+        **token_ids,
         **reward,
     }
 
@@ -444,10 +452,15 @@ def _check_routing_exports(cfg: ModelConfig) -> None:
 
 
 def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = None, adapter_only: bool = False,
-                    base_model: str = "", pad_token_id: int = 0) -> None:
+                    base_model: str = "", pad_token_id: int = 0, bos_token_id: int | None = None,
+                    eos_token_id: int | None = None) -> None:
     """Write `model` as a Hugging Face directory of its family's causal LM (LlamaForCausalLM, Qwen2ForCausalLM,
     ...) loadable by `AutoModelForCausalLM` (a reward model as the family's *ForSequenceClassification with
     `pad_token_id`, loadable by `AutoModelForSequenceClassification`).
+
+    With `bos_token_id` / `eos_token_id` (the run's tokenizer's), config.json records them and `pad_token_id`, so
+    that `generate` stops at the run's EOS (a negative id, a sentencepiece model without that token, is left
+    out); without, a causal LM's config names no token ids (its family's defaults apply).
 
     Tensors keep the model's parameter dtype. Above `max_shard_bytes` the weights are split over
     `model-0000k-of-0000n.safetensors` files with a `model.safetensors.index.json`. A model with LoRA adapters
@@ -469,8 +482,11 @@ def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = N
     path.mkdir(parents=True, exist_ok=True)
     tensors = dict(_hf_tensors(model, _table(model)))
     dtype = str(np.dtype(next(iter(tensors.values())).dtype))
+    tokens = {} if bos_token_id is None and eos_token_id is None else {
+        key: i for key, i in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id),
+                              ("pad_token_id", pad_token_id)) if i is not None and i >= 0}
     config = config_to_hf(model.cfg, getattr(model, "rope_scaling", None), dtype,
-                          pad_token_id if isinstance(model, RewardModel) else None)
+                          pad_token_id if isinstance(model, RewardModel) else None, **tokens)
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     metadata = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
     total = sum(t.nbytes for t in tensors.values())
