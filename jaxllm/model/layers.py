@@ -219,7 +219,8 @@ class Attention(nnx.Module):
         """Attend from T new tokens to a KV cache of S slots (the new tokens' keys written at slot `index`).
 
         `mask_BTS` says which cache slots each new token may see. Returns the attention output [B, T, D] and
-        the new tokens' keys and values [B, T, K, H] for the caller to store in its cache.
+        the cache with the new tokens' keys and values written in ([B, S, K, H] each): the caller keeps these as
+        its cache, so a step writes each layer's new slots once (in place) instead of copying the cache again.
         """
         dtype = x_BTD.dtype
         q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, sin_BTh, cos_BTh)
@@ -230,7 +231,7 @@ class Attention(nnx.Module):
         out_BTNH = xla_attention(q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), mask_BTS, self.scale)
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))
         out_BTD = project("BTNH,NHD->BTD", out_BTNH, self.o_proj, self.o_proj_lora, quant=self.quant)
-        return out_BTD, k_BTKH, v_BTKH
+        return out_BTD, k_BSKH, v_BSKH
 
 
 # The MLP's gate activations (blocks.activation): SwiGLU's, and GeGLU's with the tanh approximation (Hugging Face's

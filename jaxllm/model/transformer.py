@@ -112,13 +112,14 @@ class DecoderLayer(nnx.Module):
         return (out_BTD if post is None else post(out_BTD)), router
 
     def decode(self, x_BTD, k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh):
-        """The block on T new tokens against one layer's KV cache; returns (out_BTD, k_BTKH, v_BTKH)."""
-        attn_BTD, k_BTKH, v_BTKH = self.self_attn.decode(
+        """The block on T new tokens against one layer's KV cache; returns (out_BTD, k_BSKH, v_BSKH), the cache
+        with the new tokens' keys and values written in at slot `index`."""
+        attn_BTD, k_BSKH, v_BSKH = self.self_attn.decode(
             self.input_layernorm(x_BTD), k_cache_BSKH, v_cache_BSKH, index, mask_BTS, sin_BTh, cos_BTh)
         # A prefill splits its prompt like training; one new token (T = 1) cannot be split and stays replicated.
         residual = ("batch", self.seq_axis, "embed")
         h_BTD = constrain(x_BTD + self._attention_out(attn_BTD), residual)
-        return constrain(h_BTD + self._feed_forward(h_BTD, decoding=True)[0], residual), k_BTKH, v_BTKH
+        return constrain(h_BTD + self._feed_forward(h_BTD, decoding=True)[0], residual), k_BSKH, v_BSKH
 
 
 def _feed_forward_block(cfg: ModelConfig, dtype, stack: tuple, rngs: nnx.Rngs, lora, quant: str, base_quant: str):
@@ -177,10 +178,11 @@ def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_
         x, cache_k, cache_v, i = carry
         layer_state, local = xs
         layer = nnx.merge(graphdef, layer_state)
-        x, k_BTKH, v_BTKH = layer.decode(x, cache_k[i], cache_v[i], index,
+        x, k_BSKH, v_BSKH = layer.decode(x, cache_k[i], cache_v[i], index,
                                          *for_layer(local, mask_BTS, sin_BTh, cos_BTh))
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k_BTKH[None], (i, 0, index, 0, 0))
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v_BTKH[None], (i, 0, index, 0, 0))
+        new = lambda c_BSKH: jax.lax.dynamic_slice_in_dim(c_BSKH, index, x.shape[1], axis=1)[None]
+        cache_k = jax.lax.dynamic_update_slice(cache_k, new(k_BSKH), (i, 0, index, 0, 0))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, new(v_BSKH), (i, 0, index, 0, 0))
         return (x, constrain(cache_k, CACHE_AXES), constrain(cache_v, CACHE_AXES), i + 1), None
 
     (x_BTD, k, v, _), _ = jax.lax.scan(body, (x_BTD, cache.k, cache.v, jnp.int32(0)), (stacked, local_L))
@@ -202,9 +204,9 @@ def unroll_layers_decode(layers: tuple, x_BTD, cache: KVCache, index, mask_BTS, 
         inputs = (mask_BTS, sin_BTh, cos_BTh)
         if local_L is not None:  # the layer's kind is known here: pick its inputs without a select
             inputs = tuple(pair[int(local_L[i])] for pair in inputs)
-        x_BTD, k_BTKH, v_BTKH = layer.decode(x_BTD, k_BSKH, v_BSKH, index, *inputs)
-        keys.append(constrain(jax.lax.dynamic_update_slice(k_BSKH, k_BTKH, (0, index, 0, 0)), CACHE_AXES[1:]))
-        values.append(constrain(jax.lax.dynamic_update_slice(v_BSKH, v_BTKH, (0, index, 0, 0)), CACHE_AXES[1:]))
+        x_BTD, k_BSKH, v_BSKH = layer.decode(x_BTD, k_BSKH, v_BSKH, index, *inputs)
+        keys.append(constrain(k_BSKH, CACHE_AXES[1:]))
+        values.append(constrain(v_BSKH, CACHE_AXES[1:]))
     return x_BTD, KVCache(tuple(keys), tuple(values))
 
 
