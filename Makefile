@@ -8,6 +8,9 @@
 #               rewarded by the reward model (a workdir of its own: a run resumes only under its reward).
 # `make pipeline`: the whole life of a model from nothing: prepare, pretrain, SFT, reward model, PPO (~31 min);
 #               ARGS=--launcher=slurm submits the stages as dependent SLURM jobs instead (docs/clusters.md).
+# `make eval`:  after `make train`, evaluate its model on the offline lm-evaluation-harness task pack eval_tasks/
+#               (held-out perplexity, MC, cloze, the SFT task's generations; eval_tasks/README.md); EVAL_RUN=runs/sft_lora
+#               (any run, checkpoint or Hugging Face model directory) evaluates another, ARGS adds lm_eval options.
 # `make test`:  install with test extras and run the whole suite (tests/conftest.py forces 8 CPU devices) in
 #               TEST_WORKERS pytest-xdist processes (default 2), one test file per worker at a time.
 # `make docs`:  install the docs extra and build the documentation site (mkdocs.yml, docs/) strictly into build/site.
@@ -19,10 +22,11 @@ BIN := $(VENV)/bin
 DATA := build/data/shakespeare
 SFT_TASK := build/data/sft_task
 PAIRS := build/data/preference
+EVAL_RUN ?= runs/pretrain
 CPU_DEVICES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=180" JAX_PLATFORMS=cpu
 
-.PHONY: install data train sft reward dpo grpo ppo pipeline long-context test test-smoke bench bench-peers docs docs-check clean \
-	check-sft check-reward check-dpo check-grpo check-ppo check-long-context
+.PHONY: install data train sft reward dpo grpo ppo pipeline long-context eval test test-smoke bench bench-peers docs docs-check \
+	clean check-sft check-reward check-dpo check-grpo check-ppo check-long-context check-eval
 
 # `make install` installs what training needs (the package and its dependencies); `make test` adds the test extra
 # (the reference libraries of the parity tests: torch, transformers, peft, trl; pytest and its plugins) on top.
@@ -78,6 +82,21 @@ grpo: check-grpo $(SFT_TASK)/train.jsonl
 
 ppo: check-ppo $(SFT_TASK)/train.jsonl
 	$(CPU_DEVICES) $(BIN)/python scripts/train.py --config configs/ppo.py --config.checkpoint.restore_from=runs/sft_lora $(ARGS)
+
+# The evaluation harness (lm-eval, the eval extra) goes into the same venv. make eval checks its model first, as the
+# post-training targets do: make train's checkpoints by default, or whatever EVAL_RUN names. The pack's data files are
+# committed (scripts/make_eval_tasks.py rebuilds them) and named relative to the repository root, where this runs.
+$(VENV)/.installed-eval: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[eval]'
+	touch $@
+
+check-eval:
+	@test -d $(EVAL_RUN)/checkpoints || { test "$(EVAL_RUN)" != runs/pretrain && test -e "$(EVAL_RUN)"; } || { echo \
+	  "error: make eval evaluates EVAL_RUN=$(EVAL_RUN), which is missing (by default the model of make train: run make train first)" >&2; exit 2; }
+
+eval: check-eval $(VENV)/.installed-eval
+	$(CPU_DEVICES) HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 $(BIN)/python -m jaxllm.eval.harness --model jaxllm \
+	  --model_args checkpoint=$(EVAL_RUN) --include_path eval_tasks --tasks jaxllm_pack $(ARGS)
 
 pipeline: install
 	$(CPU_DEVICES) $(BIN)/python scripts/pipeline.py $(ARGS)
