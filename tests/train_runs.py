@@ -133,11 +133,18 @@ SFT = ("--config.train.seq_len=128", "--config.train.eval_batches=1", "--config.
        "--config.sft.max_new_tokens=4", "--config.lora.dropout=0.1")
 
 
+# The in-training harness callback, on the first base only (tests/test_harness.py reads its metrics): one task of
+# the offline pack (eval_tasks/, whose data files are named from the repository root) after each step.
+HARNESS = ("--config.eval.harness_every=1", "--config.eval.harness_tasks=jaxllm_shakespeare_cloze",
+           "--config.eval.harness_limit=4", f"--config.eval.harness_include_path={ROOT / 'eval_tasks'}")
+
+
 def pretrain_base(store, workdir, seed):
-    """A tiny pretrained run of 2 steps in `workdir`."""
+    """A tiny pretrained run of 2 steps in `workdir` (seed 0's runs the harness callback too: HARNESS)."""
     proc = subprocess.run(train_command(store, workdir, "--config.train.steps=2", "--config.checkpoint.every=2",
-                                        "--config.train.eval_every=1000", f"--config.train.seed={seed}"),
-                          capture_output=True, text=True, env=train_env(), timeout=600)
+                                        "--config.train.eval_every=1000", f"--config.train.seed={seed}",
+                                        *(HARNESS if seed == 0 else ())),
+                          capture_output=True, text=True, env=train_env(), timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
 

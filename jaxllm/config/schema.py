@@ -746,6 +746,34 @@ class ElasticConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """lm-evaluation-harness tasks run on the model in training (docs/evaluation.md): every `harness_every` steps
+    (0: never) and after the last step, the tasks or groups `harness_tasks` names (comma-separated; task YAMLs
+    are looked for in `harness_include_path` besides lm_eval's own), at most `harness_limit` documents each (0:
+    all), `harness_batch_size` rows a forward pass. Their metrics go into metrics.jsonl and TensorBoard as
+    `harness/<task>/<metric>`. Needs lm_eval (the eval extra) and a language model's objective."""
+
+    harness_every: int = 0
+    harness_tasks: str = ""
+    harness_include_path: str = "eval_tasks"
+    harness_limit: int = 0
+    harness_batch_size: int = 16
+
+    def tasks(self) -> list[str]:
+        return [t.strip() for t in self.harness_tasks.split(",") if t.strip()]
+
+    def check(self) -> None:
+        for key in ("harness_every", "harness_limit"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"eval.{key}", f"must be >= 0 (0: {'off' if key == 'harness_every' else 'all'}), "
+                                                 f"got {getattr(self, key)}")
+        check_positive("eval.harness_batch_size", self.harness_batch_size)
+        if self.harness_every and not self.tasks():
+            raise ConfigError("eval.harness_tasks", "eval.harness_every needs the tasks to run (comma-separated "
+                                                    "names, e.g. jaxllm_pack)")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """The whole validated configuration of a run."""
 
@@ -771,6 +799,7 @@ class Config:
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()
     elastic: ElasticConfig = ElasticConfig()
+    eval: EvalConfig = EvalConfig()
     workdir: str = "runs/pretrain"
     peak_flops: float = 0.0  # per device; 0 means: look it up by device kind
     # XLA compiler flags, name (without the leading --) -> value, put into XLA_FLAGS by the scripts before JAX
@@ -904,7 +933,7 @@ def resolve_dcn(mesh: MeshConfig, num_processes: int) -> MeshConfig:
 
 # Each section's own check(); precision's is validate's.
 SECTIONS_CHECKED_ALONE = ("model", "optim", "train", "data", "pipeline", "checkpoint", "anomaly", "debug",
-                          "diagnostics", "profile", "lora", "elastic")
+                          "diagnostics", "profile", "lora", "elastic", "eval")
 def _rollout_devices(cfg: Config, num_devices: int, num_processes: int | None) -> int:
     """The devices an RL run sets aside for its rollouts (RLConfig), checked against the devices there are; a
     plan (no processes) takes the mesh as written."""
@@ -958,6 +987,8 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
         raise ConfigError("model.attention", f"'cudnn' needs precision.compute bfloat16 or float16, got "
                                              f"{cfg.precision.compute!r}")
     _check_model_on_mesh(model, mesh, train.seq_len)
+    if cfg.eval.harness_every and train.objective == "reward":
+        raise ConfigError("eval.harness_every", "harness tasks evaluate a language model; a reward model has none")
     if model.num_layers % (mesh.stage * pipeline.repeats):
         raise ConfigError("model.num_layers", f"{model.num_layers} layers are not divisible by "
                                               f"mesh.stage*pipeline.repeats={mesh.stage * pipeline.repeats}")
@@ -1185,7 +1216,7 @@ def default_config_dict() -> ml_collections.ConfigDict:
                     anomaly=AnomalyConfig, debug=DebugConfig, diagnostics=DiagnosticsConfig, lora=LoRAConfig,
                     sft=SFTConfig, preference=PreferenceConfig, reward=RewardConfig, dpo=DPOConfig, grpo=GRPOConfig,
                     ppo=PPOConfig, rl=RLConfig, metrics=MetricsConfig, profile=ProfileConfig,
-                    elastic=ElasticConfig)
+                    elastic=ElasticConfig, eval=EvalConfig)
     cd = ml_collections.ConfigDict({name: dataclasses.asdict(cls()) for name, cls in sections.items()})
     cd.workdir = Config.workdir
     cd.peak_flops = Config.peak_flops

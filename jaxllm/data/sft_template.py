@@ -76,6 +76,27 @@ def render(template: str, messages: list[dict], tokenizer) -> list[Piece]:
     return pieces
 
 
+def conversation_text(template: str, messages: list[dict], tokenizer, add_generation_prompt: bool = True) -> str:
+    """A conversation (any last turn) as one string under `template`, opening an assistant turn at the end when
+    `add_generation_prompt` (what an evaluation harness feeds as a chat prompt). The built-in templates' BOS and
+    EOS are tokens, not text: left out (the encoder of the prompt adds BOS); a model template renders its own."""
+    if template == "model":
+        if getattr(tokenizer, "as_transformers", None) is None or not getattr(tokenizer, "chat_template", None):
+            raise TemplateError("'model' needs a tokenizer.json whose tokenizer_config.json has a chat_template")
+        return tokenizer.as_transformers().apply_chat_template(messages, tokenize=False,
+                                                               add_generation_prompt=add_generation_prompt)
+    system, user, opening, closing = _FORMATS[template]
+    parts = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            parts += [opening, message["content"], closing if i + 1 < len(messages) else ""]
+        else:
+            parts.append((system if message["role"] == "system" else user).format(content=message["content"]))
+    if add_generation_prompt and (not messages or messages[-1]["role"] != "assistant"):
+        parts.append(opening)
+    return "".join(parts)
+
+
 def _render_model(messages: list[dict], tokenizer) -> list[Piece]:
     as_transformers = getattr(tokenizer, "as_transformers", None)
     if as_transformers is None or not getattr(tokenizer, "chat_template", None):

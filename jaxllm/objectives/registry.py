@@ -16,6 +16,7 @@ from typing import Callable
 from jaxllm.config.schema import Config
 from jaxllm.objectives.dpo import dpo_model, dpo_objective
 from jaxllm.objectives.grpo import grpo_objective
+from jaxllm.objectives.harness_tasks import with_harness_tasks
 from jaxllm.objectives.ppo import actor_critic_objective, ppo_objective
 from jaxllm.objectives.pretrain import lm_objective, pretrain_objective, with_store_vocab
 from jaxllm.objectives.reward import reward_model_objective, reward_objective
@@ -96,8 +97,9 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
 
 
 def objective_for(cfg: Config, log=print) -> Objective:
-    """The objective `train.objective` names, built from a resolved config (`jaxllm.launch.train.resolve`)."""
-    return OBJECTIVES[cfg.train.objective].build(cfg, log)
+    """The objective `train.objective` names, built from a resolved config (`jaxllm.launch.train.resolve`), with
+    the harness tasks of `eval.harness_every` when they are on."""
+    return with_harness_tasks(OBJECTIVES[cfg.train.objective].build(cfg, log), cfg)
 
 
 def resolved_shape(cfg: Config) -> Config:

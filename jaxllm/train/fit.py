@@ -125,6 +125,13 @@ def evaluate(eval_step, params, frozen, batches) -> float:
     return float(total / max(count, 1.0))
 
 
+def periodic_due(objective: Objective, step: int, last: int) -> bool:
+    """Whether the objective's periodic evaluation runs after `step`: every periodic_eval_every steps and after
+    the last."""
+    every = objective.periodic_eval_every
+    return objective.periodic_eval is not None and every > 0 and (step % every == 0 or step == last)
+
+
 def make_workdir(workdir: Path) -> None:
     """Create the run directory; one that cannot be created or written is a ConfigError on `workdir`."""
     try:
@@ -278,7 +285,8 @@ def fit(cfg: Config, objective: Objective, stream=sys.stdout) -> dict:
                 stop = guard.should_stop(step) or due.stop
                 boundary = step % cfg.checkpoint.every == 0 or step == tc.steps or stop or due.save
                 evaluating = (step % tc.eval_every == 0 or due.eval) and step < tc.steps and eval_step is not None
-                if boundary or evaluating or holding:  # known healthy before it is saved, evaluated or held
+                tasks_due = periodic_due(objective, step, tc.steps)
+                if boundary or evaluating or holding or tasks_due:  # known healthy before it is saved, evaluated, held
                     rolled_back = recover(run, read(current))
                 else:
                     pending = current
@@ -301,6 +309,12 @@ def fit(cfg: Config, objective: Objective, stream=sys.stdout) -> dict:
                     with times.measure("eval_s"):
                         metrics_log.writer.write({"step": step, "eval_loss": eval_loss()})
                     metrics_log.restart_clock()  # eval time is not the next step's time
+                if tasks_due:
+                    with times.measure("eval_s"):
+                        tasks = objective.periodic_eval(objective.graphdef, run.variables(), mesh)
+                        metrics_log.writer.write({"step": step, **tasks})
+                    log(f"step {step} tasks: " + ", ".join(f"{k} {v:.4g}" for k, v in tasks.items()))
+                    metrics_log.restart_clock()
                 if stop:
                     checkpointer.wait()
                     log(f"preempted: saved step {step}, exiting")

@@ -78,6 +78,8 @@ class Objective:
     `progress_metrics` name the loss_fn metrics the progress line shows beside the loss. `own` filters the
     variables the objective loads itself, neither from the base nor from the seed, with `load_own(abstract,
     mesh)` (their abstract state -> the variables, placed): PPO's critic started from a reward model.
+    `periodic_eval(graphdef, variables, mesh)` gives flat {name: number} metrics of the model in training (the
+    harness tasks of `eval.harness_every`), taken every `periodic_eval_every` steps and after the last one.
     """
 
     name: str
@@ -94,6 +96,8 @@ class Objective:
     progress_metrics: tuple[str, ...] = ()
     own: Any = None
     load_own: Callable[[Any, Any], Any] | None = None
+    periodic_eval: Callable[[nnx.GraphDef, Any, Any], dict] | None = None
+    periodic_eval_every: int = 0
 
     @functools.cached_property
     def graphdef(self) -> nnx.GraphDef:
