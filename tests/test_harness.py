@@ -33,7 +33,7 @@ from jaxllm.observe.tensorboard import read_scalars  # noqa: E402
 from train_runs import ROOT, train_env  # noqa: E402
 
 MAX_LENGTH = 128
-LIMIT = 5  # documents per task of the pack
+LIMIT = 4  # documents per task of the pack
 TASKS = ["jaxllm_pack"]  # its six tasks: perplexity, multiple choice, cloze and the SFT task's three generations
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=128, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.1)
@@ -186,6 +186,31 @@ def test_batch_size_changes_no_result(families):
     # Packed with others or alone in its row, a request's values are the same.
     alone = [lm.loglikelihood([request])[0] for request in scored[::7]]
     assert alone == results[0][0][::7]
+    # The exported Hugging Face directory as the checkpoint: the same model.
+    exported = harness.JaxLLM(checkpoint=str(families["llama"][1]), max_length=MAX_LENGTH, data=1)
+    again = exported.loglikelihood(scored[::7])
+    assert np.allclose([a[0] for a in again], [a[0] for a in alone], atol=1e-5)
+    assert [a[1] for a in again] == [a[1] for a in alone]
+
+
+def test_sampled_generation(families):
+    """A task that samples draws from the model (temperature, top-k, top-p): the same seed gives the same texts,
+    another seed others; generation kwargs the sampler does not have are refused."""
+    contexts = [json.loads(x)["context"] for x in
+                (ROOT / "eval_tasks" / "data" / "shakespeare_cloze.jsonl").read_text().splitlines()[:8]]
+    kwargs = {"until": [], "max_gen_toks": 6, "do_sample": True, "temperature": 1.0, "top_k": 50, "top_p": 0.95}
+    requests = [Instance("generate_until", {}, (c, kwargs), n) for n, c in enumerate(contexts)]
+    model = lambda seed: harness.JaxLLM(checkpoint=str(families["llama"][0]), max_length=MAX_LENGTH, seed=seed,
+                                        data=1)
+    first = model(1)
+    drawn = first.generate_until(requests)
+    assert model(1).generate_until(requests) == drawn != model(2).generate_until(requests)
+    greedy = first.generate_until([Instance("generate_until", {}, (c, {"until": [], "max_gen_toks": 6}), n)
+                                   for n, c in enumerate(contexts)])
+    assert greedy != drawn
+    with pytest.raises(ValueError, match="not supported"):
+        beams = {"until": [], "max_gen_toks": 4, "num_beams": 4}
+        first.generate_until([Instance("generate_until", {}, (contexts[0], beams), 0)])
 
 
 def test_checkpoint_kinds(bases, lora_run, shakespeare_store, tmp_path):
@@ -225,6 +250,8 @@ def test_bad_model_args_are_one_line_errors(bases, tmp_path):
                           (dict(checkpoint=str(bases[0]), batch_size="0"), "batch_size=0 must be at least 1"),
                           (dict(checkpoint=str(bases[0]), data=16), "at most the 8 there are"),
                           (dict(checkpoint=str(bases[0]), max_length="long"), "max_length='long' is not an integer"),
+                          (dict(checkpoint=str(bases[0]), dtype="float8"), "dtype='float8' \\(expected one of"),
+                          (dict(checkpoint=str(bases[0]), template="vicuna"), "template='vicuna'"),
                           (dict(), "checkpoint=<run, checkpoint or Hugging Face directory> is required")):
         with pytest.raises(harness.HarnessArgumentError, match=message) as error:
             harness.JaxLLM(**args)

@@ -123,12 +123,15 @@ def test_sft_from_a_hugging_face_base(bases, sft_task, lora_run, tmp_path):
                              str(bases[0]), "--out", str(tmp_path / "hf")], capture_output=True, text=True,
                             env=train_env(), timeout=300)
     assert export.returncode == 0, export.stderr[-2000:]
-    proc = run_sft(tmp_path / "hf", sft_task, tmp_path / "run", "--config.train.steps=2")
+    # Its data prepared anew: the export's tokenizer is a tokenizer.json (jaxllm reads it before the
+    # tokenizer.model beside it), another file to the data checks, with the same ids.
+    proc = run_sft(tmp_path / "hf", sft_task, tmp_path / "run", "--config.train.steps=2",
+                   f"--config.data.path={tmp_path / 'data'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"starting from the base model {tmp_path / 'hf'}" in proc.stdout
     from_hf = json.loads((tmp_path / "run" / "summary.json").read_text())
     from_run = json.loads((lora_run / "summary.json").read_text())
-    # The same weights, imported: the same fingerprint, the same held-out loss before training.
+    # The same weights, imported, and the same tokens: the same fingerprint, the same held-out loss before training.
     assert from_hf["base"]["kind"] == "hf" and from_hf["base"]["fingerprint"] == from_run["base"]["fingerprint"]
     assert from_hf["initial_eval_loss"] == from_run["initial_eval_loss"]
 

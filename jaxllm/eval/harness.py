@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -64,10 +63,9 @@ MODEL_NAME = "jaxllm"
 DEFAULT_ROWS = 16
 DEFAULT_MAX_LENGTH = 2048  # lm_eval's own default for a model that does not say
 MAX_GEN_TOKS = 256  # the harness's default for a task that does not say
+DTYPES = ("float32", "bfloat16", "float16")
 ARGS = ("checkpoint", "step", "batch_size", "max_length", "add_bos_token", "tokenizer", "template", "dtype",
         "data", "fsdp", "tensor", "seed")
-
-log = logging.getLogger(__name__)
 
 
 class HarnessArgumentError(ValueError):
@@ -94,9 +92,7 @@ class JaxLLM(TemplateLM):
                  add_bos_token=True, tokenizer=None, template=None, dtype=None, data=None, fsdp=1, tensor=1,
                  seed=1234, max_batch_size=None, device=None, *, loaded: LoadedModel | None = None, **unknown):
         super().__init__()
-        if unknown:
-            raise HarnessArgumentError(f"model_args: unknown key {sorted(unknown)[0]!r} (expected one of "
-                                       f"{', '.join(ARGS)})")
+        check_keys(unknown)
         if loaded is None:
             if not checkpoint:
                 raise HarnessArgumentError("model_args: checkpoint=<run, checkpoint or Hugging Face directory> "
@@ -266,6 +262,13 @@ class JaxLLM(TemplateLM):
         return conversation_text(self.model.template, chat_history, self.tokenizer, add_generation_prompt)
 
 
+def check_keys(keys) -> None:
+    """HarnessArgumentError for the first model_args key the model does not take."""
+    unknown = sorted(set(keys) - set(ARGS) - {"max_batch_size", "device"})
+    if unknown:
+        raise HarnessArgumentError(f"model_args: unknown key {unknown[0]!r} (expected one of {', '.join(ARGS)})")
+
+
 def _sampling(kwargs: dict) -> dict:
     """The sampler's settings from the harness's generation kwargs (greedy unless do_sample); others are
     refused."""
@@ -358,6 +361,8 @@ def load(checkpoint: str, step: int | None, mesh, *, max_length: int | None = No
     readable language model."""
     from jaxllm.model.reward import RewardModel
 
+    if dtype not in (None, *DTYPES):
+        raise HarnessArgumentError(f"model_args: dtype={dtype!r} (expected one of {', '.join(DTYPES)})")
     graphdef, params, tokenizer_file, recorded = _read(checkpoint, step, mesh, dtype)
     if isinstance(nnx.merge(graphdef, params), RewardModel):
         raise HarnessArgumentError(f"checkpoint={checkpoint} is a reward model, not a language model")
@@ -429,13 +434,22 @@ def _batch_size(value) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """lm_eval's command line with the `jaxllm` model registered; its usage errors stay lm_eval's."""
+    """lm_eval's command line with the `jaxllm` model registered; its usage errors stay lm_eval's. The jaxllm
+    model's keys are checked first, before lm_eval indexes its tasks (seconds)."""
     from lm_eval.__main__ import cli_evaluate
+    from lm_eval._cli import HarnessCLI
 
     from jaxllm.config.cli import fail
 
-    sys.argv = ["lm-eval", *argv]
+    # Parsed by lm_eval's own parser (a private attribute of its CLI: lm-eval is pinned to 0.4.13 in the extras),
+    # with "run" put first as its CLI does when no subcommand is named.
+    command = argv if argv[:1] in (["run"], ["ls"], ["validate"]) or len(argv) < 2 else ["run", *argv]
     try:
+        if command[:1] == ["run"]:
+            parsed = HarnessCLI()._parser.parse_args(command)
+            if parsed.model == MODEL_NAME:
+                check_keys(parsed.model_args or {})
+        sys.argv = ["lm-eval", *argv]
         cli_evaluate()
     except HarnessArgumentError as exc:
         fail(str(exc))
