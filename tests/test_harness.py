@@ -29,6 +29,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 from hf_models import random_causal_lm  # noqa: E402
 from jaxllm.data import sft_template  # noqa: E402
 from jaxllm.eval import harness  # noqa: E402
+from jaxllm.model.sample import generate  # noqa: E402
 from jaxllm.observe.tensorboard import read_scalars  # noqa: E402
 from train_runs import ROOT, train_env  # noqa: E402
 
@@ -149,7 +150,9 @@ def _same_tokens(ours, theirs, context: str, max_new: int = 32) -> None:
     prompt = ours.tok_encode(context, left_truncate_len=MAX_LENGTH - max_new)
     reference = theirs.model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)
     with jax.set_mesh(ours.model.mesh):
-        tokens = ours._decode([prompt], max_new, ours._stop_ids(["\n", "###"]), dict(temperature=0.0), 0)[0]
+        tokens = generate((ours.model.graphdef, ours.model.params), [prompt], max_new_tokens=max_new,
+                          stop_ids=ours._stop_ids(["\n", "###"]), vocab_limit=ours.tokenizer.vocab_size,
+                          keep_stop=True)[0]
     assert tokens == reference[0, len(prompt):len(prompt) + len(tokens)].tolist()
 
 

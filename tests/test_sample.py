@@ -107,6 +107,9 @@ def test_stop_tokens_end_rows(model, greedy):
         expected = full[: full.index(stop)] if stop in full else full
         assert row == expected
     assert len(out[0]) <= 3
+    kept = generate(model, PROMPTS, max_new_tokens=NEW, stop_ids=(stop, 999), keep_stop=True)
+    for full, row in zip(greedy, kept):  # with keep_stop, the stop token ends its row's output
+        assert row == (full[: full.index(stop) + 1] if stop in full else full)
 
 
 def test_greedy_generate_wrapper(model, greedy):

@@ -7,18 +7,16 @@ scripts (export, generate, eval) work on any run's checkpoint regardless of its 
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxllm.model.head import next_token_loss
+from jaxllm.eval.scoring import Scored, score
 from jaxllm.data.pipeline import make_eval_batches
 from jaxllm.train.step import batch_sharding, jit_eval_step, make_eval_step
 
@@ -76,35 +74,18 @@ def encode_choice(tokenizer, question: str, choice: str) -> tuple[list[int], lis
     return context, tokenizer.encode(choice)
 
 
-def _bucket(n: int, multiple: int = 16) -> int:
-    return -(-n // multiple) * multiple
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _logprobs(graphdef, params, tokens_BT):
-    logits = nnx.merge(graphdef, params)(tokens_BT).astype(jnp.float32)
-    return jax.nn.log_softmax(logits, axis=-1)
-
-
 def continuation_logprobs(graphdef, params, mesh, pairs: Sequence[tuple[list[int], list[int]]]) -> list[float]:
-    """Summed log-likelihood of each continuation given its context (one forward pass per group of pairs)."""
-    if not pairs:
-        return []
-
-    seqs = [ctx + cont for ctx, cont in pairs]
+    """Summed log-likelihood of each continuation given its context, the pairs scored together in packed rows
+    (jaxllm/eval/scoring.py)."""
     if any(len(cont) == 0 for _, cont in pairs):
         raise ValueError("a choice encodes to no tokens")
-    length = _bucket(max(len(s) for s in seqs) - 1)
-    tokens = np.zeros((len(seqs), length), np.int32)
-    for i, s in enumerate(seqs):
-        tokens[i, :len(s) - 1] = s[:-1]  # inputs; position t predicts s[t + 1]
-    with jax.set_mesh(mesh):
-        lp = np.asarray(jax.device_get(_logprobs(graphdef, params, jnp.asarray(tokens))))
-    out = []
-    for i, (ctx, cont) in enumerate(pairs):
-        positions = np.arange(len(ctx) - 1, len(ctx) - 1 + len(cont))
-        out.append(float(lp[i, positions, cont].sum()))
-    return out
+    requests = [Scored((ctx + cont)[:-1], (ctx + cont)[1:], len(cont)) for ctx, cont in map(_lists, pairs)]
+    longest = max((len(r.inputs) for r in requests), default=1)
+    return [logp for logp, _ in score(graphdef, params, mesh, requests, max_length=longest, rows_per_call=1)]
+
+
+def _lists(pair) -> tuple[list[int], list[int]]:
+    return list(pair[0]), list(pair[1])
 
 
 def multiple_choice(graphdef, params, mesh, tokenizer, items: Iterable[dict]) -> dict:

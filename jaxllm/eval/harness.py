@@ -45,9 +45,7 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -57,7 +55,7 @@ from jaxllm.config.schema import MeshConfig
 from jaxllm.data.sft_template import conversation_text
 from jaxllm.data.tokenizer import AnyTokenizer, load_tokenizer
 from jaxllm.eval.scoring import Scored, batch_multiple, score
-from jaxllm.model.sample import NO_TOKEN, decode, left_pad
+from jaxllm.model.sample import generate
 
 MODEL_NAME = "jaxllm"
 DEFAULT_ROWS = 16
@@ -220,23 +218,13 @@ class JaxLLM(TemplateLM):
         with jax.set_mesh(self.model.mesh):
             for first in range(0, len(order), self.rows):
                 chosen = order[first:first + self.rows]
-                tokens = self._decode([prompts[i] for i in chosen], max_new, stops, sampling, first)
+                # Each row's tokens up to and including the one it stopped at (a stop string may end inside it).
+                tokens = generate((self.model.graphdef, self.model.params), [prompts[i] for i in chosen],
+                                  max_new_tokens=max_new, stop_ids=stops, seed=self.seed + first,
+                                  vocab_limit=self.tokenizer.vocab_size, keep_stop=True, **sampling)
                 for i, row in zip(chosen, tokens):
                     texts[i] = postprocess_generated_text(self.tok_decode(row), until, None)
         return texts
-
-    def _decode(self, prompts: list[list[int]], max_new: int, stops: tuple[int, ...], sampling: dict,
-                call: int) -> list[list[int]]:
-        """Each prompt's new tokens up to and including the one it stopped at."""
-        tokens_BP, start_B = left_pad(prompts, batch=self.rows)
-        out_BN, _ = decode(self.model.graphdef, self.model.params, tokens_BP, start_B, max_new_tokens=max_new,
-                           stop_ids=stops, vocab_limit=self.tokenizer.vocab_size,
-                           key=jax.random.fold_in(jax.random.key(self.seed), call), **sampling)
-        new = []
-        out_BN = np.asarray(multihost_utils.process_allgather(out_BN, tiled=True))  # every process reads all rows
-        for row in out_BN[:len(prompts), :max_new].tolist():
-            new.append(row[:row.index(NO_TOKEN)] if NO_TOKEN in row else row)
-        return new
 
     def _stop_ids(self, until: list[str]) -> tuple[int, ...]:
         """EOS, and every id whose own text holds a stop string: a sequence's text holds each of its tokens'
@@ -386,22 +374,19 @@ def _read(checkpoint: str, step: int | None, mesh, dtype: str | None):
     directory."""
     from jaxllm.data.tokenizer import find_tokenizer_file
     from jaxllm.interop import hf
+    from jaxllm.runs import base_model
     from jaxllm.runs.checkpoint import CheckpointError
     from jaxllm.runs.loader import load_checkpoint
 
     path = Path(checkpoint)
     try:
-        if _is_hf_directory(path):
+        if base_model.is_hf_directory(path):
             graphdef, params = nnx.split(hf.from_pretrained(path, mesh=mesh, dtype=dtype or "float32"))
             return graphdef, params, find_tokenizer_file(path), {}
         loaded = load_checkpoint(checkpoint, step, mesh, compute=dtype)
     except (FileNotFoundError, ValueError, KeyError, CheckpointError, NotImplementedError) as exc:
         raise HarnessArgumentError(f"checkpoint={checkpoint}: {str(exc).splitlines()[0]}") from None
     return loaded.graphdef, loaded.params, loaded.tokenizer_path(), loaded.config
-
-
-def _is_hf_directory(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
 def _int_arg(key: str, value, default):

@@ -148,15 +148,16 @@ def decode(graphdef, params, tokens_BP, start_B, *, max_new_tokens: int, stop_id
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0,
-             vocab_limit: int | None = None) -> list[list[int]]:
+             vocab_limit: int | None = None, keep_stop: bool = False) -> list[list[int]]:
     """Extend each prompt by up to `max_new_tokens` tokens; returns the new ids per prompt.
 
     `model` is a jaxllm Transformer or a `(graphdef, params)` pair (params may be sharded: call under
     `jax.set_mesh(mesh)`). `temperature=0` is greedy; otherwise tokens are drawn from the softmax of
     logits/temperature restricted to the `top_k` most likely (0: no limit) and to the smallest set holding
     `top_p` of the probability. A row ends at its first token in `stop_ids`, which is not included in its
-    output. Only ids below `vocab_limit` (the tokenizer's size; None: any id of the model) are drawn. The same
-    `seed` and inputs give the same samples.
+    output (with `keep_stop` it is: its text may hold more than the stop, as a stop string's token does). Only
+    ids below `vocab_limit` (the tokenizer's size; None: any id of the model) are drawn. The same `seed` and inputs
+    give the same samples.
     """
     graphdef, params = nnx.split(model) if isinstance(model, nnx.Module) else model
     if any(len(p) == 0 for p in prompts):
@@ -171,13 +172,16 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
                        temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit,
                        key=jax.random.key(seed))
     out_BN = np.asarray(multihost_utils.process_allgather(out_BN, tiled=True))  # every process reads all rows
+    stops = set(stop_ids)
     results = []
     for row in out_BN[: len(prompts), :max_new_tokens]:
         new: list[int] = []
         for token in row.tolist():
-            if token == NO_TOKEN or token in stop_ids:
+            if token == NO_TOKEN or (token in stops and not keep_stop):
                 break
             new.append(token)
+            if token in stops:
+                break
         results.append(new)
     return results
 

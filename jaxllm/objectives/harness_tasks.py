@@ -27,11 +27,11 @@ def with_harness_tasks(objective: Objective, cfg: Config) -> Objective:
         harness.checked_tasks(ec.tasks(), ec.harness_include_path)
     except ValueError as exc:
         raise ConfigError("eval.harness_tasks", str(exc)) from None
-    template = "model" if getattr(objective.tokenizer, "chat_template", None) else cfg.sft.template
 
     def evaluate(graphdef, variables, mesh):
+        # The run's sft.template, as the backend takes it from a checkpoint's recorded config.
         loaded = harness.LoadedModel(graphdef, variables, mesh, objective.tokenizer, None, cfg.train.seq_len,
-                                     template)
+                                     cfg.sft.template)
         return harness.evaluate_tasks(loaded, ec.tasks(), include_path=ec.harness_include_path,
                                       limit=ec.harness_limit, batch_size=ec.harness_batch_size)
 
