@@ -1,7 +1,7 @@
 """jaxllm's train step against a bare JAX step and MaxText on the same Llama, interleaved: `make bench-peers`.
 
     python scripts/bench_peers.py [--configs small,medium] [--dtypes bfloat16,float32] [--devices 1,8] [--rounds 3]
-                                  [--zero1 true]
+                                  [--zero1 false]
 
 For each config, dtype and device count, ROUNDS interleaved rounds of
   bare     scripts/peers/bare_llama.py, a minimal step of the same Llama in plain jax.numpy + optax;
@@ -43,8 +43,9 @@ def parse_args(argv):
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--devices", default="8,1")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--zero1", choices=("true", "false"), default="false",
-                   help="jaxllm's optim.zero1 (the optimizer update split over the data-parallel replicas)")
+    p.add_argument("--zero1", choices=("true", "false"), default="true",
+                   help="jaxllm's optim.zero1 (the optimizer update split over the data-parallel replicas; the "
+                        "config's default is true)")
     p.add_argument("--jaxllm_python", default=str(PEERS / "jaxllm" / "bin" / "python"))
     p.add_argument("--maxtext_python", default=str(PEERS / "maxtext" / "bin" / "python"))
     p.add_argument("--out", default=str(PEERS / "results.jsonl"))

@@ -125,7 +125,9 @@ def test_bytes_per_device_table(executed):
     assert dp["model"] == fsdp["model"] == mixed["model"] == "h4/kv2"
     assert dp["fraction"] == 1.0
     assert 1 / 8 <= fsdp["params"] / dp["params"] < 1 / 8 * 1.01  # only the norms stay whole
-    assert 1 / 8 <= fsdp["opt"] / dp["opt"] < 1 / 8 * 1.01
+    # optim.zero1 (the default) splits the AdamW state over the data replicas: pure data parallelism holds FSDP's
+    assert 1 <= dp["opt"] / fsdp["opt"] < 1.01
+    assert 2 * 4 * dp["num_params"] / 8 <= dp["opt"] < 2 * 4 * dp["num_params"] / 8 * 1.01  # mu and nu, float32
     assert fsdp["params"] < mixed["params"] < dp["params"]
     # tensor=4 and 8 need more kv heads than the default model has
     assert "(1, 2, 4, 1): default model rejected (model.num_kv_heads" in text

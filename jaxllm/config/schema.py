@@ -361,8 +361,8 @@ class OptimConfig:
     # ZeRO-1: the optimizer state split over the data-parallel replicas of each parameter (the batch mesh axes
     # data / fsdp / expert it is not split over); the gradients are reduce-scattered, each device updates its
     # share and the new parameters are all-gathered (jaxllm/train/step.py). Parameters stay where RULES put them.
-    # Off by default: on XLA:CPU's in-process collectives it can deadlock a run that rolls back (docs/parallelism.md).
-    zero1: bool = False
+    # On by default (false: each replica keeps and updates a whole copy of the optimizer state).
+    zero1: bool = True
     # name="muon" (jaxllm/optim/muon.py): the hidden matrices' momentum (Nesterov) and Newton-Schulz iterations;
     # Keller Jordan's and Moonlight's 0.95 and 5. The other parameters take Adam with b1, b2 and eps above.
     muon_momentum: float = 0.95

@@ -24,7 +24,7 @@ from jaxllm.observe.nonfinite import finite_flags, first_nonfinite
 from jaxllm.observe.norms import adam_v_stats, layer_and_group_norms
 from jaxllm.parallel.offload import on_host, stream_opt_state
 from jaxllm.train.faults import with_scaled_loss
-from jaxllm.train.step import StepTrace, batch_sharding, make_train_step
+from jaxllm.train.step import NO_FROZEN, StepTrace, batch_sharding, make_train_step
 
 PREFIX = "diag/"
 NOT_REPRODUCED = "none (the step was finite when replayed)"
@@ -43,20 +43,28 @@ def flat_stats(stats: dict) -> dict:
     return out
 
 
-def diagnostic_observer(objective, activations: Activations | None = None) -> Callable[[StepTrace], dict]:
+def _in_order(*trees):
+    """`trees` through one optimization barrier: whatever is computed from the results starts after all of them.
+
+    XLA:CPU runs the independent parts of a program concurrently, and it does not keep the collectives of a loop
+    (a layer scan) in one order across devices with the collectives beside it: the variant's statistics of the
+    old parameters ran beside the step's layer loop on some devices and after it on others, each device waited
+    for the others at a different collective, and XLA aborted at its 180 s rendezvous limit (a reward-model run
+    with `optim.zero1` on a 2x2x2 mesh, every time). So the variant's passes run one after another: the
+    activations' forward, then the step, then the statistics of what the step saw and did."""
+    return jax.lax.optimization_barrier(trees)
+
+
+def diagnostic_observer() -> Callable[[StepTrace], dict]:
     """The `observe` hook of the variant: {"stats": flat `diag/...` scalars, "finite": flags for
-    `first_nonfinite`, "activations": the raw activation statistics (when measured)}."""
+    `first_nonfinite`}, computed after the whole step."""
 
     def observe(trace: StepTrace) -> dict:
+        (trace,) = _in_order(trace)
         stats = {**layer_and_group_norms(trace.state.params, trace.grads, trace.updates),
                  **adam_v_stats(trace.new_state.opt_state)}
-        out = {"finite": {"params": finite_flags(trace.state.params), "grads": finite_flags(trace.grads)}}
-        # Activation statistics plug in here (a forward pass of the pre-step parameters on the step's batch).
-        if activations is not None:
-            measured = activations(objective.graphdef, trace.state.params, trace.frozen, trace.batch)
-            stats.update(flat_stats(measured))
-            out["activations"] = measured
-        return dict(out, stats=stats)
+        return {"finite": {"params": finite_flags(trace.state.params), "grads": finite_flags(trace.grads)},
+                "stats": stats}
 
     return observe
 
@@ -64,8 +72,19 @@ def diagnostic_observer(objective, activations: Activations | None = None) -> Ca
 def make_diagnostic_step(objective, tx, activations: Activations | None = None, **step_args) -> Callable:
     """`step(state, batch, frozen) -> (new state, metrics, diag)`: the production step of the same arguments
     (`step_args`: those of `make_train_step`), whose new state and metrics it returns unchanged, and `diag`
-    from `diagnostic_observer`."""
-    return make_train_step(objective, tx, observe=diagnostic_observer(objective, activations), **step_args)
+    from `diagnostic_observer`, with the activation statistics (a forward pass of the pre-step parameters on the
+    step's batch, before the step) under "activations" and in its stats when `activations` is given."""
+    step = make_train_step(objective, tx, observe=diagnostic_observer(), **step_args)
+    if activations is None:
+        return step
+
+    def diagnostic_step(state, batch, frozen=NO_FROZEN):
+        measured = activations(objective.graphdef, state.params, frozen, batch)
+        measured, state, batch, frozen = _in_order(measured, state, batch, frozen)
+        new_state, metrics, diag = step(state, batch, frozen)
+        return new_state, metrics, dict(diag, stats={**diag["stats"], **flat_stats(measured)}, activations=measured)
+
+    return diagnostic_step
 
 
 class DiagnosticSteps:
