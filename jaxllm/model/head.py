@@ -79,10 +79,20 @@ def cross_entropy_sum(model, batch, mask_BT, rng=None):
     logps_BT, _ = head_stats(model, x_BTD, batch["targets"])
     mask_BT = mask_BT.astype(jnp.float32)
     loss_sum, count = -jnp.sum(logps_BT * mask_BT), jnp.sum(mask_BT)
+    loss_sum, metrics = with_router_penalty(model, loss_sum, count, router)
+    return loss_sum, count, metrics
+
+
+def with_router_penalty(model, loss_sum, count, router):
+    """(`loss_sum` whose gradient also carries a mixture of experts' auxiliary losses, their metrics) for any
+    objective's `loss_fn`: the penalty (`jaxllm.model.moe.router_penalty` of the trained forward's router sums
+    `router`) enters once per `count`, so the mean the step takes gains it once, as transformers and TRL add
+    `router_aux_loss_coef` times the aux loss to the mean loss; the reported loss stays the objective's own. A
+    dense model (`router` None) changes nothing."""
     if router is None:  # a dense model: the traced program is exactly the plain loss's
-        return loss_sum, count, {}
+        return loss_sum, {}
     penalty, metrics = router_penalty(model.cfg, router)
-    return gradient_only(loss_sum, penalty * count), count, metrics
+    return gradient_only(loss_sum, penalty * count), metrics
 
 
 def next_token_loss(model, batch, rng=None):

@@ -31,6 +31,12 @@ class RewardModel(Transformer):
         self.score = param(rngs, (cfg.dim, 1), ("embed", None), jnp.dtype(precision.params), cfg.init_std)
 
     def __call__(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):
-        x_BTD = self.hidden_states(tokens_BT, segment_ids_BT, positions_BT, rng)
-        return jnp.einsum("BTD,DO->BTO", x_BTD, self.score[...].astype(x_BTD.dtype))[..., 0].astype(jnp.float32)
+        return self.scores_and_router(tokens_BT, segment_ids_BT, positions_BT, rng)[0]
+
+    def scores_and_router(self, tokens_BT, segment_ids_BT=None, positions_BT=None, rng=None):
+        """(every position's score [B, T] in float32, a mixture of experts' router sums or None): the trained
+        forward, whose router sums give the auxiliary losses."""
+        x_BTD, router = self.hidden_states_and_router(tokens_BT, segment_ids_BT, positions_BT, rng)
+        scores_BT = jnp.einsum("BTD,DO->BTO", x_BTD, self.score[...].astype(x_BTD.dtype))[..., 0]
+        return scores_BT.astype(jnp.float32), router
 

@@ -26,7 +26,7 @@ import numpy as np
 from jaxllm.config.fine_tuning import DPOConfig
 from jaxllm.config.schema import Config, ConfigError
 from jaxllm.data.tokenizer import load_tokenizer
-from jaxllm.model.head import head_stats
+from jaxllm.model.head import head_stats, with_router_penalty
 from jaxllm.model.lora import adapters_off
 from jaxllm.model.reference import reference_model
 from jaxllm.objectives import pair_eval
@@ -42,14 +42,25 @@ from jaxllm.objectives.reward import held_out_rows, load_pairs
 
 def sequence_logps(model, batch, pairs_per_row: int, rng=None):
     """(chosen [B, K], rejected [B, K]): each response's log-probability, summed over its tokens."""
-    x_BTD = model.hidden_states(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
+    return sequence_logps_and_router(model, batch, pairs_per_row, rng)[:2]
+
+
+def sequence_logps_and_router(model, batch, pairs_per_row: int, rng=None):
+    """(chosen [B, K], rejected [B, K], a mixture of experts' router sums or None): `sequence_logps` of the
+    trained forward, whose router sums give the auxiliary losses (`jaxllm.model.head.with_router_penalty`)."""
+    x_BTD, router = model.hidden_states_and_router(batch["tokens"], batch["segment_ids"], batch["positions"], rng)
     logps_BT = head_stats(model, x_BTD, batch["targets"])[0] * batch["loss_mask"]
-    return per_sequence_sums(logps_BT, batch["segment_ids"], pairs_per_row)
+    return (*per_sequence_sums(logps_BT, batch["segment_ids"], pairs_per_row), router)
 
 
 def pair_logps(model, batch, plain_graphdef, pairs_per_row: int, rng=None) -> dict:
     """Policy and reference log-probabilities of each pair's responses, and the responses' lengths in tokens."""
-    chosen, rejected = sequence_logps(model, batch, pairs_per_row, rng)
+    return pair_logps_and_router(model, batch, plain_graphdef, pairs_per_row, rng)[0]
+
+
+def pair_logps_and_router(model, batch, plain_graphdef, pairs_per_row: int, rng=None) -> tuple[dict, object]:
+    """(`pair_logps`, the policy forward's router sums: None for a dense model)."""
+    chosen, rejected, router = sequence_logps_and_router(model, batch, pairs_per_row, rng)
     if FIELD in batch:  # precomputed
         ref_chosen, ref_rejected = batch[FIELD][..., 0], batch[FIELD][..., 1]
     else:
@@ -57,14 +68,14 @@ def pair_logps(model, batch, plain_graphdef, pairs_per_row: int, rng=None) -> di
             sequence_logps(reference_model(model, plain_graphdef), batch, pairs_per_row))
     chosen_len, rejected_len = per_sequence_sums(batch["loss_mask"], batch["segment_ids"], pairs_per_row)
     return {"chosen": chosen, "rejected": rejected, "ref_chosen": ref_chosen, "ref_rejected": ref_rejected,
-            "chosen_len": chosen_len, "rejected_len": rejected_len}
+            "chosen_len": chosen_len, "rejected_len": rejected_len}, router
 
 
 def dpo_loss_fn(model, batch, rng=None, *, plain_graphdef, pairs_per_row: int, dpo: DPOConfig = DPOConfig()):
     """`loss_fn` of DPO: the loss summed over the batch's pairs, counted per pair. With `dpo.rpo_alpha` the
     chosen responses' mean negative log-likelihood per token (over the batch, as TRL's "sft" term) is added to
     each pair's loss, times rpo_alpha, and logged as nll_loss."""
-    lp = pair_logps(model, batch, plain_graphdef, pairs_per_row, rng)
+    lp, router = pair_logps_and_router(model, batch, plain_graphdef, pairs_per_row, rng)
     mask = pair_mask(batch["segment_ids"], pairs_per_row)
     losses, chosen_rewards, rejected_rewards = dpo_loss(
         lp["chosen"], lp["rejected"], lp["ref_chosen"], lp["ref_rejected"], beta=dpo.beta, loss_type=dpo.loss,
@@ -79,7 +90,8 @@ def dpo_loss_fn(model, batch, rng=None, *, plain_graphdef, pairs_per_row: int, d
         nll = -jnp.sum(lp["chosen"] * mask) / jnp.maximum(jnp.sum(lp["chosen_len"] * mask), 1)
         loss_sum += dpo.rpo_alpha * nll * count  # per pair, so the mean over pairs is the DPO loss + alpha * nll
         metrics["nll_loss"] = nll
-    return loss_sum, count, metrics
+    loss_sum, router_metrics = with_router_penalty(model, loss_sum, count, router)
+    return loss_sum, count, {**metrics, **router_metrics}
 
 
 def dpo_model(cfg: Config, rope_scaling=None) -> tuple[Objective, Objective]:

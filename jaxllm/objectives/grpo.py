@@ -18,9 +18,10 @@ import numpy as np
 
 from jaxllm.config.fine_tuning import GRPOConfig
 from jaxllm.config.schema import Config
+from jaxllm.model.head import with_router_penalty
 from jaxllm.objectives.losses import group_advantages, grpo_loss, kl_penalty, ppo_policy_loss
 from jaxllm.objectives.pairs import masked_mean
-from jaxllm.objectives.rollout import response_stats
+from jaxllm.objectives.rollout import response_stats_and_router
 from jaxllm.train.objective import BatchRequest, Objective
 from jaxllm.objectives.rl import RolloutBatches, rl_objective, rl_setup, rows_prompt_len
 
@@ -32,8 +33,9 @@ def grpo_loss_fn(model, batch, rng=None, *, grpo: GRPOConfig):
     """`loss_fn` of GRPO on a minibatch of rollout rows; `rng` is unused (no dropout: see the module doc)."""
     mask = batch["mask"]
     prompt_len = rows_prompt_len(batch)
-    logps, entropy = response_stats(model, batch["tokens"], batch["segment_ids"], batch["positions"], prompt_len,
-                                    grpo.temperature, entropy=True)
+    logps, entropy, router = response_stats_and_router(model, batch["tokens"], batch["segment_ids"],
+                                                       batch["positions"], prompt_len, grpo.temperature,
+                                                       entropy=True)
     advantages = batch["advantages"]
     loss = grpo_loss(logps, batch["old_logps"], batch["ref_logps"] if grpo.beta else None, advantages, mask,
                      beta=grpo.beta, clip=grpo.clip, loss_agg=grpo.loss_agg, max_completion_length=mask.shape[1],
@@ -46,7 +48,8 @@ def grpo_loss_fn(model, batch, rng=None, *, grpo: GRPOConfig):
                "clip_fraction": clip_fraction, "approx_kl": approx_kl,
                "entropy": masked_mean(jax.lax.stop_gradient(entropy), mask),
                "response_length": jnp.mean(jnp.sum(mask, axis=1)), "eos_rate": jnp.mean(batch["stopped"])}
-    return loss * count, count, metrics
+    loss_sum, router_metrics = with_router_penalty(model, loss * count, count, router)
+    return loss_sum, count, {**metrics, **router_metrics}
 
 
 class GRPOBatches(RolloutBatches):

@@ -30,9 +30,9 @@ from jaxllm.config.schema import Config, ConfigError, LoRAConfig, ModelConfig, P
 from jaxllm.model.actor_critic import CRITIC_HEAD, VALUE, ActorCritic
 from jaxllm.objectives.losses import gae, kl_penalty, ppo_policy_loss, ppo_value_loss
 from jaxllm.objectives.pairs import masked_mean
-from jaxllm.objectives.rollout import response_stats
+from jaxllm.objectives.rollout import response_stats_and_router
 from jaxllm.train.objective import BatchRequest, Objective
-from jaxllm.model.head import next_token_loss
+from jaxllm.model.head import next_token_loss, with_router_penalty
 from jaxllm.objectives.rl import RolloutBatches, response_kl, rl_objective, rl_setup, rows_prompt_len
 from jaxllm.model.build import build_model
 from jaxllm.model.lora import merge
@@ -98,7 +98,8 @@ def ppo_loss_fn(model, batch, rng=None, *, ppo: PPOConfig):
     mask = batch["mask"]
     prompt_len = rows_prompt_len(batch)
     layout = batch["tokens"], batch["segment_ids"], batch["positions"]
-    logps, entropy_BN = response_stats(model, *layout, prompt_len, ppo.temperature, entropy=True)
+    logps, entropy_BN, router = response_stats_and_router(model, *layout, prompt_len, ppo.temperature,
+                                                          entropy=True)
     values = ppo_values(model, *layout, prompt_len)
     policy_loss, clip_fraction, approx_kl = ppo_policy_loss(logps, batch["old_logps"], batch["advantages"], mask,
                                                             ppo.clip, weights=batch.get("tis_weights"))
@@ -117,7 +118,8 @@ def ppo_loss_fn(model, batch, rng=None, *, ppo: PPOConfig):
                "response_length": jnp.mean(jnp.sum(mask, axis=1)), "eos_rate": jnp.mean(batch["stopped"])}
     if ppo.max_approx_kl:
         metrics[SKIP_UPDATE] = (approx_kl > ppo.max_approx_kl).astype(jnp.float32)
-    return loss * count, count, metrics
+    loss_sum, router_metrics = with_router_penalty(model, loss * count, count, router)
+    return loss_sum, count, {**metrics, **router_metrics}
 
 
 def token_rewards(scores_B, stopped_B, kl_BN, mask_BN, kl_coef: float, missing_eos_penalty: float = 0.0):

@@ -21,6 +21,7 @@ from jaxllm.config.schema import Config, LoRAConfig, ModelConfig, PipelineConfig
 from jaxllm.data.preference import eval_pairs, prepare_preference
 from jaxllm.data.row_prep import PreparedRows
 from jaxllm.data.tokenizer import load_tokenizer
+from jaxllm.model.head import with_router_penalty
 from jaxllm.model.reward import HEAD, RewardModel
 from jaxllm.objectives import pair_eval
 from jaxllm.objectives.losses import bradley_terry_loss
@@ -31,21 +32,29 @@ from jaxllm.model.build import build_model
 
 def pair_rewards(model, batch, pairs_per_row: int, rng=None):
     """(chosen [B, K], rejected [B, K], pair mask [B, K]): each sequence's reward is its last token's score."""
-    rewards_BT = model(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
+    return pair_rewards_and_router(model, batch, pairs_per_row, rng)[:3]
+
+
+def pair_rewards_and_router(model, batch, pairs_per_row: int, rng=None):
+    """(`pair_rewards`, a mixture of experts' router sums or None)."""
+    rewards_BT, router = model.scores_and_router(batch["tokens"], batch["segment_ids"], batch["positions"], rng=rng)
     chosen, rejected = at_last_tokens(rewards_BT, batch["segment_ids"], pairs_per_row)
-    return chosen, rejected, pair_mask(batch["segment_ids"], pairs_per_row)
+    return chosen, rejected, pair_mask(batch["segment_ids"], pairs_per_row), router
 
 
 def reward_loss(model, batch, rng=None, *, pairs_per_row: int, reward: RewardConfig = RewardConfig()):
-    """`loss_fn` of the reward model: the Bradley-Terry loss summed over the batch's pairs, counted per pair."""
-    chosen, rejected, mask = pair_rewards(model, batch, pairs_per_row, rng)
+    """`loss_fn` of the reward model: the Bradley-Terry loss summed over the batch's pairs, counted per pair (a
+    mixture of experts' auxiliary losses in its gradient, `jaxllm.model.head.with_router_penalty`)."""
+    chosen, rejected, mask, router = pair_rewards_and_router(model, batch, pairs_per_row, rng)
     losses = bradley_terry_loss(chosen, rejected, reward.margin or None, reward.center_coef)
     both, both_mask = jnp.concatenate([chosen, rejected]), jnp.concatenate([mask, mask])
     mean = masked_mean(both, both_mask)
     metrics = {"accuracy": masked_mean((chosen > rejected).astype(jnp.float32), mask),
                "margin": masked_mean(chosen - rejected, mask), "reward_mean": mean,
                "reward_std": jnp.sqrt(masked_mean((both - mean) ** 2, both_mask))}
-    return jnp.sum(losses * mask), jnp.sum(mask), metrics
+    count = jnp.sum(mask)
+    loss_sum, router_metrics = with_router_penalty(model, jnp.sum(losses * mask), count, router)
+    return loss_sum, count, {**metrics, **router_metrics}
 
 
 def reward_model_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: PipelineConfig = PipelineConfig(),

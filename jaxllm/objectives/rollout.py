@@ -65,10 +65,18 @@ def response_stats(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: i
     """(log-probability [B, N] of each response token, entropy [B, N] or None) under softmax(logits /
     temperature), float32, from one forward pass over rows laid out by `sequence_layout`; the head runs chunk by
     chunk when `model.loss_chunk` is set (jaxllm/model/head.py)."""
-    x_BSD = model.hidden_states(tokens_BS, segment_ids_BS, positions_BS, rng=rng)
+    return response_stats_and_router(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len, temperature, rng,
+                                     entropy)[:2]
+
+
+def response_stats_and_router(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: int,
+                              temperature: float = 1.0, rng=None, entropy: bool = False):
+    """(`response_stats`, a mixture of experts' router sums or None): the trained forward of an RL loss, whose
+    router sums give the auxiliary losses (`jaxllm.model.head.with_router_penalty`)."""
+    x_BSD, router = model.hidden_states_and_router(tokens_BS, segment_ids_BS, positions_BS, rng=rng)
     # Slot s predicts slot s + 1: response slot n (sequence slot P + n) is predicted from P + n - 1.
-    return head_stats(model, x_BSD[:, prompt_len - 1:-1], tokens_BS[:, prompt_len:], temperature=temperature,
-                      entropy=entropy)
+    return (*head_stats(model, x_BSD[:, prompt_len - 1:-1], tokens_BS[:, prompt_len:], temperature=temperature,
+                        entropy=entropy), router)
 
 
 def response_logps(model, tokens_BS, segment_ids_BS, positions_BS, prompt_len: int, temperature: float = 1.0,
