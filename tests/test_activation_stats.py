@@ -205,9 +205,10 @@ def test_unrolled_layers_a_chunked_head_and_micro_batches_give_the_same_statisti
                          [((2, 2, 2, 1), PipelineConfig(), True, "all_gather"),
                           ((2, 1, 2, 2), PipelineConfig(microbatches=2, repeats=2), False, "all_gather"),
                           (MeshConfig(data=2, fsdp=2, context=2), PipelineConfig(), False, "ring"),
-                          (MeshConfig(data=2, context=4), PipelineConfig(), False, "all_gather")],
+                          (MeshConfig(data=2, context=4), PipelineConfig(), False, "all_gather"),
+                          (MeshConfig(data=2, context=2, stage=2), PipelineConfig(microbatches=2), False, "ring")],
                          ids=["data-fsdp-tensor-sequence-parallel", "pipeline-2-stages-circular", "context-ring",
-                              "context-all-gather"])
+                              "context-all-gather", "pipeline-context-ring"])
 def test_sharded_statistics_equal_single_device(plain, monkeypatch, mesh_shape, pipeline, sequence_parallel,
                                                 context_attention):
     graphdef, params, want = plain

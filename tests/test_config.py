@@ -36,7 +36,11 @@ BAD = [
     (["--config.mesh.data=1", "--config.mesh.context=2", "--config.train.seq_len=130"],
      "mesh.context: splits train.seq_len=130 into 2 * mesh.context = 4 chunks"),
     (["--config.mesh.data=1", "--config.mesh.tensor=1", "--config.mesh.context=2", "--config.mesh.stage=2",
-      "--config.model.context_attention=ring"], "model.context_attention: 'ring' does not run inside the pipeline"),
+      "--config.model.context_attention=ring", "--config.model.preset=moe_tiny"],
+     "model.context_attention: 'ring' does not run a mixture of experts inside the pipeline"),
+    (["--config.mesh.data=1", "--config.mesh.tensor=1", "--config.mesh.context=2", "--config.mesh.stage=2",
+      "--config.model.context_attention=ring", "--config.pipeline.schedule=1f1b", "--config.pipeline.microbatches=2"],
+     "model.context_attention: 'ring' does not run inside '1f1b'"),
     (["--config.mesh.data=1", "--config.mesh.context=2", "--config.model.attention=cudnn",
       "--config.precision.compute=bfloat16"], "model.attention: 'cudnn' does not run over a split sequence"),
     (["--config.model.context_attention=flash"], "model.context_attention: 'flash' is not one of"),
@@ -153,7 +157,8 @@ def test_dry_run_plans_lora_fine_tuning_of_llama_8b():
     # The adapters' AdamW state (52 MiB in all) split over the 8 replicas of what fsdp leaves whole (optim.zero1).
     assert ("frozen parameters 3.740 GiB + trainable parameters 12.000 MiB + optimizer state 6.500 MiB"
             in plans[16])
-    assert "8,030,261,248 trainable (100%)" in plans[0] and "optimizer state 7.479 GiB" in plans[0]  # the norms split too
+    # Full fine-tuning: the norms, which fsdp leaves whole, are split over the replicas too.
+    assert "8,030,261,248 trainable (100%)" in plans[0] and "optimizer state 7.479 GiB" in plans[0]
 
 
 @pytest.mark.parametrize("platform,flags,want", [

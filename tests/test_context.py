@@ -78,7 +78,9 @@ COMPOSED = {  # name: (mesh, model, lora, stages); each against the same model a
                         1),
     "lora_remat_context": (MeshConfig(fsdp=2, tensor=2, context=2),
                            dataclasses.replace(RING, remat="minimal_with_context"), LoRAConfig(rank=4, alpha=8.0), 1),
-    "pipeline": (MeshConfig(data=2, context=2, stage=2), MODEL, None, 2),  # all-gather (ring: config refuses)
+    "pipeline": (MeshConfig(data=2, context=2, stage=2), MODEL, None, 2),  # all-gather
+    # the ring inside the pipeline's shard_map, manual over context too; local and global layers' two visibilities
+    "ring_pipeline": (MeshConfig(data=2, context=2, stage=2), GEMMA3, None, 2),
     "experts": (MeshConfig(data=2, expert=2, context=2), MOE, None, 1),
     "local_global": (MeshConfig(fsdp=2, tensor=2, context=2), GEMMA3, None, 1),
 }

@@ -1016,8 +1016,9 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
 
 def _check_schedule(cfg: Config) -> None:
     """The explicit schedules against what they cannot run yet (refused, not ignored): a mixture of experts (its
-    auxiliary loss needs every layer's router sums at the last stage) and PPO (policy and critic are two trained
-    passes through the layers); interleaved 1F1B needs micro-batches in multiples of the stages."""
+    auxiliary loss needs every layer's router sums at the last stage), PPO (policy and critic are two trained
+    passes through the layers) and ring attention; interleaved 1F1B needs micro-batches in multiples of the
+    stages."""
     pipeline, stages = cfg.pipeline, cfg.mesh.stage
     if pipeline.schedule not in EXPLICIT_SCHEDULES or stages == 1:
         return
@@ -1027,6 +1028,10 @@ def _check_schedule(cfg: Config) -> None:
     if cfg.train.objective == "ppo":
         raise ConfigError("pipeline.schedule", f"{pipeline.schedule!r} does not run PPO's actor-critic yet: use "
                                                f"gpipe or circular")
+    if cfg.mesh.context > 1 and cfg.model.context_attention == "ring":
+        # The ring's own shard_maps nested in the schedule's cannot be differentiated (jaxllm/parallel/context.py).
+        raise ConfigError("model.context_attention", f"'ring' does not run inside {pipeline.schedule!r} yet: use "
+                                                     f"'all_gather', or gpipe or circular")
     if pipeline.schedule == "interleaved_1f1b" and pipeline.microbatches % stages:
         raise ConfigError("pipeline.microbatches", f"interleaved_1f1b needs a multiple of mesh.stage={stages}, "
                                                    f"got {pipeline.microbatches}")
@@ -1083,11 +1088,11 @@ def _check_context(model: ModelConfig, mesh: MeshConfig, seq_len: int) -> None:
         raise ConfigError("mesh.sequence_parallel", f"splits the sequence over mesh.context*mesh.tensor="
                                                     f"{mesh.context * mesh.tensor}, which does not divide "
                                                     f"train.seq_len={seq_len}")
-    if model.context_attention == "ring" and mesh.stage > 1:
-        # The ring's shard_maps inside the pipeline's fail to verify (jax 0.10 and 0.12, as jax-ml/jax#26588;
-        # jaxllm/parallel/context.py's ring_attention).
-        raise ConfigError("model.context_attention", f"'ring' does not run inside the pipeline (mesh.stage="
-                                                     f"{mesh.stage}) yet: use 'all_gather'")
+    if model.context_attention == "ring" and mesh.stage > 1 and model.num_experts:
+        # Inside the pipeline the ring runs with the sequence split by hand (jaxllm/parallel/pipeline.py,
+        # seq_split), where the routers' per-row sums would be each device's part of the row.
+        raise ConfigError("model.context_attention", f"'ring' does not run a mixture of experts inside the pipeline "
+                                                     f"(mesh.stage={mesh.stage}) yet: use 'all_gather'")
     if model.attention not in ("auto", "xla"):
         raise ConfigError("model.attention", f"{model.attention!r} does not run over a split sequence: with "
                                              f"mesh.context={mesh.context} attention is model.context_attention's "

@@ -289,13 +289,16 @@ def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat:
 
 def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat: str = "none", *,
                     microbatches: int, repeats: int = 1, debug_nan_bubbles: bool = False, keys_L=None,
-                    remat_offload: str = "none", layer_loop=scan_layers, probe=None, local_L=None):
+                    remat_offload: str = "none", layer_loop=scan_layers, probe=None, local_L=None,
+                    seq_split: bool = False):
     """`scan_layers` as a pipeline over the active mesh's `stage` axis (see `jaxllm.parallel.pipeline`): each stage
     runs its own chunks of the stacked layers with `layer_loop` (`scan_layers`, or `unroll_layers` to unroll
     within a chunk); visibility (mask or packed documents) and rotary tables travel with their micro-batch.
     Per-layer keys travel with their layers, so a step's micro-batches share them. Returns (x_BTD, stats) as
     `scan_layers`; a `probe`'s statistics must be per row ([B, ...] leaves) to be put back together from the
-    micro-batches (the routers' sums are)."""
+    micro-batches (the routers' sums are). `seq_split`: each device of the `context` axis runs its part of the
+    sequence inside the pipeline (ring attention; `pipeline(seq_split=True)`), and a probe's statistics are per
+    token."""
     graphdef, stacked = nnx.split(layers)
     with_stats = probe is not None or isinstance(layers.mlp, MoEMLP)
 
@@ -307,7 +310,7 @@ def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, rema
 
     out = pipeline(stage_fn, (stacked, keys_L, local_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
                    repeats=repeats, debug_nan_bubbles=debug_nan_bubbles, seq_axis=layers.seq_axis,
-                   stage_stats=with_stats)
+                   stage_stats=with_stats, seq_split=seq_split)
     return out if with_stats else (out, None)
 
 
@@ -443,7 +446,7 @@ class Transformer(nnx.Module):
                                    microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
                                    debug_nan_bubbles=self.pipeline_debug_nan_bubbles, keys_L=keys_L,
                                    remat_offload=self.cfg.remat_offload, layer_loop=layer_loop, probe=probe,
-                                   local_L=local_L)
+                                   local_L=local_L, seq_split=impl == "ring")
 
         runner = _LAYER_STACK_RUNNER.get()
         if runner is None:

@@ -35,9 +35,10 @@ from flax import nnx
 
 from jaxllm.model.head import chunked as chunked_head  # the head's own chunking: the same memory bound
 from jaxllm.model.reward import RewardModel
-from jaxllm.parallel.context import DocumentOrder
+from jaxllm.parallel.context import CONTEXT, DocumentOrder
 from jaxllm.parallel.context import visible as visible_pairs
 from jaxllm.parallel.pipeline import split_microbatches
+from jaxllm.parallel.sharding import active_mesh
 
 # A SwiGLU unit computes silu(g) * up with silu(g) = g * sigmoid(g). For g < -6 the gate is shut: its output
 # |silu(g)| < 0.015 and its slope |silu'(g)| < 0.0124, about 1% of the slope 1 of its open (linear) regime, so
@@ -81,7 +82,12 @@ def _attention_logits(impl: str, q_BTNH, k_BSKH, visible) -> dict:
     B, T, N, _ = q_BTNH.shape
     K = k_BSKH.shape[2]
     if isinstance(visible, DocumentOrder):  # the ring's visibility over a split sequence: as a mask here
-        visible = visible_pairs(visible, visible)
+        keys = visible
+        mesh = active_mesh()
+        if mesh is not None and CONTEXT in mesh.manual_axes:  # inside the pipeline: each device holds its part
+            gather = lambda a: jax.lax.all_gather(a, CONTEXT, axis=1, tiled=True)  # noqa: E731
+            k_BSKH, keys = gather(k_BSKH), jax.tree.map(gather, keys)
+        visible = visible_pairs(visible, keys)
     # The scores of jaxllm.model.layers.xla_attention (same einsum, dtype and scale).
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32) * H**-0.5

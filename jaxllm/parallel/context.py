@@ -106,12 +106,11 @@ def ring_attention(q_BTNH, k_BSKH, v_BSKH, who: DocumentOrder, scale: float, bal
     < i, device i's queries see only j's early chunk; with j > i only its late chunk sees j's keys at all.
 
     The custom VJP wraps two shard_maps (forward, backward) rather than sitting inside one, so autodiff never
-    differentiates a shard_map here. Inside the pipeline's shard_map (manual over `stage`) the program still fails
-    to verify on jax 0.10 and 0.12, in the gradient only (the forward compiles): the pipeline body's remat
-    partially evaluates the forward shard_map, and its int32 residuals that vary over `context` but not `stage`
-    get a local shape split once too often (as jax-ml/jax#26588; reading the device index from the tokens, or
-    casting it to vary over `stage`, leaves another such residual). The config refuses the ring with
-    `mesh.stage > 1`.
+    differentiates a shard_map here. Inside the pipeline the ring runs in the pipeline's own shard_map, which is
+    then manual over `context` as well as `stage` (`pipeline(seq_split=True)`): a ring shard_map nested in the
+    pipeline's failed to verify on jax 0.10 and 0.12, in the gradient only (the pipeline body's remat partially
+    evaluated the nested forward shard_map, and its int32 residuals that vary over `context` but not `stage` got
+    a local shape split once too often, as jax-ml/jax#26588).
     """
     static = (scale, mesh_sizes(active_mesh())[CONTEXT], balanced)
     return _ring_attention(q_BTNH, k_BSKH, v_BSKH, who, static)
@@ -119,7 +118,11 @@ def ring_attention(q_BTNH, k_BSKH, v_BSKH, who: DocumentOrder, scale: float, bal
 
 def _on_each_device(per_device, num_arrays: int, num_out: int):
     """`per_device` as a shard_map manual over `context` of `num_arrays` arrays split along their second
-    dimension, then a `DocumentOrder`, returning `num_out` arrays split the same way."""
+    dimension, then a `DocumentOrder`, returning `num_out` arrays split the same way; `per_device` itself where
+    `context` is manual already (the pipeline's shard_map, `jaxllm.parallel.pipeline.pipeline(seq_split=True)`):
+    the arrays are this device's chunks there."""
+    if CONTEXT in active_mesh().manual_axes:
+        return per_device
     seq = P(None, CONTEXT)
     in_specs = (seq,) * 3 + (DocumentOrder(seq, seq, seq),) + (seq,) * (num_arrays - 3)
     return jax.shard_map(per_device, mesh=active_mesh(), in_specs=in_specs, out_specs=(seq,) * num_out,

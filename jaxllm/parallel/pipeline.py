@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.parallel.context import CONTEXT
 from jaxllm.parallel.sharding import active_mesh, constrain
 
 STAGE = "stage"
@@ -147,6 +148,7 @@ def pipeline(
     debug_nan_bubbles: bool = False,
     seq_axis: str = "seq",
     stage_stats: bool = False,
+    seq_split: bool = False,
 ):
     """Run `stage_fn` over a stack of layers as a pipeline over the active mesh's `stage` axis.
 
@@ -160,6 +162,11 @@ def pipeline(
     With `stage_stats` (diagnostics), `stage_fn` returns (x, stats) where stats is a pytree of per-layer, per-row
     arrays [Lc, B/m, ...]; each stage files its chunks' stats of every micro-batch it works on (bubbles file
     nothing), and the pipeline returns (activations, stats [L, B, ...] in layer and row order).
+
+    With `seq_split` the shard_map is manual over `context` too: the activations, every `aux` leaf and the stats
+    are per token ([B, T, ...]), each device takes its part of the sequence, and `stage_fn` runs on it (ring
+    attention's collectives then run in this shard_map rather than in one of their own nested inside it, which
+    jax cannot differentiate: jaxllm/parallel/context.py).
     """
     mesh = active_mesh()
     p, m, r = num_stages(mesh), microbatches, repeats
@@ -195,7 +202,8 @@ def pipeline(
         state = jnp.zeros_like(buf[0])
         # Per stage: [r, m, Lc, B/m, ...] stats of the chunks it runs, for each repeat and micro-batch.
         stats_shape = jax.eval_shape(lambda: body(w_local, aux_all, state, 0, 0)[1]) if stage_stats else None
-        filed_stats = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros((r, m) + a.shape, a.dtype), STAGE,
+        manual = (STAGE, CONTEXT) if seq_split else STAGE
+        filed_stats = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros((r, m) + a.shape, a.dtype), manual,
                                                            to="varying"), stats_shape)
 
         def step(carry, t):
@@ -225,8 +233,11 @@ def pipeline(
         # Outputs sit on stage 0; hand them to every stage (the head runs outside, replicated over `stage`).
         return jax.lax.psum(jnp.where(s == 0, buf, jnp.zeros_like(buf)), STAGE), filed_stats
 
+    # [m, B/m, T, ...] activations and aux; per-stage stats [p*r, m, Lc, B/m, T, ...]
+    tokens, stats_spec = (P(None, None, CONTEXT), P(STAGE, None, None, None, CONTEXT)) if seq_split else (P(), P(STAGE))
     out_mBTD, stats = jax.shard_map(
-        per_stage, mesh=mesh, in_specs=(P(STAGE), P(), P()), out_specs=(P(), P(STAGE)), axis_names={STAGE},
+        per_stage, mesh=mesh, in_specs=(P(STAGE), tokens, jax.tree.map(lambda _: tokens, aux_m)),
+        out_specs=(tokens, stats_spec), axis_names={STAGE, CONTEXT} if seq_split else {STAGE},
     )(weights, x_mBTD, aux_m)
     out_BTD = constrain(merge_microbatches(out_mBTD), residual)
     return (out_BTD, jax.tree.map(lambda a: _stats_in_layer_order(a, p, r), stats)) if stage_stats else out_BTD
