@@ -12,6 +12,9 @@ from train_runs import ROOT
 sys.path.insert(0, str(ROOT / "scripts" / "peers"))
 import bare_llama  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_matmul_floor  # noqa: E402
+
 TINY = dict(layers=2, dim=64, heads=4, kv_heads=2, mlp_dim=172, vocab=512, seq=32, batch=8)
 
 
@@ -39,3 +42,18 @@ def test_the_driver_refuses_an_unknown_config_or_a_missing_environment(tmp_path)
     assert missing.returncode == 2
     assert missing.stderr == f"error: --maxtext_python: no Python at {tmp_path / 'python'} (`make bench-peers` " \
                              "builds the environments)\n"
+
+
+def test_the_matmul_floor_multiplies_every_weight_of_the_harness_model():
+    """The floor's products take every matrix of the bare step's model (all but the embedding table, which is a
+    gather, and the norms' scales) and give each a gradient: the products of a step, forward and backward."""
+    import jax
+    import jax.numpy as jnp
+
+    loss_fn, weights, x = bench_matmul_floor.products_only(TINY, jnp.float32)
+    grads = jax.grad(loss_fn)(weights, x)
+    L, D, H, K, F, V = (TINY[k] for k in ("layers", "dim", "heads", "kv_heads", "mlp_dim", "vocab"))
+    hd = D // H
+    sizes = [g.size for g in jax.tree.leaves(grads)]
+    assert sum(sizes) == V * D + L * (D * (H + 2 * K) * hd + H * hd * D + 3 * D * F)
+    assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(grads))
