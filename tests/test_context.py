@@ -81,6 +81,10 @@ COMPOSED = {  # name: (mesh, model, lora, stages); each against the same model a
     "pipeline": (MeshConfig(data=2, context=2, stage=2), MODEL, None, 2),  # all-gather
     # the ring inside the pipeline's shard_map, manual over context too; local and global layers' two visibilities
     "ring_pipeline": (MeshConfig(data=2, context=2, stage=2), GEMMA3, None, 2),
+    "ring_pipeline_experts": (MeshConfig(data=2, context=2, stage=2), MOE, None, 2),  # router sums over context
+    # capacity buffers per whole row: the row gathered over context inside the pipeline (roomy: nothing dropped)
+    "ring_pipeline_capacity": (MeshConfig(data=2, context=2, stage=2),
+                               dataclasses.replace(MOE, moe_dispatch="capacity", moe_capacity_factor=8.0), None, 2),
     "experts": (MeshConfig(data=2, expert=2, context=2), MOE, None, 1),
     "local_global": (MeshConfig(fsdp=2, tensor=2, context=2), GEMMA3, None, 1),
 }

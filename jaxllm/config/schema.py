@@ -1088,11 +1088,6 @@ def _check_context(model: ModelConfig, mesh: MeshConfig, seq_len: int) -> None:
         raise ConfigError("mesh.sequence_parallel", f"splits the sequence over mesh.context*mesh.tensor="
                                                     f"{mesh.context * mesh.tensor}, which does not divide "
                                                     f"train.seq_len={seq_len}")
-    if model.context_attention == "ring" and mesh.stage > 1 and model.num_experts:
-        # Inside the pipeline the ring runs with the sequence split by hand (jaxllm/parallel/pipeline.py,
-        # seq_split), where the routers' per-row sums would be each device's part of the row.
-        raise ConfigError("model.context_attention", f"'ring' does not run a mixture of experts inside the pipeline "
-                                                     f"(mesh.stage={mesh.stage}) yet: use 'all_gather'")
     if model.attention not in ("auto", "xla"):
         raise ConfigError("model.attention", f"{model.attention!r} does not run over a split sequence: with "
                                              f"mesh.context={mesh.context} attention is model.context_attention's "

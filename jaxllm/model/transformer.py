@@ -310,7 +310,7 @@ def pipeline_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, rema
 
     out = pipeline(stage_fn, (stacked, keys_L, local_L), x_BTD, (visible, sin_BTh, cos_BTh), microbatches=microbatches,
                    repeats=repeats, debug_nan_bubbles=debug_nan_bubbles, seq_axis=layers.seq_axis,
-                   stage_stats=with_stats, seq_split=seq_split)
+                   stage_stats=with_stats, seq_split=seq_split, stats_per_token=probe is not None)
     return out if with_stats else (out, None)
 
 

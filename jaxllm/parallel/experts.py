@@ -25,6 +25,7 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.parallel.context import CONTEXT
 from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, mesh_sizes
 
 EXPERT, TENSOR = "expert", "tensor"
@@ -69,6 +70,22 @@ def _axes(spec: P) -> set[str]:
     return {axis for entry in spec if entry for axis in ((entry,) if isinstance(entry, str) else entry)}
 
 
+def _on_split_sequence(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD, split_seq: bool):
+    """`layer` where the sequence is split over `context` by hand (ring attention inside the pipeline,
+    `jaxllm.parallel.pipeline.pipeline(seq_split=True)`): with `split_seq` each device routes its own positions and
+    the per-row stats add up over `context`; else (capacity dispatch, whose buffers are per whole row) the row is
+    gathered, routed whole on every device, and each keeps its own positions' outputs."""
+    if split_seq:
+        return layer(x_BTD, router, gate_EDF, up_EDF, down_EFD, ExpertGroup(seq_axis=CONTEXT))
+    T = x_BTD.shape[1]
+    whole_BTD = jax.lax.all_gather(x_BTD, CONTEXT, axis=1, tiled=True)
+    out_BTD, stats = layer(whole_BTD, router, gate_EDF, up_EDF, down_EFD, ExpertGroup())
+    # Every device computed the same whole-row stats; jax types an all-gather's result as varying over the axis,
+    # so one mean over it (of equal values) makes them invariant, as the pipeline's per-row stats must be.
+    stats = jax.tree.map(lambda a: jax.lax.pmean(a, CONTEXT), stats)
+    return jax.lax.dynamic_slice_in_dim(out_BTD, jax.lax.axis_index(CONTEXT) * T, T, axis=1), stats
+
+
 def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD, split_seq: bool = True):
     """`layer(x_BTD, router, gate_EDF, up_EDF, down_EFD, group) -> (out_BTD, per-row stats)` on every device of
     the active mesh with its rows and its experts (`ExpertGroup` says which); called as is outside any mesh.
@@ -90,6 +107,8 @@ def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD, spli
         # partitioner aborts on capacity dispatch's scatter when they are split (jax 0.10, CPU).
         if mesh is not None:
             x_BTD = constrain(x_BTD, (None, None, None))
+        if mesh is not None and CONTEXT in mesh.manual_axes:
+            return _on_split_sequence(layer, x_BTD, router, gate_EDF, up_EDF, down_EFD, split_seq)
         return layer(x_BTD, router, gate_EDF, up_EDF, down_EFD, ExpertGroup())
     manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     sizes = {axis: size if axis in manual else 1 for axis, size in mesh_sizes(mesh).items()}

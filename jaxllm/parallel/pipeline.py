@@ -149,6 +149,7 @@ def pipeline(
     seq_axis: str = "seq",
     stage_stats: bool = False,
     seq_split: bool = False,
+    stats_per_token: bool = True,
 ):
     """Run `stage_fn` over a stack of layers as a pipeline over the active mesh's `stage` axis.
 
@@ -163,10 +164,11 @@ def pipeline(
     arrays [Lc, B/m, ...]; each stage files its chunks' stats of every micro-batch it works on (bubbles file
     nothing), and the pipeline returns (activations, stats [L, B, ...] in layer and row order).
 
-    With `seq_split` the shard_map is manual over `context` too: the activations, every `aux` leaf and the stats
-    are per token ([B, T, ...]), each device takes its part of the sequence, and `stage_fn` runs on it (ring
-    attention's collectives then run in this shard_map rather than in one of their own nested inside it, which
-    jax cannot differentiate: jaxllm/parallel/context.py).
+    With `seq_split` the shard_map is manual over `context` too: the activations and every `aux` leaf are per
+    token ([B, T, ...]), each device takes its part of the sequence, and `stage_fn` runs on it (ring attention's
+    collectives then run in this shard_map rather than in one of their own nested inside it, which jax cannot
+    differentiate: jaxllm/parallel/context.py). The stats are then per token too (`stats_per_token`, a probe's)
+    or per row and already summed over `context` by `stage_fn` (a mixture of experts' router sums).
     """
     mesh = active_mesh()
     p, m, r = num_stages(mesh), microbatches, repeats
@@ -202,7 +204,7 @@ def pipeline(
         state = jnp.zeros_like(buf[0])
         # Per stage: [r, m, Lc, B/m, ...] stats of the chunks it runs, for each repeat and micro-batch.
         stats_shape = jax.eval_shape(lambda: body(w_local, aux_all, state, 0, 0)[1]) if stage_stats else None
-        manual = (STAGE, CONTEXT) if seq_split else STAGE
+        manual = (STAGE, CONTEXT) if seq_split and stats_per_token else STAGE
         filed_stats = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros((r, m) + a.shape, a.dtype), manual,
                                                            to="varying"), stats_shape)
 
@@ -235,6 +237,7 @@ def pipeline(
 
     # [m, B/m, T, ...] activations and aux; per-stage stats [p*r, m, Lc, B/m, T, ...]
     tokens, stats_spec = (P(None, None, CONTEXT), P(STAGE, None, None, None, CONTEXT)) if seq_split else (P(), P(STAGE))
+    stats_spec = stats_spec if stats_per_token else P(STAGE)
     out_mBTD, stats = jax.shard_map(
         per_stage, mesh=mesh, in_specs=(P(STAGE), tokens, jax.tree.map(lambda _: tokens, aux_m)),
         out_specs=(tokens, stats_spec), axis_names={STAGE, CONTEXT} if seq_split else {STAGE},
