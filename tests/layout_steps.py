@@ -12,10 +12,11 @@ from jaxllm.train.state import init_objective_state
 from jaxllm.train.step import batch_sharding, jit_train_step, make_train_step
 
 
-def first_updates(objective_for, layout: tuple, batch: dict, names=("loss",), steps: int = 3) -> tuple:
-    """`names` metrics of `steps` updates (2 micro-batches each) on `batch` under mesh `layout` ((data, fsdp,
-    tensor, stage), or a MeshConfig); `objective_for(pipeline)` builds the objective (2 pipeline micro-batches
-    with stages)."""
+def first_updates(objective_for, layout: tuple, batch: dict, names=("loss",), steps: int = 3,
+                  grad_accum: int = 2) -> tuple:
+    """`names` metrics of `steps` updates (`grad_accum` micro-batches each) on `batch` under mesh `layout` ((data,
+    fsdp, tensor, stage), or a MeshConfig); `objective_for(pipeline)` builds the objective (2 pipeline
+    micro-batches with stages)."""
     layout = layout if isinstance(layout, MeshConfig) else MeshConfig(*layout)
     mesh = make_mesh(layout)
     objective = objective_for(PipelineConfig(microbatches=2) if layout.stage > 1 else PipelineConfig())
@@ -23,7 +24,7 @@ def first_updates(objective_for, layout: tuple, batch: dict, names=("loss",), st
     rows = len(next(iter(batch.values())))
     with jax.set_mesh(mesh):
         state, frozen, shardings, frozen_shardings = init_objective_state(objective, tx, mesh, seed=0)
-        step = jit_train_step(make_train_step(objective, tx, grad_accum=2), shardings, mesh, frozen_shardings)
+        step = jit_train_step(make_train_step(objective, tx, grad_accum=grad_accum), shardings, mesh, frozen_shardings)
         placed = to_global(batch, batch_sharding(mesh), rows)
         out = []
         for _ in range(steps):

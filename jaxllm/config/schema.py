@@ -1015,19 +1015,11 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
 
 
 def _check_schedule(cfg: Config) -> None:
-    """The explicit schedules against what they cannot run yet (refused, not ignored): a mixture of experts (its
-    auxiliary loss needs every layer's router sums at the last stage), PPO (policy and critic are two trained
-    passes through the layers) and ring attention; interleaved 1F1B needs micro-batches in multiples of the
-    stages."""
+    """The explicit schedules against what they cannot run yet (refused, not ignored): ring attention; interleaved
+    1F1B needs micro-batches in multiples of the stages."""
     pipeline, stages = cfg.pipeline, cfg.mesh.stage
     if pipeline.schedule not in EXPLICIT_SCHEDULES or stages == 1:
         return
-    if cfg.model.num_experts:
-        raise ConfigError("pipeline.schedule", f"{pipeline.schedule!r} does not run a mixture of experts yet: use "
-                                               f"gpipe or circular with model.num_experts > 0")
-    if cfg.train.objective == "ppo":
-        raise ConfigError("pipeline.schedule", f"{pipeline.schedule!r} does not run PPO's actor-critic yet: use "
-                                               f"gpipe or circular")
     if cfg.mesh.context > 1 and cfg.model.context_attention == "ring":
         # The ring's own shard_maps nested in the schedule's cannot be differentiated (jaxllm/parallel/context.py).
         raise ConfigError("model.context_attention", f"'ring' does not run inside {pipeline.schedule!r} yet: use "
@@ -1138,14 +1130,17 @@ def probe_environment(cfg: Config) -> None:
 
 def _check_schedule_backend(cfg: Config) -> None:
     """XLA:CPU runs a collective-permute only when every device joins it; inside an explicit schedule's per-stage
-    branch only one stage's devices do. Two layouts put one there: the balanced layout of `context` (its
-    permutes at the model's edges, in the first and last chunks' branches) and adapters under fsdp and tensor
-    together (their backward reshards with one). Refused on CPU (GPUs run them), not left to hang."""
+    branch only one stage's devices do. Three layouts put one there: the balanced layout of `context` (its
+    permutes at the model's edges, in the first and last chunks' branches), adapters under fsdp and tensor
+    together (their backward reshards with one), and a mixture of experts under fsdp with expert or tensor (the
+    partitioner reorders the batch's devices between the attention and the experts' dispatch). Refused on CPU
+    (GPUs run them), not left to hang."""
     mesh, schedule = cfg.mesh, cfg.pipeline.schedule
     if schedule not in EXPLICIT_SCHEDULES or mesh.stage == 1:
         return
     adapters_on_both = cfg.lora.rank and mesh.fsdp > 1 and mesh.tensor > 1
-    if mesh.context == 1 and not adapters_on_both:
+    experts_on_fsdp = cfg.model.num_experts and mesh.fsdp > 1 and max(mesh.expert, mesh.tensor) > 1
+    if mesh.context == 1 and not adapters_on_both and not experts_on_fsdp:
         return
     import jax  # start-up speed: configs load and are checked before JAX does
 
@@ -1154,6 +1149,10 @@ def _check_schedule_backend(cfg: Config) -> None:
     if mesh.context > 1:
         raise ConfigError("pipeline.schedule", f"{schedule!r} with mesh.context > 1 hangs XLA:CPU: use gpipe or "
                                                f"circular there")
+    if experts_on_fsdp:
+        raise ConfigError("pipeline.schedule", f"{schedule!r} with a mixture of experts on mesh.fsdp > 1 and "
+                                               f"mesh.expert or mesh.tensor > 1 hangs XLA:CPU: use data for the "
+                                               f"batch there, or gpipe or circular")
     raise ConfigError("pipeline.schedule", f"{schedule!r} with adapters (lora.rank > 0) on both mesh.fsdp and "
                                            f"mesh.tensor > 1 hangs XLA:CPU: use one of them")
 

@@ -23,6 +23,10 @@ operation as one tick.
 The caller supplies the model as three functions (`StageFunctions`) over (trained, frozen) pairs of parameter
 trees: the layers' trees stacked [L, ...] (split over `stage` like the stored parameters) and the other
 parameters' ("outer": embedding, final norm, head), whole on every stage.
+
+What travels between stages is a message: the activations and, for a mixture of experts, every layer's router
+sums so far ([L, b, ...], each chunk filling in its own layers'), so that the last stage's loss adds the
+auxiliary losses of the whole stack and their gradients travel back to each chunk's routers with the activations'.
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ class StageFunctions(NamedTuple):
     """The model cut at its layer stack; `outer` and `layers` are (trained, frozen) pairs.
 
     embed(outer, layers, mb) -> x [b, T, D]: the first chunk's input from micro-batch `mb` (a pytree of [b, ...]);
-    chunk(outer, layers, x, mb, c) -> x: the Lc layers `layers` (leaves [Lc, ...]) of global chunk `c` (traced);
-    tail(outer, layers, x, mb) -> (loss, aux): the loss of the stack's output, aux a pytree of float32 sums.
+    chunk(outer, layers, x, mb, c) -> (x, stats): the Lc layers `layers` (leaves [Lc, ...]) of global chunk `c`
+      (traced) and their per-layer statistics (leaves [Lc, b, ...], float32: a mixture's router sums) or None;
+    tail(outer, layers, x, stats, mb) -> (loss, aux): the loss of the stack's output and of every layer's
+      statistics (leaves [L, b, ...], or None), aux a pytree of float32 sums.
     `layers` in embed and tail is only there to build the model; its values are not used.
     """
 
@@ -99,6 +105,17 @@ def _zeros(tree):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
+def _slot(buffer, i):
+    """The message in slot `i` of a buffer of messages (leaves [slots, ...])."""
+    return jax.tree.map(lambda b: b[i], buffer)
+
+
+def _with_chunk_stats(stats_L, chunk_stats, start):
+    """Every layer's statistics `stats_L` ([L, ...] leaves) with the chunk's ([Lc, ...]) at layer `start`."""
+    return jax.tree.map(lambda a, c: jax.lax.dynamic_update_slice_in_dim(a, c.astype(a.dtype), start, 0), stats_L,
+                        chunk_stats)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Stage:
     """One device's view inside the shard_map: the model, its stage index `s` of `p`, its layer chunks
@@ -120,38 +137,51 @@ class _Stage:
     outer_f: Any
     mbs: Any
     seed: jax.Array
-    zeros_x: jax.Array
+    zeros_msg: Any  # (x [b, T, D], stats [L, b, ...] or None), zeros
     zeros_chunk: Any
+    chunk_layers: int
+    tail_outer_grads: bool  # whether the last chunk's B takes the outer parameters' gradients from the tail
 
     def weights(self, rep, chunk_t=None):
         trained = index_leading(self.layers_t, rep) if chunk_t is None else chunk_t
         return trained, index_leading(self.layers_f, rep)
 
     def idle(self, carry, op):
-        return carry, (self.zeros_x, self.zeros_x, self.zeros_chunk)
+        return carry, (self.zeros_msg, self.zeros_msg, self.zeros_chunk)
+
+    def run_chunk(self, outer, weights, msg, mb, rep):
+        """The message out of local chunk `rep` (global chunk rep*p + s) for the message in."""
+        x, stats = msg
+        c = rep * self.p + self.s
+        y, chunk_stats = self.fns.chunk(outer, weights, x, mb, c)
+        return y, (None if stats is None else _with_chunk_stats(stats, chunk_stats, c * self.chunk_layers))
+
+    def first_message(self, outer, weights, mb):
+        return self.fns.embed(outer, weights, mb), self.zeros_msg[1]
 
     def forward(self, carry, op, first):
         mb, rep, act, _ = op
         mb, outer, weights = index_leading(self.mbs, mb), (self.outer_t, self.outer_f), self.weights(rep)
-        x = self.fns.embed(outer, weights, mb) if first else carry["acts"][act]
-        return carry, (self.fns.chunk(outer, weights, x, mb, rep * self.p + self.s), self.zeros_x, self.zeros_chunk)
+        msg = self.first_message(outer, weights, mb) if first else _slot(carry["acts"], act)
+        return carry, (self.run_chunk(outer, weights, msg, mb, rep), self.zeros_msg, self.zeros_chunk)
 
     def backward(self, carry, op, first, last, input_grad, weight_grads):
         """B (input_grad, and weight_grads unless ZB) or ZB's W (weight_grads only) of one operation."""
         mb_index, rep, act, grad = op
         mb = index_leading(self.mbs, mb_index)
 
-        def f(chunk_t, ot, x):
+        def f(chunk_t, ot, msg):
             outer, weights = (ot, self.outer_f), self.weights(rep, chunk_t)
-            x = self.fns.embed(outer, weights, mb) if first else x
-            y = self.fns.chunk(outer, weights, x, mb, rep * self.p + self.s)
-            return self.fns.tail(outer, weights, y, mb) if last else (y, None)
+            msg = self.first_message(outer, weights, mb) if first else msg
+            y, stats = self.run_chunk(outer, weights, msg, mb, rep)
+            return self.fns.tail(outer, weights, y, stats, mb) if last else ((y, stats), None)
 
-        diff = (("chunk_t",) if weight_grads else ()) + (("ot",) if weight_grads and (first or last) else ())
-        diff += ("x",) if input_grad and not first else ()
+        outer_grads = first or (last and self.tail_outer_grads)
+        diff = (("chunk_t",) if weight_grads else ()) + (("ot",) if weight_grads and outer_grads else ())
+        diff += ("msg",) if input_grad and not first else ()
         args = dict(chunk_t=index_leading(self.layers_t, rep), ot=self.outer_t,
-                    x=None if first else carry["acts"][act])
-        cotangent = self.seed.astype(jnp.float32) if last else carry["grads"][grad]
+                    msg=None if first else _slot(carry["acts"], act))
+        cotangent = self.seed.astype(jnp.float32) if last else _slot(carry["grads"], grad)
         loss, aux, g = _vjp(f, args, diff, cotangent)
         carry = dict(carry)
         if "ot" in g:
@@ -161,7 +191,7 @@ class _Stage:
             carry["aux"] = jax.tree.map(jnp.add, carry["aux"], aux)
         chunk_grads = self.zeros_chunk if "chunk_t" not in g else jax.tree.map(
             lambda z, d: d.astype(z.dtype), self.zeros_chunk, g["chunk_t"])
-        return carry, (self.zeros_x, g.get("x", self.zeros_x), chunk_grads)
+        return carry, (self.zeros_msg, g.get("msg", self.zeros_msg), chunk_grads)
 
     def branch(self, key: tuple, split_weights: bool):
         """The operation of a `_branch_key`."""
@@ -176,10 +206,9 @@ class _Stage:
     def initial_carry(self, prog: Program) -> dict:
         """Zeroed buffers (activation and gradient slots) and sums (gradients, loss, the tail's aux)."""
         outer, weights, mb0 = (self.outer_t, self.outer_f), self.weights(0), index_leading(self.mbs, 0)
-        aux = jax.eval_shape(lambda: self.fns.tail(outer, weights, self.zeros_x, mb0)[1])
-        x = self.zeros_x
-        return dict(_varying(dict(acts=jnp.zeros((prog.act_slots,) + x.shape, x.dtype),
-                                  grads=jnp.zeros((prog.grad_slots,) + x.shape, x.dtype),
+        aux = jax.eval_shape(lambda: self.fns.tail(outer, weights, *self.zeros_msg, mb0)[1])
+        slots = lambda n: jax.tree.map(lambda z: jnp.zeros((n,) + z.shape, z.dtype), self.zeros_msg)
+        return dict(_varying(dict(acts=slots(prog.act_slots), grads=slots(prog.grad_slots),
                                   outer_grads=_zeros(self.outer_t), loss=jnp.zeros((), jnp.float32),
                                   aux=_zeros(aux))),
                     layer_grads=jax.tree.map(jnp.zeros_like, self.layers_t))  # varies already, like the layers
@@ -199,16 +228,21 @@ def _tick(stage: _Stage, branches, carry, row):
     came_grad = jax.lax.ppermute(send_grad, STAGE, [(i, (i - 1) % p) for i in range(p)])
     for buffer, slot, came in (("acts", row["file_act"], came_act), ("grads", row["file_grad"], came_grad)):
         at = jnp.maximum(slot, 0)
-        kept = jnp.where(slot >= 0, came, carry[buffer][at])
-        carry[buffer] = jax.lax.dynamic_update_index_in_dim(carry[buffer], kept, at, 0)
+
+        def filed(buf, new):
+            return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, new, buf[at]), at, 0)
+
+        carry[buffer] = jax.tree.map(filed, carry[buffer], came)
     return carry, None
 
 
 def scheduled_value_and_grad(fns: StageFunctions, layers: tuple[Any, Any], outer: tuple[Any, Any], mbs: Any,
-                             schedule: Schedule, seed: jax.Array):
+                             schedule: Schedule, seed: jax.Array, tail_outer_grads: bool = True):
     """((loss summed over micro-batches, aux summed), (gradients of the trained layers [L, ...], of the trained
     outer parameters)) of the model `fns` over the micro-batches `mbs` (leaves [m, b, ...]), run as `schedule`
-    on the active mesh's `stage` axis; the loss's cotangent is `seed` (a loss scale, or 1)."""
+    on the active mesh's `stage` axis; the loss's cotangent is `seed` (a loss scale, or 1). Without
+    `tail_outer_grads` the outer parameters' gradients come only through the embedding, not the tail (a loss
+    whose tail another run differentiates already: jaxllm/train/scheduled_grads.py)."""
     mesh = active_mesh()
     p, r = num_stages(mesh), schedule.repeats
     if p != schedule.stages:
@@ -234,11 +268,10 @@ def scheduled_value_and_grad(fns: StageFunctions, layers: tuple[Any, Any], outer
         # Everything varies over `stage` from here: a gradient of an invariant input would otherwise get an
         # implicit psum over `stage` inside a branch that only some stages take.
         outer_t, outer_f, mbs, seed = _varying((outer_t, outer_f, mbs, seed))
-        x = jax.eval_shape(fns.embed, (outer_t, outer_f), (index_leading(layers_t, 0), index_leading(layers_f, 0)),
-                           index_leading(mbs, 0))
         stage = _Stage(fns, jax.lax.axis_index(STAGE), p, layers_t, layers_f, outer_t, outer_f, mbs, seed,
-                       _varying(jnp.zeros(x.shape, x.dtype)),
-                       _varying(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), layers_t)))
+                       _varying(_zero_message(fns, layers_t, layers_f, outer_t, outer_f, mbs, num_layers)),
+                       _varying(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), layers_t)), lc,
+                       tail_outer_grads)
         branches = [stage.branch(key, schedule.split_weights) for key in keys]
         carry, _ = jax.lax.scan(functools.partial(_tick, stage, branches), stage.initial_carry(prog), table)
         layer_grads = carry["layer_grads"]
@@ -253,3 +286,13 @@ def scheduled_value_and_grad(fns: StageFunctions, layers: tuple[Any, Any], outer
         axis_names={STAGE},
     )(layers_t, layers_f, outer_t, outer_f, mbs, seed)
     return (loss, aux), (layer_grads, outer_grads)
+
+
+def _zero_message(fns: StageFunctions, layers_t, layers_f, outer_t, outer_f, mbs, num_layers: int):
+    """Zeros shaped as a message: the first chunk's input x and every layer's statistics ([L, ...]) or None."""
+    outer, weights, mb = (outer_t, outer_f), (index_leading(layers_t, 0), index_leading(layers_f, 0)), \
+        index_leading(mbs, 0)
+    x = jax.eval_shape(fns.embed, outer, weights, mb)
+    _, chunk_stats = jax.eval_shape(fns.chunk, outer, weights, _varying(jnp.zeros(x.shape, x.dtype)), mb, 0)
+    stats = jax.tree.map(lambda a: jnp.zeros((num_layers,) + a.shape[1:], a.dtype), chunk_stats)
+    return jnp.zeros(x.shape, x.dtype), stats
