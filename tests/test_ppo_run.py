@@ -129,6 +129,44 @@ def test_a_critic_starts_as_a_trained_reward_model(lora_run, rl_prompts, reward_
     assert f"ppo.critic_init: {lora_run} is not a reward model" in bad.stderr, bad.stderr[-2000:]
 
 
+def test_full_fine_tuning_trains_a_critic_of_its_own(lora_run, rl_prompts, tmp_path):
+    """lora.rank=0: policy and critic are two whole models, every weight trained; the critic's body starts as a
+    copy of the base (a learning rate small enough that 5 steps leave it within 1e-4 of it, yet moved), and the
+    reference (the base, frozen, on the rollout devices) is at iteration 0 the policy that sampled."""
+    import jax
+    from flax import nnx
+
+    from jaxllm.model.actor_critic import VALUE
+    from jaxllm.model.lora import merge
+    from jaxllm.objectives.ppo import actor_critic_objective
+    from jaxllm.parallel.mesh import single_device_mesh
+    from jaxllm.runs.checkpoint import Checkpointer
+    from jaxllm.runs.loader import load_checkpoint
+
+    proc = _run(lora_run, rl_prompts, tmp_path, "--config.train.steps=5", "--config.lora.rank=0",
+                "--config.rl.placement=disaggregated", "--config.rl.rollout_devices=4", "--config.mesh.tensor=1",
+                "--config.optim.lr=1e-5", "--config.checkpoint.keep=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "critic: a model of its own, every weight trained (full fine-tuning), from the base" in proc.stdout
+    first = rollout_rows(tmp_path, 2)  # iteration 0's
+    assert np.abs(first["ref_logps"] - first["old_logps"])[first["mask"] > 0].max() < 1e-5
+    flat = lambda state: {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+    base = flat(nnx.state(merge(load_checkpoint(str(lora_run)).model), nnx.Param))
+    policy = load_checkpoint(str(tmp_path))
+    assert any(not np.array_equal(v, base[p]) for p, v in flat(policy.params).items())  # the policy trained
+    abstract = jax.eval_shape(lambda: nnx.state(actor_critic_objective(policy.model_cfg, policy.precision)
+                                                .build_model(jax.random.key(0)), VALUE))
+    source, mesh = Checkpointer(tmp_path / "checkpoints", keep=1000, log=lambda *_: None), single_device_mesh()
+    with jax.set_mesh(mesh):
+        critic = flat(source.restore_params(5, abstract, mesh))
+    source.close()
+    body = [p for p in critic if p[1:] in base]
+    assert len(body) == len([p for p in base if p[0] != "lm_head"]) and ("value", "score") in critic, sorted(critic)
+    for path in body:  # the base it started from, moved by training
+        moved = np.abs(critic[path] - base[path[1:]]).max()
+        assert 0 < moved < 1e-4, (path, moved)
+
+
 def test_an_injected_nan_rolls_back(ppo_run):
     """The non-finite step 3 (mid-iteration) rolled back to the checkpoint of step 2, which holds the iteration's
     rollout, values and advantages: the replayed step 3 trains on them without a new rollout."""
@@ -140,7 +178,8 @@ def test_an_injected_nan_rolls_back(ppo_run):
     ("--config.ppo.kl_estimator=k4", "ppo.kl_estimator: 'k4' is not one of"),
     ("--config.ppo.lam=1.5", "ppo.lam: must be in [0, 1]"),
     ("--config.ppo.prompts_per_iteration=12", "train.batch_size: 8 does not divide an iteration's 12 responses"),
-    ("--config.lora.rank=0", "lora.rank: PPO trains LoRA adapters: its critic shares the policy's frozen base"),
+    ("--config.lora.rank=0", "lora.rank: full fine-tuning PPO (lora.rank=0) keeps its frozen reference on the "
+                             "rollout devices"),
     ("--config.ppo.critic_init=rm", "ppo.critic_init: expected \"\" (a fresh head on the policy's base) or rm:"),
     ("--config.ppo.critic_init=rm:/nonexistent", "ppo.critic_init: no reward-model checkpoint at /nonexistent"),
 ])

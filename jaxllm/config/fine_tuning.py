@@ -156,7 +156,11 @@ class RolloutConfig(TextFiles):
     in minibatches of train.batch_size rows, one optimizer step each. `clip` is the policy ratio's clip range.
     `eval_prompts` held-out prompts are answered (same sampling, fixed seed) and scored before and after
     training. Every `samples_every` iterations (0: never) `samples` of the iteration's prompts with their
-    responses and rewards are appended to <workdir>/samples.jsonl."""
+    responses and rewards are appended to <workdir>/samples.jsonl. `decode_slots` > 0 samples through that many
+    KV-cache rows, each refilled with the next prompt once its response ends (continuous batching,
+    jaxllm/model/continuous.py: less cache and no decoding past a row's end, for responses of uneven length);
+    0 decodes every response at once until the longest ends. Either way each prompt's response is the same draw
+    for a given seed whatever the slots (with decode_slots > 0; 0 draws otherwise)."""
 
     reward: str = ""
     max_prompt_tokens: int = 64
@@ -168,6 +172,7 @@ class RolloutConfig(TextFiles):
     eval_prompts: int = 32
     samples_every: int = 10
     samples: int = 3
+    decode_slots: int = 0
 
     def check_rollout(self, section: str, lora_rank: int, batch_size: int, rows: int) -> None:
         """The checks PPO and GRPO share, for config section `section`; `rows` are an iteration's responses,
@@ -185,6 +190,9 @@ class RolloutConfig(TextFiles):
         for key in ("eval_prompts", "samples_every", "samples"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{section}.{key}", f"must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.decode_slots <= rows:
+            raise ConfigError(f"{section}.decode_slots", f"must be in [0, {rows}] (0: every response at once; at "
+                                                         f"most an iteration's responses), got {self.decode_slots}")
 
 
     def probe_reward_model(self, section: str) -> None:
@@ -239,7 +247,9 @@ class PPOConfig(RolloutConfig):
     `critic_init` "" (the default): the critic is the policy's base with adapters of its own and a fresh scalar
     head. "rm:<checkpoint>" of a reward-model run (train.objective=reward, LoRA or not): the critic starts as that
     reward model, its body (adapters merged) frozen with the critic's adapters on it and its score head trained
-    on; the critic then holds a body of its own beside the policy's base."""
+    on; the critic then holds a body of its own beside the policy's base. Under full fine-tuning (lora.rank=0)
+    the critic is a model of its own, every weight trained: a copy of the base with a fresh head, or the reward
+    model whole."""
 
     kl_coef: float = 0.05
     kl_estimator: str = "k1"
@@ -254,10 +264,12 @@ class PPOConfig(RolloutConfig):
     max_approx_kl: float = 0.0
     critic_init: str = ""
 
-    def check(self, lora_rank: int, batch_size: int) -> None:
-        if not lora_rank:
-            raise ConfigError("lora.rank", "PPO trains LoRA adapters: its critic shares the policy's frozen base "
-                                           "(a critic with a body of its own, for full fine-tuning, is not built yet)")
+    def check(self, lora_rank: int, batch_size: int, rl: RLConfig | None = None) -> None:
+        """This section's fields; with `lora.rank=0` (every weight trains, the critic's body of its own too) the
+        frozen reference lives on the rollout devices, so `rl` must disaggregate."""
+        if not lora_rank and not (rl is not None and rl.disaggregated):
+            raise ConfigError("lora.rank", "full fine-tuning PPO (lora.rank=0) keeps its frozen reference on the "
+                                           "rollout devices: set rl.placement=disaggregated and rl.rollout_devices")
         self.check_rollout("ppo", lora_rank, batch_size, self.prompts_per_iteration)
         check_choice("ppo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         for key in ("kl_coef", "target_kl", "vf_coef", "entropy_coef", "missing_eos_penalty", "max_approx_kl"):
@@ -336,5 +348,5 @@ OBJECTIVE_CHECKS = {
     "reward": lambda cfg: cfg.preference.check(),
     "dpo": lambda cfg: (cfg.preference.check(), cfg.dpo.check(cfg.lora.rank)),
     "grpo": lambda cfg: cfg.grpo.check(cfg.lora.rank, cfg.train.batch_size, cfg.rl),
-    "ppo": lambda cfg: cfg.ppo.check(cfg.lora.rank, cfg.train.batch_size),
+    "ppo": lambda cfg: cfg.ppo.check(cfg.lora.rank, cfg.train.batch_size, cfg.rl),
 }

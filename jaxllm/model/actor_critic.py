@@ -7,7 +7,7 @@ state holds the base once, at the language model's paths: the frozen tree is exa
 checkpoint loads into it unchanged) and the critic adds only its adapters and head. Calling the module is the
 policy's forward; `module.value(tokens, ...)` gives per-position values [B, T]. With `own_critic_body` (a
 critic started from a trained reward model) nothing is tied: the critic's body is frozen variables of its own,
-under `value`.
+under `value`. Without adapters (full fine-tuning: every weight of both trains) the critic's body is its own too.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ class ActorCritic(Transformer):
                  rope_scaling: RopeScaling | None = None, pipeline_microbatches: int = 1, pipeline_repeats: int = 1,
                  lora: LoRAConfig | None = None, sequence_parallel: bool = False,
                  pipeline_schedule: str = "gpipe", own_critic_body: bool = False):
-        if lora is None or not lora.rank:
-            raise ValueError("ActorCritic shares a frozen base between policy and critic: it needs LoRA adapters")
         shape = dict(rope_scaling=rope_scaling, pipeline_microbatches=pipeline_microbatches,
                      pipeline_repeats=pipeline_repeats, lora=lora, sequence_parallel=sequence_parallel,
                      pipeline_schedule=pipeline_schedule)
         super().__init__(cfg, precision, rngs=rngs, **shape)
         self.value = RewardModel(cfg, precision, rngs=rngs, **shape)
-        if not own_critic_body:  # else (ppo.critic_init=rm:...) the critic keeps a frozen body of its own
+        # With adapters the critic's base is the policy's frozen one, unless it keeps a body of its own
+        # (ppo.critic_init=rm:...); without adapters (full fine-tuning) both bodies train, each its own.
+        if lora is not None and lora.rank and not own_critic_body:
             _tie_base(self.value, self)
 
 

@@ -6,7 +6,9 @@ policy-and-value wrapper; global-norm clipping covers both.
 
 The critic starts from the policy's base with fresh adapters and a head drawn like the reward model's, so it
 costs its adapters and head only: the base is the policy's arrays. With ppo.critic_init=rm:<checkpoint> it starts
-as that trained reward model instead: a frozen body of its own, the model's head, and fresh adapters.
+as that trained reward model instead: a frozen body of its own, the model's head, and fresh adapters. Under full
+fine-tuning (lora.rank=0, rollouts on devices of their own, where the frozen reference lives) policy and critic
+are two whole models, every weight trained: the critic a copy of the base with a fresh head, or the reward model.
 
 An iteration: the policy samples one response per prompt; the reference gives its log-probs and the critic its
 values (`ppo_values`, the state before each response token); `token_rewards` makes per-token rewards
@@ -38,26 +40,43 @@ from jaxllm.model.build import build_model
 from jaxllm.model.lora import merge
 from jaxllm.parallel.sharding import sharding_tree
 from jaxllm.runs.checkpoint import CheckpointError
-from jaxllm.runs.loader import load_checkpoint
+from jaxllm.runs.loader import load_base, load_checkpoint
 from jaxllm.train.step import SKIP_UPDATE
 
 
 def actor_critic_objective(model: ModelConfig, precision: PrecisionConfig, pipeline: PipelineConfig = PipelineConfig(),
                            lora: LoRAConfig | None = None, rope_scaling=None, sequence_parallel: bool = False,
-                           critic_init: str = "") -> Objective:
+                           critic_init: str = "", base=None) -> Objective:
     """The model half of PPO: the actor-critic, whose adapters (both) and critic head train; `sequence_parallel`
     as `build_model`. `critic_init` "rm:<checkpoint>" (PPOConfig) starts the critic as that reward model: a
-    frozen body of its own and its head, loaded by the objective (`own`, `load_own`)."""
+    frozen body of its own and its head, loaded by the objective (`own`, `load_own`). Without adapters (full
+    fine-tuning) everything trains: the critic's body of its own is loaded from `base` (the policy's base,
+    jaxllm.runs.base_model.Base) with a fresh head, or is the reward model whole."""
+    adapters = lora is not None and lora.rank
     model_class = functools.partial(ActorCritic, own_critic_body=bool(critic_init))
     objective = Objective(name="ppo", build_model=functools.partial(build_model, model, precision, pipeline=pipeline,
                                                                      lora=lora, rope_scaling=rope_scaling,
                                                                      model_class=model_class,
                                                                      sequence_parallel=sequence_parallel),
-                          loss_fn=next_token_loss, trainable=nnx.Any(nnx.LoRAParam, CRITIC_HEAD))
-    if not critic_init:
+                          loss_fn=next_token_loss,
+                          trainable=nnx.Any(nnx.LoRAParam, CRITIC_HEAD) if adapters else nnx.Param)
+    if critic_init:
+        return dataclasses.replace(objective, own=nnx.All(VALUE, nnx.Not(nnx.LoRAParam)),
+                                   load_own=functools.partial(critic_from_reward_model, critic_init[len("rm:"):]))
+    if adapters:
         return objective
-    return dataclasses.replace(objective, own=nnx.All(VALUE, nnx.Not(nnx.LoRAParam)),
-                               load_own=functools.partial(critic_from_reward_model, critic_init[len("rm:"):]))
+    return dataclasses.replace(objective, own=nnx.All(VALUE, nnx.Not(CRITIC_HEAD)), fresh=CRITIC_HEAD,
+                               load_own=functools.partial(critic_from_base, base))
+
+
+def critic_from_base(base, abstract, mesh):
+    """Full fine-tuning's critic body (`abstract`: its variables, under `value`) loaded from the policy's `base`
+    (jaxllm.runs.base_model.Base): the language model's embedding, layers and final norm, a copy of their own."""
+    if not jax.tree.leaves(abstract):
+        return abstract
+    plain = nnx.from_flat_state([(path[1:], v) for path, v in nnx.to_flat_state(abstract)])
+    loaded, _ = load_base(base, plain, mesh)
+    return nnx.from_flat_state([(("value",) + tuple(path), v) for path, v in nnx.to_flat_state(loaded)])
 
 
 def critic_from_reward_model(path: str, abstract, mesh):
@@ -199,7 +218,14 @@ def ppo_objective(cfg: Config, log=print) -> Objective:
     build = functools.partial(actor_critic_objective, critic_init=cfg.ppo.critic_init)
     setup = rl_setup(cfg, "ppo", log, build_policy=build, value_fn=ppo_values)
     own, base = critic_bytes(setup.policy)
-    if cfg.ppo.critic_init:
+    if not cfg.lora.rank:
+        if not cfg.ppo.critic_init:  # the critic's body: a trained copy of the base the rollouts start from
+            policy = dataclasses.replace(setup.policy, load_own=functools.partial(critic_from_base, setup.base))
+            setup = dataclasses.replace(setup, policy=policy)
+        log(f"critic: a model of its own, every weight trained (full fine-tuning), from "
+            f"{cfg.ppo.critic_init[len('rm:'):] or 'the base'}: {own / 1e6:.2f} MB beside the policy's "
+            f"{base / 1e6:.2f} MB")
+    elif cfg.ppo.critic_init:
         log(f"critic: the reward model {cfg.ppo.critic_init[len('rm:'):]} (its frozen body and score head) with LoRA "
             f"adapters of its own: {own / 1e6:.2f} MB beside the policy's base of {base / 1e6:.2f} MB")
     else:

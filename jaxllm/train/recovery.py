@@ -212,16 +212,18 @@ def _start_from_base(objective, tx, abstract, mesh, seed: int, window: int, log,
 
 
 def _base_and_fresh(objective, abstract_params, mesh, seed: int):
-    """((the trainable variables the base provides, loaded; the `fresh` ones, initialised from the seed), the
-    base's fingerprint)."""
-    if objective.fresh is None:
-        loaded, identity = load_base(objective.base, abstract_params, mesh)
-        return (loaded, nnx.State({})), identity
-    _, from_base = abstract_params.split(objective.fresh, ...)
-    fresh = init_part(lambda key: objective.split(objective.build_model(key))[1].split(objective.fresh, ...)[0],
-                       mesh, seed)
+    """((the trainable variables the base provides, loaded; the `fresh` ones, initialised from the seed; those
+    the objective loads itself (`own`)), the base's fingerprint)."""
+    from_base, parts = abstract_params, []
+    if objective.own is not None:
+        from_base, own = from_base.split(nnx.Not(objective.own), ...)
+        parts.append(objective.load_own(own, mesh))
+    if objective.fresh is not None:
+        _, from_base = from_base.split(objective.fresh, ...)
+        parts.append(init_part(lambda key: objective.split(objective.build_model(key))[1].split(objective.fresh,
+                                                                                               ...)[0], mesh, seed))
     loaded, identity = load_base(objective.base, from_base, mesh)
-    return (loaded, fresh), identity
+    return (loaded, *parts), identity
 
 
 def _frozen(objective, mesh, cfg: Config, abstract, recorded: dict | None):
