@@ -1,12 +1,16 @@
 """RL placements side by side, and the sampler against a bare decode loop (docs/rl-at-scale.md):
 `python scripts/bench_rl.py [--objective grpo] [--base runs/sft_lora] [--iterations 12] [--out build/bench_rl]
-[--placements colocated,disaggregated,one_step_off] [--skip_decode]`.
+[--placements colocated,disaggregated,one_step_off,continuous] [--skip_decode] [--continuous_decode]`.
 
 Each placement trains `--iterations` iterations of `configs/<objective>.py` (the `make grpo` / `make ppo` job)
 from `--base` (after `make sft`) as its own `scripts/train.py` process on 8 CPU devices:
 - colocated: the job as shipped, mesh data=2, fsdp=2, tensor=2;
 - disaggregated: 4 rollout devices + a data=1, fsdp=2, tensor=2 trainer mesh;
-- one_step_off: the same with rl.max_staleness=1 and rl.tis_cap=2.
+- one_step_off: the same with rl.max_staleness=1 and rl.tis_cap=2;
+- continuous: colocated with <objective>.decode_slots = a quarter of an iteration's responses (continuous
+  batching, jaxllm/model/continuous.py): its rollout tokens/s (real response tokens) against colocated's.
+With --continuous_decode, the rollout alone on one device: continuous batching against every row at once and
+against sequential batches of the same cache memory, at the job's response length and at 4x it.
 From each run's metrics.jsonl and summary.json it prints the iteration's wall time and its split: rollout
 (sampling; under one_step_off it runs beside the updates, and `wait` is what the trainer still waited for it),
 scoring (reference, reward, critic), weight sync, the trainer's log-probs of the rows, and the update with the
@@ -38,7 +42,15 @@ PLACEMENTS = {
     "one_step_off": ["--config.rl.placement=disaggregated", "--config.rl.rollout_devices=4",
                      "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
                      "--config.rl.max_staleness=1", "--config.rl.tis_cap=2"],
+    "continuous": [],  # + the objective's decode_slots, set from the job's responses (`placement_args`)
 }
+
+
+def placement_args(name: str, objective: str, rows: int) -> list[str]:
+    """The overrides of placement `name` for the `objective` job of `rows` responses an iteration."""
+    if name == "continuous":
+        return [f"--config.{objective}.decode_slots={max(1, rows // 4)}"]
+    return PLACEMENTS[name]
 CPU = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
 
 
@@ -148,6 +160,50 @@ def decode_overhead(base: str, shape: tuple[int, int, int]) -> dict:
             "bare_tokens_per_sec": rows * new / bare, "sampler_over_bare": bare / sampler}
 
 
+def continuous_against_bucketed(base: str, section, rows: int, max_new: int) -> dict:
+    """Rollout tokens/s (response tokens up to each row's stop) on one device, the job's prompts and sampling
+    with `max_new` new tokens at most (the policy of `base` stops where its template's turn ends, so responses
+    are of uneven length): every row at once (the default), the rows in sequential batches of a quarter of them
+    (the same cache memory as the continuous run), and continuous batching through a quarter of them and through
+    all of them (its machinery without refills). Each way draws other samples (its own keys), so the lengths
+    differ a little between them."""
+    import jax
+
+    from jaxllm.data.prompts import read_prompts
+    from jaxllm.data.sft_template import stop_ids
+    from jaxllm.data.tokenizer import load_tokenizer
+    from jaxllm.model.sample import left_pad
+    from jaxllm.objectives.rl import prompt_bucket
+    from jaxllm.objectives.rollout import rollout
+    from jaxllm.runs.base_model import locate
+    from jaxllm.runs.loader import load_checkpoint
+
+    loaded, located = load_checkpoint(base), locate(base)
+    tokenizer = load_tokenizer(section.tokenizer or located.tokenizer)
+    prompts = read_prompts(section.train_file, section.eval_file, section.eval_fraction, 0, tokenizer,
+                           section.template, section.max_prompt_tokens, log=lambda *_: None)["train"][:rows]
+    P = prompt_bucket(max(len(p["prompt_ids"]) for p in prompts), section.max_prompt_tokens)
+    stops, quarter = stop_ids(section.template, tokenizer), max(1, rows // 4)
+
+    def sample(group, slots):
+        outs = []
+        for first in range(0, rows, group):
+            tokens, start = left_pad([p["prompt_ids"] for p in prompts[first:first + group]], group, P)
+            outs.append(rollout(loaded.graphdef, loaded.params, tokens, start, max_new_tokens=max_new,
+                                temperature=section.temperature, stop_ids=stops, key=jax.random.key(first),
+                                vocab_limit=tokenizer.vocab_size, slots=slots).mask[:, :max_new])
+        return float(sum(np.asarray(m).sum() for m in outs))
+
+    result = {}
+    for name, group, slots in (("every_row_at_once", rows, 0), ("batches_of_a_quarter", quarter, 0),
+                               ("continuous_a_quarter", rows, quarter), ("continuous_every_row", rows, rows)):
+        sample(group, slots)  # compiles
+        began = time.perf_counter()
+        tokens = sample(group, slots)
+        result[name] = tokens / (time.perf_counter() - began)
+    return result
+
+
 def main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--objective", choices=("grpo", "ppo"), default="grpo")
@@ -156,6 +212,8 @@ def main(argv) -> int:
     p.add_argument("--out", default="build/bench_rl")
     p.add_argument("--placements", default=",".join(PLACEMENTS))
     p.add_argument("--skip_decode", action="store_true")
+    p.add_argument("--continuous_decode", action="store_true",
+                   help="also continuous batching against every row at once and sequential batches (one device)")
     args = p.parse_args(argv)
     chosen = [c for c in args.placements.split(",") if c]  # --placements= : the decode comparison alone
     if any(c not in PLACEMENTS for c in chosen) or not Path(args.base).exists() or args.iterations < 2:
@@ -168,7 +226,8 @@ def main(argv) -> int:
         workdir = Path(args.out) / f"{args.objective}_{name}"
         if workdir.exists():
             shutil.rmtree(workdir)
-        wall = run(args.objective, args.base, workdir, per * args.iterations, PLACEMENTS[name])
+        wall = run(args.objective, args.base, workdir, per * args.iterations,
+                   placement_args(name, args.objective, rows))
         results[name] = {"wall_s": wall, **split(workdir, args.iterations)}
         r = results[name]
         print(f"{name:>13}: iteration {r['iteration_s']:.2f}s: rollout {r['rollout_s']:.2f}, scoring "
@@ -181,8 +240,17 @@ def main(argv) -> int:
     if "colocated" in results:
         for name, r in results.items():
             r["iteration_vs_colocated"] = r["iteration_s"] / results["colocated"]["iteration_s"]
-            print(f"{name:>13}: iteration time x{r['iteration_vs_colocated']:.2f} of colocated's")
+            r["rollout_tokens_per_sec_vs_colocated"] = (r["rollout_tokens_per_sec"]
+                                                        / results["colocated"]["rollout_tokens_per_sec"])
+            print(f"{name:>13}: iteration time x{r['iteration_vs_colocated']:.2f} of colocated's, rollout tokens/s "
+                  f"x{r['rollout_tokens_per_sec_vs_colocated']:.2f}")
     out = {"bench": "rl", "objective": args.objective, "iterations": args.iterations, "placements": results}
+    if args.continuous_decode:
+        out["continuous_decode"] = {}
+        for new in (section.max_new_tokens, 4 * section.max_new_tokens):  # the job's, and a longer tail
+            out["continuous_decode"][new] = decode = continuous_against_bucketed(args.base, section, rows, new)
+            print(f"rollout tokens/s, one device, {rows} rows, up to {new} new tokens: " + ", ".join(
+                f"{k} {v:,.0f} (x{v / decode['every_row_at_once']:.2f})" for k, v in decode.items()), flush=True)
     if not args.skip_decode:
         from jaxllm.objectives.rl import prompt_bucket
 

@@ -288,12 +288,16 @@ def test_a_base_architecture_is_adopted_and_checked_against_the_mesh_without_a_s
                                "of the base /base/7)")
 
 
-def test_disaggregated_rollouts_run_on_one_process_for_now():
+def test_disaggregated_rollout_devices_split_over_the_processes():
     cd = load_config_file(CONFIG)
-    for key, value in (("train.objective", "grpo"), ("rl.placement", "disaggregated"), ("rl.rollout_devices", "4"),
-                       ("mesh.data", "1")):
+    for key, value in (("train.objective", "grpo"), ("rl.placement", "disaggregated"), ("rl.rollout_devices", "3"),
+                       ("mesh.data", "1"), ("mesh.tensor", "1")):
         apply_override(cd, key, value)
-    with pytest.raises(ConfigError, match="rl.placement: disaggregated rollouts run on one process for now, not 2"):
+    with pytest.raises(ConfigError, match="rl.rollout_devices: 3 rollout devices do not split over the 2 processes"):
+        validate(cd, 8, num_processes=2)
+    for key, value in (("rl.rollout_devices", "4"), ("rl.max_staleness", "1")):
+        apply_override(cd, key, value)
+    with pytest.raises(ConfigError, match="rl.max_staleness: one step off runs on one process for now, not 2"):
         validate(cd, 8, num_processes=2)
 
 

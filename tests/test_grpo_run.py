@@ -81,11 +81,17 @@ def test_resumes_bitwise_after_sigterm_mid_iteration(grpo_run, lora_run, prompts
         assert np.array_equal(a, b)
 
 
+# Rollouts on devices of their own across processes: each process gives 2 of its 4 devices to them.
+SPLIT = ("--config.rl.placement=disaggregated", "--config.rl.rollout_devices=4", "--config.mesh.tensor=1")
+
+
 @pytest.fixture(scope="module")
 def two_process_grpo(lora_run, prompts, tmp_path_factory):
-    """grpo_run's job as 2 processes x 4 devices: each samples, scores and trains on its own block of rows."""
+    """grpo_run's job as 2 processes x 4 devices, 2 of each sampling (SPLIT): each process samples, scores and
+    trains on its own block of rows; the weights reach the rollout devices through the hosts."""
     workdir = tmp_path_factory.mktemp("grpo2")
-    procs = start_processes(_command(lora_run, prompts, workdir, "--config.train.steps=6", *NAN_AT_3), workdir)
+    procs = start_processes(_command(lora_run, prompts, workdir, "--config.train.steps=6", *NAN_AT_3, *SPLIT),
+                            workdir)
     for proc, log in zip(procs, process_logs(procs, workdir)):
         assert proc.returncode == 0, log[-3000:]
     return workdir
@@ -93,7 +99,9 @@ def two_process_grpo(lora_run, prompts, tmp_path_factory):
 
 def test_two_processes_sample_and_train_like_one(grpo_run, two_process_grpo):
     """Same seeds, same rollouts (iteration 1's rows, saved with checkpoint 4 by each process in its block) and
-    the same losses at every step within float32 summation order, through the same rollback at step 3."""
+    the same losses at every step within float32 summation order, through the same rollback at step 3: 2
+    processes with rollouts on devices of their own against 1 process with rollouts on the trainer's devices
+    (PPO's 2-process test keeps them colocated)."""
     one, two = rollout_rows(grpo_run, 4), rollout_rows(two_process_grpo, 4)
     assert set(one) == set(two) and len(one["tokens"]) == 16
     for name in ("tokens", "mask", "segment_ids", "positions", "stopped", "scores", "advantages"):
@@ -105,6 +113,8 @@ def test_two_processes_sample_and_train_like_one(grpo_run, two_process_grpo):
     for step in expected:
         np.testing.assert_allclose(got[step], expected[step], rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
     assert_rolled_back_at_3(two_process_grpo)
+    synced = [r["weight_sync_s"] for r in metrics(two_process_grpo) if "loss" in r and r["step"] in RL_ITERATION_STARTS]
+    assert all(s > 0 for s in synced), synced
     # Each process makes the samples of its block; process 0 writes them all.
     assert (two_process_grpo / "samples.jsonl").read_text() == (grpo_run / "samples.jsonl").read_text()
     task = lambda w: json.loads((w / "summary.json").read_text())["task"]["tuned"]["all"]
@@ -117,7 +127,7 @@ def test_a_process_killed_in_a_rollout_ends_the_job_and_it_resumes_bitwise(two_p
     for it in the rollout's collectives, stops on its own naming it; restarted, the job resumes from step 2
     (iteration 0's rows come back from the checkpoint, in two blocks) and ends on the uninterrupted 2-process
     run's parameters and losses, bit for bit."""
-    command = _command(lora_run, prompts, tmp_path, "--config.train.steps=6", *NAN_AT_3)
+    command = _command(lora_run, prompts, tmp_path, "--config.train.steps=6", *NAN_AT_3, *SPLIT)
     procs = start_processes([*command, "--config.debug.kill_in_rollout=1"], tmp_path)
     survivor, _ = process_logs(procs, tmp_path, timeout=300)
     assert procs[1].returncode == -9 and procs[0].returncode != 0, survivor[-3000:]

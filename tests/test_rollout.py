@@ -98,3 +98,40 @@ def test_sharded_rollout_logps_equal_its_forward_pass(policy):
         sharded = jax.device_put(params, sharding_tree(params, mesh))
         out = _roll(graphdef, sharded)
         _check_agrees(graphdef, sharded, out)
+
+
+# ---------------------------------------------------------------------------------------------- continuous batching
+
+def _roll_slots(graphdef, params, slots, temperature=TEMPERATURE):
+    tokens_BP, start_B = left_pad(PROMPTS)
+    return rollout(graphdef, params, tokens_BP, start_B, max_new_tokens=NEW, temperature=temperature,
+                   stop_ids=(STOP,), key=jax.random.key(SEED), slots=slots)
+
+
+def test_continuous_batching_samples_the_same_responses_through_any_number_of_slots(policy):
+    """Rows refilled as responses end (jaxllm.model.continuous): each token's key is its prompt's and index's, so
+    1, 3 or all 8 cache rows give the same ragged responses, and their recorded log-probabilities equal a full
+    forward pass. Greedy, they are the plain decoder's responses."""
+    graphdef, params = policy
+    every = _roll_slots(graphdef, params, len(PROMPTS))
+    lengths = np.asarray(every.mask).sum(axis=1)
+    assert len(set(lengths.tolist())) > 2, lengths  # ragged: slots free up at different steps
+    for slots in (1, 3):  # one slot: every prompt in turn, its ring cache (64 positions) wrapped over again
+        out = _roll_slots(graphdef, params, slots)
+        assert np.array_equal(out.tokens, every.tokens) and np.array_equal(out.mask, every.mask), slots
+        np.testing.assert_allclose(out.logps, every.logps, rtol=0, atol=1e-5)
+        _check_agrees(graphdef, params, out)
+    plain, refilled = (_roll_slots(graphdef, params, slots, temperature=0.0) for slots in (0, 3))
+    assert np.array_equal(refilled.tokens, plain.tokens[:, : refilled.tokens.shape[1]])
+    np.testing.assert_allclose(refilled.logps, plain.logps[:, :NEW], rtol=0, atol=1e-5)
+
+
+def test_continuous_batching_sharded(policy):
+    """Slots split over the batch axes of the (2,2,2,1) mesh: the same responses as one device's."""
+    graphdef, params = policy
+    single = _roll_slots(graphdef, params, 4)
+    with jax.set_mesh(make_mesh(MeshConfig(2, 2, 2, 1))):
+        sharded = jax.device_put(params, sharding_tree(params, make_mesh(MeshConfig(2, 2, 2, 1))))
+        out = _roll_slots(graphdef, sharded, 4)
+        _check_agrees(graphdef, sharded, out)
+    assert np.array_equal(out.tokens, single.tokens)

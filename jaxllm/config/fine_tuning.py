@@ -296,10 +296,11 @@ class RLConfig:
     """Where PPO's and GRPO's rollouts run (docs/rl-at-scale.md).
 
     `placement` "colocated": the run's devices sample and train, time-shared, from the same arrays.
-    "disaggregated": the last `rollout_devices` devices sample, score and hold the reference (and a reward
-    model), on a mesh of their own that splits rows only (`data`); the mesh axes' product is the device count
-    less them. After each iteration's updates the policy's trained variables reach them by resharding
-    (`jax.device_put`; the frozen base is copied once), timed as `weight_sync_s`. One process for now.
+    "disaggregated": `rollout_devices` devices (the last ones of every process alike, so it must split over
+    the processes) sample, score and hold the reference (and a reward model), on a mesh of their own that splits
+    rows only (`data`); the mesh axes' product is the device count less them. After each iteration's updates the
+    policy's trained variables reach them by resharding (`jax.device_put`, through the hosts across processes;
+    the frozen base is copied once), timed as `weight_sync_s`.
 
     `max_staleness` 0: on-policy, each iteration samples from the weights it starts with. 1 (disaggregated
     only): one step off, the rollouts of iteration k + 1 are sampled from iteration k's starting weights while

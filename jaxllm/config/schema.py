@@ -941,9 +941,14 @@ def _rollout_devices(cfg: Config, num_devices: int, num_processes: int | None) -
     aside = cfg.rl.set_aside(cfg.train.objective)
     if not aside or num_processes is None:
         return 0
-    if num_processes > 1:
-        raise ConfigError("rl.placement", f"disaggregated rollouts run on one process for now, not "
-                                          f"{num_processes}: use rl.placement=colocated")
+    if aside % num_processes:
+        raise ConfigError("rl.rollout_devices", f"{aside} rollout devices do not split over the {num_processes} "
+                                                f"processes (each gives the same number)")
+    if cfg.rl.max_staleness and num_processes > 1:
+        # The rollout thread's cross-process sums (a collective over every device) would interleave with the
+        # trainer's programs in another order on each process.
+        raise ConfigError("rl.max_staleness", f"one step off runs on one process for now, not {num_processes}: "
+                                              f"use rl.max_staleness=0 (on-policy)")
     if aside >= num_devices:
         raise ConfigError("rl.rollout_devices", f"{aside} of the {num_devices} devices leave none to train")
     return aside

@@ -501,19 +501,28 @@ class Transformer(nnx.Module):
         return tuple(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
                      for i in range(self.cfg.num_layers))
 
-    def decode(self, tokens_BT, cache: KVCache, index, start_B, layers: tuple | None = None):
+    def decode(self, tokens_BT, cache: KVCache, index, start_B, layers: tuple | None = None, ring: bool = False):
         """KV-cache forward of T new tokens that occupy cache slots [index, index + T).
 
         Rows are left-padded: row b's first real token sits in slot `start_B[b]`, so its positions count from
         there and slots before it are never attended to. Returns the logits of the last new token [B, V] (the
         only ones sampling needs) and the updated cache. With the layers unrolled, `layers` is
         `decode_layers()`'s result, made once outside the token loop (None: made here).
+
+        With `ring` (one new token: T = 1) the cache is a ring of S slots: `index` and `start_B` count on without
+        bound and slot index % S holds the token at `index`, so a row's last S tokens stay visible
+        (jaxllm/model/continuous.py).
         """
         T, S = tokens_BT.shape[1], jax.tree.leaves(cache.k)[0].shape[-3]
+        if ring and T != 1:
+            raise ValueError(f"a ring cache takes one token a step, got {T}")
         slots_T = index + jnp.arange(T, dtype=jnp.int32)
         positions_BT = jnp.maximum(slots_T[None, :] - start_B[:, None], 0)
         sin_BTh, cos_BTh = self._rotations(positions_BT)
-        slots_11S = jnp.arange(S, dtype=jnp.int32)[None, None, :]
+        held_S = jnp.arange(S, dtype=jnp.int32)  # the index of the token each slot holds
+        if ring:
+            held_S, index = index - jnp.mod(index - held_S, S), jnp.mod(index, S)
+        slots_11S = held_S[None, None, :]
         mask_BTS = (slots_11S <= slots_T[None, :, None]) & (slots_11S >= start_B[:, None, None])
         local_L = self.cfg.local_layers()
         if self.cfg.sliding_window:  # a row's slots are its positions shifted, so the window counts slots

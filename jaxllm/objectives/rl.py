@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxllm.config.fine_tuning import RolloutConfig
@@ -146,7 +147,7 @@ def load_reward_model(spec: str, mesh, compute: str, vocab_size: int, key: str) 
 class WeightSync:
     """The trainer's variables on the rollout devices (rl.placement=disaggregated): each array resharded onto
     the rollout mesh by its logical names (`jax.device_put`), the arrays unchanged since the last call (the
-    frozen base) reused, not copied again."""
+    frozen base) reused, not copied again. Across processes the copy goes through the hosts (`_place`)."""
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -160,10 +161,20 @@ class WeightSync:
         started = time.perf_counter()
         known = dict(zip(map(id, self.sources), self.copies))
         shardings = [NamedSharding(self.mesh, spec) for spec in spec_leaves(variables, self.mesh)]
-        copies = [known[id(x)] if id(x) in known else jax.device_put(x, s) for x, s in zip(leaves, shardings)]
+        copies = [known[id(x)] if id(x) in known else _place(x, s) for x, s in zip(leaves, shardings)]
         jax.block_until_ready(copies)
         self.sources, self.copies = leaves, copies
         return jax.tree.unflatten(treedef, copies), time.perf_counter() - started
+
+
+def _place(x: jax.Array, sharding):
+    """`x` resharded onto `sharding`'s devices. Across processes through the hosts: jax 0.10's XLA:CPU does no
+    device-to-device transfer between processes ("does not support cross-host device transfers"), so every
+    process gathers the array (a collective every process joins, in the same order) and places its own shards."""
+    if x.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    whole = multihost_utils.process_allgather(x, tiled=True)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: whole[index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +241,8 @@ class Sampler:
         with jax.set_mesh(self.mesh):
             out = rollout(self.graphdef, variables, placed["tokens"], placed["start"],
                           max_new_tokens=s.max_new_tokens, temperature=s.temperature, stop_ids=self.stop_ids,
-                          key=key, vocab_limit=self.tokenizer.vocab_size)
+                          key=key, vocab_limit=self.tokenizer.vocab_size,
+                          slots=min(s.decode_slots, len(prompts)))  # the held-out report may have fewer
             N = s.max_new_tokens  # the sampler's cache bucket may hold more slots: never filled
             tokens = out.tokens[:, : P + N]
             segment_ids, positions = sequence_layout(tokens, out.start)
@@ -260,13 +272,16 @@ class Sampler:
         with its own `variables` (a full forward pass on its own mesh): what the sampler recorded, up to the
         numerics of a KV-cache decode against a forward pass, and of one mesh against another."""
         trainer_mesh = jax.tree.leaves(variables)[0].sharding.mesh
-        layout = {k: rows[k] for k in ("tokens", "segment_ids", "positions")}
-        if self.sync is None:  # the trainer's mesh is this sampler's: rows laid out as they were sampled
-            layout = to_global(layout, self.rows_sharding, len(rows["tokens"]) * block[1])
+        sharding = batch_sharding(trainer_mesh)  # this process holds the same block of it (`_split_devices`)
+        global_rows = len(rows["tokens"]) * block[1]
+        if process_rows(sharding, global_rows) != block:
+            raise ValueError(f"process {jax.process_index()} samples rows block {block} but trains block "
+                             f"{process_rows(sharding, global_rows)}")
+        layout = to_global({k: rows[k] for k in ("tokens", "segment_ids", "positions")}, sharding, global_rows)
         with jax.set_mesh(trainer_mesh):
             logps = _logps(self.graphdef, variables, layout["tokens"], layout["segment_ids"], layout["positions"],
                            prompt_len=rows_prompt_len(rows), temperature=self.settings.temperature)
-        return self.read({"logps": logps}, block)["logps"] if self.sync is None else np.asarray(logps)
+        return to_local({"logps": logps}, sharding, block)["logps"]
 
     def read(self, arrays: dict, block: tuple[int, int]) -> dict[str, np.ndarray]:
         """Global arrays of rollout rows -> this process's block of them (numpy)."""

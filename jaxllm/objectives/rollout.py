@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.model.head import head_stats
+from jaxllm.model.continuous import continuous_decode
 from jaxllm.model.sample import NO_TOKEN, decode
 
 
@@ -37,14 +38,18 @@ class Rollout(NamedTuple):
 
 
 def rollout(graphdef, params, tokens_BP, start_B, *, max_new_tokens: int, temperature: float, stop_ids, key,
-            top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None) -> Rollout:
+            top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None, slots: int = 0) -> Rollout:
     """Sample a response to each left-padded prompt (`jaxllm.model.sample.left_pad`); settings as
     `jaxllm.model.sample.generate`'s. The recorded log-probabilities are under softmax(logits / temperature) over the
     whole vocabulary (top-k / top-p and `vocab_limit`, the tokenizer's size, only restrict the draw), what
-    `response_logps` computes."""
-    new_BN, logps_BN = decode(graphdef, params, tokens_BP, start_B, max_new_tokens=max_new_tokens,
-                              stop_ids=stop_ids, temperature=temperature, top_k=top_k, top_p=top_p,
-                              vocab_limit=vocab_limit, key=key)
+    `response_logps` computes. `slots` > 0 decodes through that many cache rows, refilled as responses end
+    (`jaxllm.model.continuous`); 0: every row at once until the longest response ends."""
+    settings = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, temperature=temperature, top_k=top_k,
+                    top_p=top_p, vocab_limit=vocab_limit, key=key)
+    if slots:
+        new_BN, logps_BN = continuous_decode(graphdef, params, tokens_BP, start_B, slots=slots, **settings)
+    else:
+        new_BN, logps_BN = decode(graphdef, params, tokens_BP, start_B, **settings)
     valid_BN = new_BN != NO_TOKEN
     tokens = jnp.concatenate([jnp.asarray(tokens_BP), jnp.where(valid_BN, new_BN, 0)], axis=1)
     stopped = jnp.any(jnp.isin(new_BN, jnp.asarray(list(stop_ids), jnp.int32)) & valid_BN, axis=1)

@@ -47,19 +47,33 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
 
 
 def run_mesh(cfg: Config) -> jax.sharding.Mesh:
-    """The mesh a run trains on: every device, less those an RL run sets aside for its rollouts (the last ones,
-    `rollout_mesh`)."""
+    """The mesh a run trains on: every device, less those an RL run sets aside for its rollouts
+    (`rollout_mesh`)."""
     aside = cfg.rl.set_aside(cfg.train.objective)
-    devices = jax.devices()
-    return make_mesh(cfg.mesh, devices[:len(devices) - aside] if aside else None)
+    return make_mesh(cfg.mesh, _split_devices(aside)[0] if aside else None)
 
 
 def rollout_mesh(cfg: Config) -> jax.sharding.Mesh | None:
-    """The mesh of an RL run's own rollout devices (rl.placement=disaggregated): the last rl.rollout_devices
-    devices, splitting rows only (`data`: every device holds the whole policy and decodes without collectives);
-    None when the rollouts share the run's mesh."""
+    """The mesh of an RL run's own rollout devices (rl.placement=disaggregated): rl.rollout_devices devices, the
+    last ones of every process alike, splitting rows only (`data`: every device holds the whole policy and
+    decodes without collectives); None when the rollouts share the run's mesh."""
     aside = cfg.rl.set_aside(cfg.train.objective)
-    return make_mesh(MeshConfig(data=aside), jax.devices()[-aside:]) if aside else None
+    if not aside:
+        return None
+    return make_mesh(MeshConfig(data=aside, dcn_data=jax.process_count()), _split_devices(aside)[1])
+
+
+def _split_devices(aside: int) -> tuple[list, list]:
+    """(the trainer's devices, the rollouts' `aside`): each process gives its last aside / processes devices to
+    the rollouts, so that both meshes span every process and each process samples the rows it trains on (its
+    block of either mesh's batch)."""
+    per_process = aside // jax.process_count()
+    trainer, rollout = [], []
+    for p in range(jax.process_count()):
+        own = [d for d in jax.devices() if d.process_index == p]
+        trainer += own[:len(own) - per_process]
+        rollout += own[len(own) - per_process:]
+    return trainer, rollout
 
 
 def abstract_mesh(cfg: MeshConfig) -> jax.sharding.AbstractMesh:
