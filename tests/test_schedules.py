@@ -187,6 +187,25 @@ def test_explicit_schedules_equal_the_unpipelined_gradients(params, reference, c
         np.testing.assert_allclose(g / scale, want / scale, rtol=0, atol=1e-5)
 
 
+def test_a_schedule_trains_a_head_on_a_frozen_body(params):
+    """Only outer parameters train (the head; every layer frozen): the schedule still runs the layers' pass and
+    the head's gradient equals the unpipelined one."""
+    head, body = nnx.split_state(params, lambda path, _: path[0] == "lm_head", ...)
+
+    def head_grads(mesh_axes, m, schedule):
+        mesh, graphdef = make_mesh(MeshConfig(**mesh_axes)), _graphdef(MODEL, m, 1, schedule)
+        with jax.set_mesh(mesh):
+            h, f = (jax.device_put(x, sharding.sharding_tree(x, mesh)) for x in (head, body))
+            batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in BATCH.items()}
+            fn = jax.jit(lambda h, b, f: grads_and_loss(graphdef, h, b, 1, loss_fn=next_token_loss, frozen=f)[0])
+            return jax.device_get(fn(h, batch, f))
+
+    piped, plain = head_grads(dict(data=2, fsdp=2, stage=2), 4, "1f1b"), head_grads(dict(data=8), 1, "gpipe")
+    want = jax.tree.leaves(plain)[0]
+    assert np.max(np.abs(want)) > 1e-6
+    np.testing.assert_allclose(jax.tree.leaves(piped)[0], want, rtol=0, atol=1e-6 * np.max(np.abs(want)) + 1e-9)
+
+
 def test_one_f_one_b_holds_fewer_activations_than_gpipe(params):
     """p = 4, m = 16: GPipe keeps all m micro-batches' stage inputs until its backward, 1F1B at most p. Shapes
     where those inputs dominate the temporaries (wide rows, remat full); measured ratio 0.58 (jax 0.10, CPU)."""

@@ -73,8 +73,8 @@ def _passes(model, params, loss_fn, mb, key) -> _Passes:
     if not stacks:
         raise ValueError("the loss function never runs the model's layers: nothing to pipeline")
     trained = tuple(bool(paths & trained_paths) for paths in stacks)
-    if not any(trained):
-        raise ValueError("none of the loss function's layer stacks has trained variables: nothing to pipeline")
+    if not any(trained):  # only outer parameters train (a head on a frozen body): the first pass carries them
+        trained = (True,) + trained[1:]
     return _Passes(trained, frozenset().union(*(s for s, t in zip(stacks, trained) if t)))
 
 
