@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec
 from compile_flags import PRODUCTION_COMPILE
 from jaxllm.optim import powersgd
 from jaxllm.config.cli import build_config
-from jaxllm.config.schema import (MESH_AXES, ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig,
-                           default_config_dict, validate)
+from jaxllm.config.schema import (MESH_AXES, ConfigError, MeshConfig, ModelConfig, OptimConfig, PipelineConfig,
+                           PrecisionConfig, default_config_dict, validate)
 from jaxllm.observe.comms import collectives, reduced_bytes_across
 from jaxllm.optim.loss_scale import NO_LOSS_SCALING, LossScaling
 from jaxllm.parallel.mesh import make_mesh
@@ -48,12 +48,12 @@ def _batch(seed, rows=ROWS, positions=POSITIONS):
 
 
 def _train(layout, compression, grad_accum=1, steps=3, loss_scaling=NO_LOSS_SCALING, loss_factor=1.0,
-           compiler_options=None):
+           compiler_options=None, pipeline=PipelineConfig()):
     """(final state, metrics of every step, initial state), on the host, after `steps` SGD updates on one batch
     under mesh `layout`; the loss multiplied by `loss_factor`. SGD, because Adam's g / sqrt(v) turns float32 noise
     on a zero gradient (an unused embedding row) into a full-size step."""
     mesh = make_mesh(MeshConfig(*layout))
-    objective = with_scaled_loss(lm_objective(MODEL, F32), loss_factor)
+    objective = with_scaled_loss(lm_objective(MODEL, F32, pipeline), loss_factor)
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
     with jax.set_mesh(mesh):
         state, _, shardings, _ = init_objective_state(objective, tx, mesh, seed=0)
@@ -70,8 +70,8 @@ def _train(layout, compression, grad_accum=1, steps=3, loss_scaling=NO_LOSS_SCAL
     return jax.device_get(state), history, initial
 
 
-def _params_and_losses(layout, compression, grad_accum=1, steps=3):
-    state, history, _ = _train(layout, compression, grad_accum, steps)
+def _params_and_losses(layout, compression, grad_accum=1, steps=3, pipeline=PipelineConfig()):
+    state, history, _ = _train(layout, compression, grad_accum, steps, pipeline=pipeline)
     return state.params, [float(m["loss"]) for m in history]
 
 
@@ -93,6 +93,22 @@ def test_rank_at_least_the_matrix_rank_equals_uncompressed(layout, grad_accum):
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(plain_params)):
         np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_full_rank_equals_uncompressed_through_pipeline_stages(schedule):
+    """data 4 x stage 2, 2 micro-batches: PowerSGD reduces over `data` what either schedule's stages computed (the
+    pipeline's shard_map over `stage` runs inside PowerSGD's over `data`)."""
+    pipeline = PipelineConfig(microbatches=2, schedule=schedule)
+    plain_params, plain_losses = _params_and_losses((4, 1, 1, 2), None, pipeline=pipeline)
+    compression = powersgd.PowerSGD(rank=FULL_RANK, start_step=0)
+    state, history, initial = _train((4, 1, 1, 2), compression, pipeline=pipeline)
+    np.testing.assert_allclose([float(m["loss"]) for m in history], plain_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(plain_params)):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.powersgd.q),
+                                                      jax.tree.leaves(initial.powersgd.q))]
+    assert moved and all(moved)  # the factors were computed (warm-started) at every step: it compressed
 
 
 def test_low_rank_differs_and_starts_after_the_uncompressed_steps():
@@ -279,8 +295,7 @@ def test_bad_settings_name_their_key(overrides, key):
         validate(cd, 8)
 
 
-@pytest.mark.parametrize("mesh,says", [(dict(data=1, fsdp=8), "nothing to compress"),
-                                       (dict(data=4, stage=2), "pipeline")])
+@pytest.mark.parametrize("mesh,says", [(dict(data=1, fsdp=8), "nothing to compress")])
 def test_meshes_it_cannot_compress_are_config_errors(mesh, says):
     cd = default_config_dict()
     cd.mesh.update(**mesh)

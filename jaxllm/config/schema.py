@@ -1097,9 +1097,6 @@ def _check_compression(optim: OptimConfig, mesh: MeshConfig) -> None:
     if mesh.data == 1:
         raise ConfigError("optim.grad_compression", "powersgd compresses gradients across mesh.data, which is 1: "
                                                     "nothing to compress (use none)")
-    if mesh.stage > 1:
-        raise ConfigError("optim.grad_compression", f"powersgd does not support pipeline stages (mesh.stage="
-                                                    f"{mesh.stage}); use mesh.stage=1 or none")
 
 
 def _check_batch(batch_size: int, mesh: MeshConfig, grad_accum: int, microbatches: int, check_batch: bool) -> None:
