@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.model.sample import ALL_IDS, _pick
+from jaxllm.model.sample import ALL_IDS, draw_tokens
 
 PROBS = np.array([0.05, 0.5, 0.15, 0.3])  # ranked: id 1 (0.5), id 3 (0.3), id 2 (0.15), id 0 (0.05)
 ROWS = 4000
@@ -15,8 +15,8 @@ ROWS = 4000
 
 def _draws(top_p: float, top_k: int = 0) -> np.ndarray:
     logits = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS, jnp.float32)), (ROWS, len(PROBS)))
-    tokens, _ = _pick(logits, jax.random.key(3), 1, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p),
-                      jnp.int32(ALL_IDS), sampling=True)
+    tokens, _ = draw_tokens(logits, jax.random.key(3), 1, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p),
+                            jnp.int32(ALL_IDS), sampling=True)
     return np.asarray(tokens)
 
 
@@ -44,8 +44,8 @@ def test_a_draw_without_top_k_or_top_p_skips_the_sort_and_keeps_the_distribution
     """truncate=False (no top-k, no top-p) draws from the drawable ids directly: in proportion, never a padding id
     (here id 3 lies past vocab_limit=3), each with its log-probability under the whole softmax."""
     logits = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS, jnp.float32)), (ROWS, len(PROBS)))
-    tokens, logps = _pick(logits, jax.random.key(3), 1, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0),
-                          jnp.int32(3), sampling=True, truncate=False)
+    tokens, logps = draw_tokens(logits, jax.random.key(3), 1, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0),
+                                jnp.int32(3), sampling=True, truncate=False)
     draws = np.asarray(tokens)
     assert set(np.unique(draws).tolist()) == {0, 1, 2}
     expected = PROBS[:3] / PROBS[:3].sum()

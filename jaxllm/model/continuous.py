@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.model.sample import ALL_IDS, NO_TOKEN, STOP_SLOTS, _pick, bucket
+from jaxllm.model.sample import ALL_IDS, NO_TOKEN, STOP_SLOTS, bucket, draw_tokens
 from jaxllm.model.transformer import KVCache
 
 
@@ -78,8 +78,8 @@ def _continuous(graphdef, params, tokens_QP, start_Q, stop_ids, temperature, top
     def draw(logits_RV, prompt_R, drawn_R):
         """Each row's next token and its log-probability, with the key of (its prompt, its token index)."""
         keys = jax.vmap(lambda q, n: jax.random.fold_in(jax.random.fold_in(key, q), n))(prompt_R, drawn_R)
-        one = lambda logits_V, k: _pick(logits_V[None], k, 0, temperature, top_k, top_p, vocab_limit, sampling,
-                                         truncate)
+        one = lambda logits_V, k: draw_tokens(logits_V[None], k, 0, temperature, top_k, top_p, vocab_limit,
+                                              sampling, truncate)
         token_R, logp_R = jax.vmap(one)(logits_RV, keys)
         return token_R[:, 0], logp_R[:, 0]
 

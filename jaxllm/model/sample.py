@@ -37,7 +37,8 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def _pick(logits_BV, key, step, temperature, top_k, top_p, vocab_limit, sampling: bool, truncate: bool = True):
+def draw_tokens(logits_BV, key, step, temperature, top_k, top_p, vocab_limit, sampling: bool,
+                truncate: bool = True):
     """Next tokens [B] and their log-probabilities [B] (float32), drawn from the ids below `vocab_limit` only.
 
     Greedy: the argmax, with its log-probability under softmax(logits). Sampling: a draw from the
@@ -87,7 +88,7 @@ def _decode(graphdef, params, tokens_BP, start_B, max_new, stop_ids, temperature
     log-probabilities (0 after a row stopped)."""
     model = nnx.merge(graphdef, params)
     B, P = tokens_BP.shape
-    pick = functools.partial(_pick, key=key, temperature=temperature, top_k=top_k, top_p=top_p,
+    pick = functools.partial(draw_tokens, key=key, temperature=temperature, top_k=top_k, top_p=top_p,
                              vocab_limit=vocab_limit, sampling=sampling, truncate=truncate)
 
     cache = KVCache.zeros(model.cfg, B, cache_len, model.compute_dtype)
