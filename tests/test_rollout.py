@@ -110,13 +110,14 @@ def _roll_slots(graphdef, params, slots, temperature=TEMPERATURE):
 
 def test_continuous_batching_samples_the_same_responses_through_any_number_of_slots(policy):
     """Rows refilled as responses end (jaxllm.model.continuous): each token's key is its prompt's and index's, so
-    1, 3 or all 8 cache rows give the same ragged responses, and their recorded log-probabilities equal a full
+    1, 3, all 8 or more cache rows give the same ragged responses, and their recorded log-probabilities equal a full
     forward pass. Greedy, they are the plain decoder's responses."""
     graphdef, params = policy
     every = _roll_slots(graphdef, params, len(PROMPTS))
     lengths = np.asarray(every.mask).sum(axis=1)
     assert len(set(lengths.tolist())) > 2, lengths  # ragged: slots free up at different steps
-    for slots in (1, 3):  # one slot: every prompt in turn, its ring cache (64 positions) wrapped over again
+    # One slot: every prompt in turn, its ring cache (64 positions) wrapped over again; 16: one for each prompt.
+    for slots in (1, 3, 16):
         out = _roll_slots(graphdef, params, slots)
         assert np.array_equal(out.tokens, every.tokens) and np.array_equal(out.mask, every.mask), slots
         np.testing.assert_allclose(out.logps, every.logps, rtol=0, atol=1e-5)

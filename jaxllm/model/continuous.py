@@ -156,11 +156,12 @@ def _continuous(graphdef, params, tokens_QP, start_Q, stop_ids, temperature, top
 def continuous_decode(graphdef, params, tokens_QP, start_Q, *, slots: int, max_new_tokens: int, stop_ids=(),
                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None,
                       key=None):
-    """`jaxllm.model.sample.decode` through `slots` cache rows (see the module docstring): (new tokens [Q, N],
-    log-probabilities [Q, N]) as device arrays, N = `max_new_tokens`."""
+    """`jaxllm.model.sample.decode` through `slots` cache rows (see the module docstring; more slots than prompts:
+    one for each prompt): (new tokens [Q, N], log-probabilities [Q, N]) as device arrays, N = `max_new_tokens`."""
     Q, P = np.shape(tokens_QP)
-    if not 0 < slots <= Q:
-        raise ValueError(f"continuous_decode: slots must be in [1, {Q}] (the prompts), got {slots}")
+    if slots < 1:
+        raise ValueError(f"continuous_decode: slots must be >= 1, got {slots}")
+    slots = min(slots, Q)
     stops = np.full((bucket(len(stop_ids), STOP_SLOTS),), NO_TOKEN, np.int32)
     stops[: len(stop_ids)] = list(stop_ids)
     key = jax.random.key(0) if key is None else key

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxllm.config.fine_tuning import RolloutConfig
@@ -47,7 +46,7 @@ from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.parallel.host_rows import (per_block, process_rows, row_shards, sum_over_blocks, texts_per_block, to_global,
                                       to_local)
 from jaxllm.parallel.mesh import rollout_mesh, run_mesh
-from jaxllm.parallel.sharding import spec_leaves
+from jaxllm.parallel.sharding import reshard, spec_leaves
 from jaxllm.observe.metrics import JsonlWriter
 from jaxllm.objectives import reward_fns as rewards
 from jaxllm.objectives.retention import with_sft_task
@@ -147,7 +146,8 @@ def load_reward_model(spec: str, mesh, compute: str, vocab_size: int, key: str) 
 class WeightSync:
     """The trainer's variables on the rollout devices (rl.placement=disaggregated): each array resharded onto
     the rollout mesh by its logical names (`jax.device_put`), the arrays unchanged since the last call (the
-    frozen base) reused, not copied again. Across processes the copy goes through the hosts (`_place`)."""
+    frozen base) reused, not copied again. Across processes the copy goes through the hosts
+    (`jaxllm.parallel.sharding.reshard`)."""
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -161,20 +161,10 @@ class WeightSync:
         started = time.perf_counter()
         known = dict(zip(map(id, self.sources), self.copies))
         shardings = [NamedSharding(self.mesh, spec) for spec in spec_leaves(variables, self.mesh)]
-        copies = [known[id(x)] if id(x) in known else _place(x, s) for x, s in zip(leaves, shardings)]
+        copies = [known[id(x)] if id(x) in known else reshard(x, s) for x, s in zip(leaves, shardings)]
         jax.block_until_ready(copies)
         self.sources, self.copies = leaves, copies
         return jax.tree.unflatten(treedef, copies), time.perf_counter() - started
-
-
-def _place(x: jax.Array, sharding):
-    """`x` resharded onto `sharding`'s devices. Across processes through the hosts: jax 0.10's XLA:CPU does no
-    device-to-device transfer between processes ("does not support cross-host device transfers"), so every
-    process gathers the array (a collective every process joins, in the same order) and places its own shards."""
-    if x.is_fully_addressable:
-        return jax.device_put(x, sharding)
-    whole = multihost_utils.process_allgather(x, tiled=True)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: whole[index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +231,7 @@ class Sampler:
         with jax.set_mesh(self.mesh):
             out = rollout(self.graphdef, variables, placed["tokens"], placed["start"],
                           max_new_tokens=s.max_new_tokens, temperature=s.temperature, stop_ids=self.stop_ids,
-                          key=key, vocab_limit=self.tokenizer.vocab_size,
-                          slots=min(s.decode_slots, len(prompts)))  # the held-out report may have fewer
+                          key=key, vocab_limit=self.tokenizer.vocab_size, slots=s.decode_slots)
             N = s.max_new_tokens  # the sampler's cache bucket may hold more slots: never filled
             tokens = out.tokens[:, : P + N]
             segment_ids, positions = sequence_layout(tokens, out.start)

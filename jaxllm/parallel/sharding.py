@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
@@ -324,3 +325,14 @@ def bytes_per_device(tree: Any, mesh, specs: Any = None) -> int:
         math.prod(shard_shape(leaf.shape, spec, sizes)) * np.dtype(leaf.dtype).itemsize
         for leaf, spec in zip(leaves, specs)
     )
+
+
+def reshard(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`x` placed with `sharding`, whose devices may be other ones than x's. Across processes through the hosts:
+    jax 0.10's XLA:CPU does no device-to-device transfer between processes ("For a cross-host reshard ... the same
+    set of devices"), so every process gathers the array (a collective every process joins, in the same order)
+    and places its own shards."""
+    if x.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    whole = multihost_utils.process_allgather(x, tiled=True)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: whole[index])
