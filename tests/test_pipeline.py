@@ -63,20 +63,20 @@ def params():
     return nnx.state(build_model(MODEL, PRECISION, jax.random.key(0)))
 
 
-def _graphdef(cfg, m=1, r=1, nan_bubbles=False):
+def _graphdef(cfg, m=1, r=1, nan_bubbles=False, precision=PRECISION):
     def make():
         with nnx.use_eager_sharding(False):
-            model = Transformer(cfg, PRECISION, rngs=nnx.Rngs(0), pipeline_microbatches=m, pipeline_repeats=r)
+            model = Transformer(cfg, precision, rngs=nnx.Rngs(0), pipeline_microbatches=m, pipeline_repeats=r)
         model.pipeline_debug_nan_bubbles = nan_bubbles
         return nnx.split(model)
 
     return jax.eval_shape(make)[0]
 
 
-def _grads(params, layout, m=1, r=1, remat="none", nan_bubbles=False, attention="xla"):
+def _grads(params, layout, m=1, r=1, remat="none", nan_bubbles=False, attention="xla", precision=PRECISION):
     """(gradients, loss, compiled HLO text) of `grads_and_loss` on `layout` with the given schedule."""
     mesh = make_mesh(MeshConfig(*layout))
-    graphdef = _graphdef(dataclasses.replace(MODEL, remat=remat, attention=attention), m, r, nan_bubbles)
+    graphdef = _graphdef(dataclasses.replace(MODEL, remat=remat, attention=attention), m, r, nan_bubbles, precision)
     with jax.set_mesh(mesh):
         placed = jax.device_put(params, sharding.sharding_tree(params, mesh))
         batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in BATCH.items()}
@@ -115,6 +115,18 @@ def test_pipelined_equals_sequential(pipelined, reference, case):
 
 def test_nan_in_bubbles_changes_nothing(params, reference):
     _assert_same(_grads(params, *NAN_CASE, nan_bubbles=True), reference, "NaN bubbles")
+
+
+def test_bfloat16_activations_cross_the_stages(params):
+    """bfloat16 compute through the pipeline: XLA:CPU's own float32 promotion of the stage sums (the outputs
+    handed to every stage, the inputs' gradients) aborted the compile; the pipeline sums in float32 there."""
+    bf16 = PrecisionConfig(params="float32", compute="bfloat16", output="float32")
+    grads, loss, _ = _grads(params, (4, 1, 1, 2), m=2, precision=bf16)
+    ref_grads, ref_loss, _ = _grads(params, (8, 1, 1, 1), precision=bf16)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-2)
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        scale = np.max(np.abs(ref)) + 1e-12
+        np.testing.assert_allclose(g / scale, ref / scale, rtol=0, atol=5e-2)
 
 
 def _packed_layout_attention(q_BTNH, k_BSKH, v_BSKH, segments, window=0, scale=None):

@@ -50,6 +50,15 @@ def num_stages(mesh=None) -> int:
     return dict(zip(mesh.axis_names, mesh.axis_sizes))[STAGE]
 
 
+def _promoted(collective, x):
+    """`collective(x)`, a sum over `stage` (or the cast whose transpose is one), run in float32 for a 16-bit `x` on
+    XLA:CPU, as that backend sums anyway: its own promotion of a bfloat16 all-reduce (AllReducePromotion) aborts
+    on the reducer jax writes inside a mesh ("Invalid binary instruction opcode copy")."""
+    if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating) or jax.default_backend() != "cpu":
+        return collective(x)
+    return collective(x.astype(jnp.float32)).astype(x.dtype)
+
+
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     """Theoretical idle fraction of the schedule: (p-1) / (r*m + p-1)."""
     return (stages - 1) / (repeats * microbatches + stages - 1)
@@ -200,7 +209,7 @@ def pipeline(
             w_local = jax.tree.map(lambda w: to_circular(w, rounds), w_local)
         s = jax.lax.axis_index(STAGE)
         ring = [(i, (i + 1) % p) for i in range(p)]
-        buf = jax.lax.pcast(x_in_mBTD, STAGE, to="varying")
+        buf = _promoted(lambda a: jax.lax.pcast(a, STAGE, to="varying"), x_in_mBTD)  # its transpose: a psum
         state = jnp.zeros_like(buf[0])
         # Per stage: [r, m, Lc, B/m, ...] stats of the chunks it runs, for each repeat and micro-batch.
         stats_shape = jax.eval_shape(lambda: body(w_local, aux_all, state, 0, 0)[1]) if stage_stats else None
@@ -233,7 +242,7 @@ def pipeline(
 
         (_, buf, filed_stats), _ = jax.lax.scan(step, (state, buf, filed_stats), jnp.arange(n_iter))
         # Outputs sit on stage 0; hand them to every stage (the head runs outside, replicated over `stage`).
-        return jax.lax.psum(jnp.where(s == 0, buf, jnp.zeros_like(buf)), STAGE), filed_stats
+        return _promoted(lambda a: jax.lax.psum(a, STAGE), jnp.where(s == 0, buf, jnp.zeros_like(buf))), filed_stats
 
     # [m, B/m, T, ...] activations and aux; per-stage stats [p*r, m, Lc, B/m, T, ...]
     tokens, stats_spec = (P(None, None, CONTEXT), P(STAGE, None, None, None, CONTEXT)) if seq_split else (P(), P(STAGE))
