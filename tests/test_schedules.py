@@ -3,8 +3,8 @@
 
 The tables are checked as data, over many (p, m, r), without compiling anything: dependencies, bubble formulas,
 in-flight bounds, and a dry run of the executor's buffer slots. The compiled cases cover every explicit schedule
-at p = 2 and 4, m = 4 and 8 (r = 2 interleaved), each mixed with data, fsdp or tensor, against the unpipelined
-gradients; then the memory ordering that is the point of 1F1B.
+at p = 2 and 4, m = 4 and 8 (r = 2 interleaved), each mixed with data, fsdp, tensor or context, against the
+unpipelined gradients; then the memory ordering that is the point of 1F1B.
 """
 
 import dataclasses
@@ -130,7 +130,7 @@ BATCH = synthetic_batch(7, 16, 16, MODEL.vocab_size)
 CASES = [
     ("1f1b", dict(data=2, fsdp=2, stage=2), 4, 1),
     ("1f1b", dict(data=2, stage=4), 8, 1),
-    ("interleaved_1f1b", dict(data=2, tensor=2, stage=2), 4, 2),
+    ("interleaved_1f1b", dict(context=2, tensor=2, stage=2), 4, 2),
     ("interleaved_1f1b", dict(fsdp=2, stage=4), 8, 2),
     ("zb_h1", dict(tensor=2, stage=4), 4, 1),
     ("zb_h1", dict(data=2, fsdp=2, stage=2), 8, 1),
@@ -233,8 +233,8 @@ MOE_BATCH = synthetic_batch(11, 32, 16, MODEL.vocab_size)
 
 # (schedule, mesh, micro-batches, repeats, capacity factor)
 MOE_CASES = [
-    ("1f1b", dict(data=2, expert=2, stage=2), 4, 1, 0.0),
-    ("interleaved_1f1b", dict(data=2, expert=2, stage=2), 4, 2, 8.0),
+    ("1f1b", dict(fsdp=2, expert=2, stage=2), 4, 1, 0.0),
+    ("interleaved_1f1b", dict(fsdp=2, tensor=2, stage=2), 4, 2, 8.0),
     ("zb_h1", dict(tensor=2, expert=2, stage=2), 4, 1, 0.0),
 ]
 

@@ -1020,15 +1020,10 @@ def check_across(cfg: Config, check_batch: bool = True, num_processes: int | Non
 
 
 def _check_schedule(cfg: Config) -> None:
-    """The explicit schedules against what they cannot run yet (refused, not ignored): ring attention; interleaved
-    1F1B needs micro-batches in multiples of the stages."""
+    """Interleaved 1F1B needs micro-batches in multiples of the stages."""
     pipeline, stages = cfg.pipeline, cfg.mesh.stage
     if pipeline.schedule not in EXPLICIT_SCHEDULES or stages == 1:
         return
-    if cfg.mesh.context > 1 and cfg.model.context_attention == "ring":
-        # The ring's own shard_maps nested in the schedule's cannot be differentiated (jaxllm/parallel/context.py).
-        raise ConfigError("model.context_attention", f"'ring' does not run inside {pipeline.schedule!r} yet: use "
-                                                     f"'all_gather', or gpipe or circular")
     if pipeline.schedule == "interleaved_1f1b" and pipeline.microbatches % stages:
         raise ConfigError("pipeline.microbatches", f"interleaved_1f1b needs a multiple of mesh.stage={stages}, "
                                                    f"got {pipeline.microbatches}")
@@ -1127,36 +1122,6 @@ def probe_environment(cfg: Config) -> None:
     if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.wandb", "needs the wandb package: pip install 'jaxllm[wandb]' (or set it false)")
     check_quant_backend(cfg.precision, cfg.debug.emulate_fp8)
-    _check_schedule_backend(cfg)
-
-
-def _check_schedule_backend(cfg: Config) -> None:
-    """XLA:CPU runs a collective-permute only when every device joins it; inside an explicit schedule's per-stage
-    branch only one stage's devices do. Three layouts put one there: the balanced layout of `context` (its
-    permutes at the model's edges, in the first and last chunks' branches), adapters under fsdp and tensor
-    together (their backward reshards with one), and a mixture of experts under fsdp with expert or tensor (the
-    partitioner reorders the batch's devices between the attention and the experts' dispatch). Refused on CPU
-    (GPUs run them), not left to hang."""
-    mesh, schedule = cfg.mesh, cfg.pipeline.schedule
-    if schedule not in EXPLICIT_SCHEDULES or mesh.stage == 1:
-        return
-    adapters_on_both = cfg.lora.rank and mesh.fsdp > 1 and mesh.tensor > 1
-    experts_on_fsdp = cfg.model.num_experts and mesh.fsdp > 1 and max(mesh.expert, mesh.tensor) > 1
-    if mesh.context == 1 and not adapters_on_both and not experts_on_fsdp:
-        return
-    import jax  # start-up speed: configs load and are checked before JAX does
-
-    if jax.default_backend() != "cpu":
-        return
-    if mesh.context > 1:
-        raise ConfigError("pipeline.schedule", f"{schedule!r} with mesh.context > 1 hangs XLA:CPU: use gpipe or "
-                                               f"circular there")
-    if experts_on_fsdp:
-        raise ConfigError("pipeline.schedule", f"{schedule!r} with a mixture of experts on mesh.fsdp > 1 and "
-                                               f"mesh.expert or mesh.tensor > 1 hangs XLA:CPU: use data for the "
-                                               f"batch there, or gpipe or circular")
-    raise ConfigError("pipeline.schedule", f"{schedule!r} with adapters (lora.rank > 0) on both mesh.fsdp and "
-                                           f"mesh.tensor > 1 hangs XLA:CPU: use one of them")
 
 
 def check_quant_backend(precision: PrecisionConfig, emulate_fp8: bool = False) -> None:

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxllm.config.schema import LoRAConfig
 from jaxllm.model.base_quant import dequantized, kernel_einsum
+from jaxllm.parallel.sharding import constrain, permutes_hang
 
 # Each target's adapter is the attribute `<target>_lora` of its module (jaxllm/model/layers.py), so this suffix
 # marks adapter arrays in a checkpoint's names too.
@@ -47,6 +48,7 @@ class LoRA(nnx.Module):
         self.scale = cfg.scale
         self.dropout = cfg.dropout
         self.n_in, self.n_out = len(in_shape), len(out_shape)
+        self.in_names, self.out_names = tuple(in_names), tuple(out_names)
 
     def __call__(self, x, rng=None):
         """The adapter's contribution for input `x` [B, T, *in] (dropout only when `rng` is given)."""
@@ -54,8 +56,20 @@ class LoRA(nnx.Module):
             keep = jax.random.bernoulli(rng, 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
         ins, outs = string.ascii_lowercase[:self.n_in], string.ascii_lowercase[self.n_in:self.n_in + self.n_out]
-        h = jnp.einsum(f"BT{ins},{ins}r->BTr", x, self.a[...].astype(x.dtype))
-        return self.scale * jnp.einsum(f"BTr,r{outs}->BT{outs}", h, self.b[...].astype(x.dtype))
+        a = self._in_compute(self.a[...], self.in_names + ("lora_rank",))
+        h = jnp.einsum(f"BT{ins},{ins}r->BTr", x, a.astype(x.dtype))
+        return self.scale * jnp.einsum(f"BTr,r{outs}->BT{outs}", h,
+                                       self._in_compute(self.b[...], ("lora_rank",) + self.out_names).astype(x.dtype))
+
+    @staticmethod
+    def _in_compute(weight, names):
+        """An adapter matrix, in its compute layout where collective permutes would hang (`permutes_hang`:
+        XLA:CPU inside an explicit pipeline schedule's per-stage branch): left to itself there, XLA's partitioner
+        moved A's fsdp split over to `tensor` with a collective permute under fsdp x tensor. Elsewhere as XLA
+        lays it out (constrained everywhere, a DPO run under fsdp x tensor wedged in an XLA:CPU all-reduce)."""
+        if not permutes_hang():
+            return weight
+        return constrain(weight, (None,) * (weight.ndim - len(names)) + names)
 
     def delta_weight(self) -> jax.Array:
         """scale * A @ B in float32, shaped like the kernel (the merge of PEFT's merge_and_unload).

@@ -24,8 +24,8 @@ from jaxllm.model.moe import MoEMLP
 from jaxllm.model.visibility import attention_visibility, resolve_attention
 from jaxllm.parallel.context import balanced_order, context_shards, from_balanced, to_balanced
 from jaxllm.parallel.offload import DEVICE, HOST
-from jaxllm.parallel.pipeline import num_stages, pipeline
-from jaxllm.parallel.sharding import constrain
+from jaxllm.parallel.pipeline import STAGE, num_stages, pipeline
+from jaxllm.parallel.sharding import active_mesh, constrain, constrain_to_rest, permutes_hang
 
 _QKV = ("query_proj", "key_proj", "value_proj")
 # Named intermediates (jaxllm/model/layers.py) each named policy keeps, as MaxText's policies of the same names:
@@ -281,8 +281,11 @@ def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat:
     step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=True, probe=probe)
     per_layer = []
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        layer_i, key_i, local_i = jax.tree.map(lambda a: a[i], (stacked, keys_L, local_L))
+        if permutes_hang():  # inside an explicit schedule's branch on XLA:CPU
+            layer_i = constrain_to_rest(layer_i, sliced=True)
         with jax.named_scope(f"layer_{i}"):  # profiler traces name each unrolled layer
-            x_BTD, stats = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L, local_L)))
+            x_BTD, stats = step(x_BTD, (layer_i, key_i, local_i))
         per_layer.append(stats)
     return x_BTD, None if per_layer[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
 
@@ -433,7 +436,11 @@ class Transformer(nnx.Module):
                                                                              windowed(self.cfg.sliding_window))
         x_BTD = self.embed_tokens(tokens_BT, self.compute_dtype, self.seq_axis)
         keys_L = layer_keys(rng if self.lora is not None else None, self.cfg.num_layers)
-        layer_loop = scan_layers if self.cfg.scan_layers else unroll_layers
+        # The ring's shard_maps inside an explicit schedule's (manual over `stage`): autodiff through a scan over
+        # them fails to verify (jax-ml/jax#26588: the nested shard_map's scalar residuals); through an unrolled
+        # chunk it does not, so there the chunk's layers are unrolled.
+        ring_nested = impl == "ring" and STAGE in active_mesh().manual_axes
+        layer_loop = scan_layers if self.cfg.scan_layers and not ring_nested else unroll_layers
 
         def run_chunk(layers, x_BTD, keys_L, local_L):
             return layer_loop(layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,

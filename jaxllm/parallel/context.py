@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.parallel.sharding import active_mesh, mesh_sizes
+from jaxllm.parallel.sharding import active_mesh, mesh_sizes, permutes_hang
 
 CONTEXT = "context"
 # Masked scores: a large finite negative as in jaxllm/model/layers.py (a fully masked block must not make NaN).
@@ -56,14 +56,59 @@ def balanced_order(length: int, shards: int) -> np.ndarray:
 def to_balanced(x: jax.Array, shards: int) -> jax.Array:
     """`x` [B, T, ...] in the balanced layout along T (`balanced_order`): slices, a reversal and an interleave,
     which XLA moves between devices with collective permutes rather than gathering the sequence."""
+    if permutes_hang():
+        return _gathered_permute(x, shards, True)
+    return _to_balanced(x, shards)
+
+
+def from_balanced(x: jax.Array, shards: int) -> jax.Array:
+    """`to_balanced` undone: `x` [B, T, ...] back in sequence order."""
+    if permutes_hang():
+        return _gathered_permute(x, shards, False)
+    return _from_balanced(x, shards)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered_permute(x: jax.Array, shards: int, to: bool) -> jax.Array:
+    """`to_balanced` (`to`) or `from_balanced` where collective permutes would hang (`permutes_hang`: XLA:CPU
+    inside an explicit schedule's per-stage branch), through an all-gather of the sequence over `context`: every
+    device permutes the whole sequence and keeps its own part. That holds a whole sequence per device for a
+    moment, once at each edge of the model, where a permute moves only what changes device. By hand in a
+    shard_map, as XLA's partitioner turns a gather and slices it lays out itself back into permutes; under a
+    custom VJP (the other direction, moved the same way), as autodiff of a shard_map nested in the schedule's
+    fails to verify (jax-ml/jax#26588, as for `ring_attention`)."""
+    permute = _to_balanced if to else _from_balanced
+
+    def per_device(part):
+        whole = jax.lax.all_gather(part, CONTEXT, axis=1, tiled=True)
+        length = part.shape[1]
+        return jax.lax.dynamic_slice_in_dim(permute(whole, shards), jax.lax.axis_index(CONTEXT) * length, length,
+                                            axis=1)
+
+    seq = P(None, CONTEXT)
+    return jax.shard_map(per_device, mesh=active_mesh(), in_specs=seq, out_specs=seq, axis_names={CONTEXT})(x)
+
+
+def _gathered_permute_fwd(x, shards, to):
+    return _gathered_permute(x, shards, to), None
+
+
+def _gathered_permute_bwd(shards, to, _, d_out):
+    """A permutation's transpose is its inverse."""
+    return (_gathered_permute(d_out, shards, not to),)
+
+
+_gathered_permute.defvjp(_gathered_permute_fwd, _gathered_permute_bwd)
+
+
+def _to_balanced(x: jax.Array, shards: int) -> jax.Array:
     B, T = x.shape[:2]
     chunks = x.reshape((B, 2 * shards, T // (2 * shards)) + x.shape[2:])
     early, late = chunks[:, :shards], jnp.flip(chunks[:, shards:], axis=1)
     return jnp.stack([early, late], axis=2).reshape(x.shape)
 
 
-def from_balanced(x: jax.Array, shards: int) -> jax.Array:
-    """`to_balanced` undone: `x` [B, T, ...] back in sequence order."""
+def _from_balanced(x: jax.Array, shards: int) -> jax.Array:
     B, T = x.shape[:2]
     pairs = x.reshape((B, shards, 2, T // (2 * shards)) + x.shape[2:])
     early, late = pairs[:, :, 0], jnp.flip(pairs[:, :, 1], axis=1)
@@ -182,7 +227,12 @@ _ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _pass_on(tree, shards: int):
-    """Each device's `tree` to the next device of the ring (the last to the first)."""
+    """Each device's `tree` to the next device of the ring (the last to the first). Where collective permutes
+    would hang (`permutes_hang`: XLA:CPU inside an explicit schedule's branch), through an all-gather over
+    `context`, each device keeping the previous device's: `shards` times the bytes, the same values."""
+    if permutes_hang():
+        previous = (jax.lax.axis_index(CONTEXT) - 1) % shards
+        return jax.tree.map(lambda a: jax.lax.all_gather(a, CONTEXT)[previous], tree)
     return jax.lax.ppermute(tree, CONTEXT, [(i, (i + 1) % shards) for i in range(shards)])
 
 

@@ -26,7 +26,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.parallel.context import CONTEXT
-from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, mesh_sizes
+from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, mesh_sizes, permutes_hang
 
 EXPERT, TENSOR = "expert", "tensor"
 
@@ -104,9 +104,14 @@ def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD, spli
         # and region operand shape ... must match"; jax 0.10 and 0.12, jax-ml/jax#26588). Same results; the
         # experts are gathered there rather than reached by an exchange.
         # The stage's rows are whole on each of its devices there: with both fsdp and tensor above 1, XLA's SPMD
-        # partitioner aborts on capacity dispatch's scatter when they are split (jax 0.10, CPU).
+        # partitioner aborts on capacity dispatch's scatter when they are split (jax 0.10, CPU). Where collective
+        # permutes would hang (XLA:CPU inside an explicit schedule's per-stage branch) so are the experts'
+        # weights: left split there, the partitioner moved them between the fsdp and expert (or tensor) device
+        # orders with one.
         if mesh is not None:
             x_BTD = constrain(x_BTD, (None, None, None))
+        if mesh is not None and permutes_hang():
+            gate_EDF, up_EDF, down_EFD = (constrain(a, (None, None, None)) for a in (gate_EDF, up_EDF, down_EFD))
         if mesh is not None and CONTEXT in mesh.manual_axes:
             return _on_split_sequence(layer, x_BTD, router, gate_EDF, up_EDF, down_EFD, split_seq)
         return layer(x_BTD, router, gate_EDF, up_EDF, down_EFD, ExpertGroup())

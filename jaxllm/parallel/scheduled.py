@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.parallel.pipeline import (STAGE, circular_rounds, from_circular, index_leading, num_stages,
                                       to_circular)
 from jaxllm.parallel.schedules import BACKWARD, FORWARD, KIND_CODES, WEIGHT, Program, Schedule, program
-from jaxllm.parallel.sharding import active_mesh
+from jaxllm.parallel.sharding import active_mesh, constrain_to_rest, partial_branch, permutes_hang
 
 
 class StageFunctions(NamedTuple):
@@ -94,6 +94,12 @@ def _vjp(f: Callable, args: dict, diff: tuple[str, ...], cotangent):
 
     out, pullback, aux = jax.vjp(of_diff, *[args[n] for n in diff], has_aux=True)
     return out, aux, dict(zip(diff, pullback(cotangent)))
+
+
+def _at_rest(chunk_grads):
+    """A chunk's weight gradients, in the layout of the weights at rest where collective permutes would hang
+    (`permutes_hang`), as XLA:CPU otherwise moved an unrolled chunk's with them (`constrain_to_rest`)."""
+    return constrain_to_rest(chunk_grads) if permutes_hang() else chunk_grads
 
 
 def _varying(tree):
@@ -190,7 +196,7 @@ class _Stage:
             carry["loss"] = carry["loss"] + loss
             carry["aux"] = jax.tree.map(jnp.add, carry["aux"], aux)
         chunk_grads = self.zeros_chunk if "chunk_t" not in g else jax.tree.map(
-            lambda z, d: d.astype(z.dtype), self.zeros_chunk, g["chunk_t"])
+            lambda z, d: d.astype(z.dtype), self.zeros_chunk, _at_rest(g["chunk_t"]))
         return carry, (self.zeros_msg, g.get("msg", self.zeros_msg), chunk_grads)
 
     def branch(self, key: tuple, split_weights: bool):
@@ -220,7 +226,8 @@ def _tick(stage: _Stage, branches, carry, row):
     p = stage.p
     row = {k: v[stage.s] for k, v in row.items()}
     op = (row["mb"], row["repeat"], row["act"], row["grad"])
-    carry, (send_act, send_grad, chunk_grads) = jax.lax.switch(row["branch"], branches, carry, op)
+    with partial_branch():  # each stage takes its own branch
+        carry, (send_act, send_grad, chunk_grads) = jax.lax.switch(row["branch"], branches, carry, op)
     carry = dict(carry)
     carry["layer_grads"] = jax.tree.map(lambda acc, d: acc.at[row["repeat"]].add(d), carry["layer_grads"],
                                         chunk_grads)

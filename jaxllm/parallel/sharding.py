@@ -18,6 +18,8 @@ one place the split sequence needs more than a layout (jaxllm/parallel/context.p
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, Callable, Iterable, Sequence
 
@@ -102,6 +104,28 @@ def active_mesh():
     return None if mesh.empty else mesh
 
 
+_IN_PARTIAL_BRANCH: contextvars.ContextVar = contextvars.ContextVar("in_partial_branch", default=False)
+
+
+@contextlib.contextmanager
+def partial_branch():
+    """Traces code that only some devices run: an explicit pipeline schedule's per-stage branch
+    (jaxllm/parallel/scheduled.py), which one stage's devices take while the others take another."""
+    token = _IN_PARTIAL_BRANCH.set(True)
+    try:
+        yield
+    finally:
+        _IN_PARTIAL_BRANCH.reset(token)
+
+
+def permutes_hang() -> bool:
+    """Whether a collective permute traced here would wait forever: XLA:CPU runs one only when every device of
+    the program joins it (its rendezvous spans every device its source-target pairs name, and one permute names
+    every stage's pairs), and inside a `partial_branch` only one stage's devices do. All-gathers and reductions
+    over one axis rendezvous per group and run there. GPUs pair their devices point to point."""
+    return _IN_PARTIAL_BRANCH.get() and jax.default_backend() == "cpu"
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrain an activation to the layout its logical `names` map to under the active mesh.
 
@@ -177,6 +201,26 @@ def spec_tree(tree: Any, mesh) -> Any:
                 return x.replace(PartitionSpec())
             return x.replace(logical_to_spec(names, shape, sizes))
         return PartitionSpec()
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def constrain_to_rest(tree: Any, sliced: bool = False) -> Any:
+    """Every Variable array of `tree` (an nnx.State) constrained to its parameter layout at rest (RULES'
+    parameter column) under the active mesh, manual axes counting as 1; `sliced`: the arrays are one layer
+    sliced from a stacked [L, ...] state (the leading `layers` name dropped). Inside an explicit schedule's
+    per-stage branch on XLA:CPU (`permutes_hang`): left to themselves there, XLA's partitioner laid an unrolled
+    chunk's weight gradients out over `context` and moved them back with collective permutes."""
+    mesh = active_mesh()
+    sizes = {a: 1 if a in mesh.manual_axes else n for a, n in mesh_sizes(mesh).items()}
+
+    def one(x):
+        names = _logical_names(x)
+        value = x.get_value() if hasattr(x, "get_value") else x[...]
+        names = names[1:] if sliced and names is not None else names
+        if names is None or len(names) != value.ndim:
+            return x
+        return x.replace(jax.lax.with_sharding_constraint(value, logical_to_spec(names, value.shape, sizes)))
 
     return jax.tree.map(one, tree, is_leaf=_is_variable)
 
