@@ -55,7 +55,8 @@ def balanced_order(length: int, shards: int) -> np.ndarray:
 
 def to_balanced(x: jax.Array, shards: int) -> jax.Array:
     """`x` [B, T, ...] in the balanced layout along T (`balanced_order`): slices, a reversal and an interleave,
-    which XLA moves between devices with collective permutes rather than gathering the sequence."""
+    which XLA moves between devices with collective permutes rather than gathering the sequence (except where
+    those would hang: `_gathered_permute`)."""
     if permutes_hang():
         return _gathered_permute(x, shards, True)
     return _to_balanced(x, shards)

@@ -215,6 +215,8 @@ def constrain_to_rest(tree: Any, sliced: bool = False) -> Any:
     sizes = {a: 1 if a in mesh.manual_axes else n for a, n in mesh_sizes(mesh).items()}
 
     def one(x):
+        if not _is_variable(x):
+            return x
         names = _logical_names(x)
         value = x.get_value() if hasattr(x, "get_value") else x[...]
         names = names[1:] if sliced and names is not None else names
