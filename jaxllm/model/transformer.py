@@ -25,7 +25,7 @@ from jaxllm.model.visibility import attention_visibility, resolve_attention
 from jaxllm.parallel.context import balanced_order, context_shards, from_balanced, to_balanced
 from jaxllm.parallel.offload import DEVICE, HOST
 from jaxllm.parallel.pipeline import STAGE, num_stages, pipeline
-from jaxllm.parallel.sharding import active_mesh, constrain, constrain_to_rest, permutes_hang
+from jaxllm.parallel.sharding import active_mesh, constrain
 
 _QKV = ("query_proj", "key_proj", "value_proj")
 # Named intermediates (jaxllm/model/layers.py) each named policy keeps, as MaxText's policies of the same names:
@@ -281,11 +281,8 @@ def unroll_layers(layers: DecoderLayer, x_BTD, visible, sin_BTh, cos_BTh, remat:
     step = _layer_step(graphdef, visible, sin_BTh, cos_BTh, remat, remat_offload, prevent_cse=True, probe=probe)
     per_layer = []
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-        layer_i, key_i, local_i = jax.tree.map(lambda a: a[i], (stacked, keys_L, local_L))
-        if permutes_hang():  # inside an explicit schedule's branch on XLA:CPU
-            layer_i = constrain_to_rest(layer_i, sliced=True)
         with jax.named_scope(f"layer_{i}"):  # profiler traces name each unrolled layer
-            x_BTD, stats = step(x_BTD, (layer_i, key_i, local_i))
+            x_BTD, stats = step(x_BTD, jax.tree.map(lambda a: a[i], (stacked, keys_L, local_L)))
         per_layer.append(stats)
     return x_BTD, None if per_layer[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
 

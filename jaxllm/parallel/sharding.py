@@ -126,6 +126,11 @@ def permutes_hang() -> bool:
     return _IN_PARTIAL_BRANCH.get() and jax.default_backend() == "cpu"
 
 
+def _automatic_sizes(mesh) -> dict[str, int]:
+    """Each axis of `mesh` with its size, a manual one (split by hand inside a shard_map) counting as 1."""
+    return {a: 1 if a in mesh.manual_axes else n for a, n in mesh_sizes(mesh).items()}
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrain an activation to the layout its logical `names` map to under the active mesh.
 
@@ -136,8 +141,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh = active_mesh()
     if mesh is None:
         return x
-    sizes = {a: 1 if a in mesh.manual_axes else n for a, n in mesh_sizes(mesh).items()}
-    spec = logical_to_spec(names, x.shape, sizes, kind="activations")
+    spec = logical_to_spec(names, x.shape, _automatic_sizes(mesh), kind="activations")
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -205,21 +209,18 @@ def spec_tree(tree: Any, mesh) -> Any:
     return jax.tree.map(one, tree, is_leaf=_is_variable)
 
 
-def constrain_to_rest(tree: Any, sliced: bool = False) -> Any:
+def constrain_to_rest(tree: Any) -> Any:
     """Every Variable array of `tree` (an nnx.State) constrained to its parameter layout at rest (RULES'
-    parameter column) under the active mesh, manual axes counting as 1; `sliced`: the arrays are one layer
-    sliced from a stacked [L, ...] state (the leading `layers` name dropped). Inside an explicit schedule's
-    per-stage branch on XLA:CPU (`permutes_hang`): left to themselves there, XLA's partitioner laid an unrolled
+    parameter column) under the active mesh. For a chunk's weight gradients inside an explicit schedule's
+    per-stage branch on XLA:CPU (`permutes_hang`): left to itself there, XLA's partitioner laid an unrolled
     chunk's weight gradients out over `context` and moved them back with collective permutes."""
-    mesh = active_mesh()
-    sizes = {a: 1 if a in mesh.manual_axes else n for a, n in mesh_sizes(mesh).items()}
+    sizes = _automatic_sizes(active_mesh())
 
     def one(x):
         if not _is_variable(x):
             return x
         names = _logical_names(x)
         value = x.get_value() if hasattr(x, "get_value") else x[...]
-        names = names[1:] if sliced and names is not None else names
         if names is None or len(names) != value.ndim:
             return x
         return x.replace(jax.lax.with_sharding_constraint(value, logical_to_spec(names, value.shape, sizes)))
