@@ -91,6 +91,11 @@ def test_bad_host_layouts_name_the_key():
         resolve_dcn(MeshConfig(2, 4, 1, 1, dcn_data=4), 4)
     with pytest.raises(ConfigError, match="there are 4 processes"):
         resolve_dcn(MeshConfig(2, 4, 1, 1, dcn_data=2), 4)
+    # a process's rows must be one block: an axis across hosts after a batch axis split within one strides them
+    with pytest.raises(ConfigError, match=r"^mesh.dcn_expert: expert across hosts needs mesh.fsdp \(2\)"):
+        resolve_dcn(MeshConfig(1, 2, 1, 1, expert=4, dcn_expert=2), 2)
+    with pytest.raises(ConfigError, match=r"^mesh.dcn_fsdp: fsdp across hosts needs mesh.data \(6\)"):
+        resolve_dcn(MeshConfig(6, 4, 1, 1), 4)  # the automatic layout: 2 hosts on data, 2 on fsdp
 
 
 def test_a_single_process_reads_every_row():

@@ -25,7 +25,8 @@ from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from jaxllm.config.schema import ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig  # noqa: E402
+from jaxllm.config.schema import (ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig,  # noqa: E402
+                                  resolve_moe_exchange)
 from jaxllm.config.presets import PRESETS  # noqa: E402
 from jaxllm.data.synthetic import synthetic_batch  # noqa: E402
 from jaxllm.interop import hf  # noqa: E402
@@ -233,25 +234,42 @@ LAYOUTS = {"data": MeshConfig(8), "pipeline": MeshConfig(1, 2, 2, 2), "expert 8"
            "expert 4 + stage": MeshConfig(1, 1, 1, 2, expert=4)}
 # capacity dispatch: a different code path on each side of the pipeline's edge, and with the expert exchange
 CAPACITY_LAYOUTS = ("data", "pipeline", "expert 2 + tensor + data")
+# dropless dispatch with the ragged exchange (model.moe_exchange; an all-gather stands in for the op on XLA:CPU)
+RAGGED_LAYOUTS = {"expert 8, ragged": MeshConfig(expert=8),
+                  "expert 2 + context + tensor, ragged": MeshConfig(1, 1, 2, expert=2, context=2)}
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
 def test_moe_training_steps_agree_across_layouts(dispatch):
     """moe_tiny's pretraining step (aux and z losses on) over data / fsdp / tensor / stage / expert layouts: the
-    same losses, aux losses and router statistics over two updates. Capacity dispatch (a factor of 1, which
-    drops picks) too: capacity is per row, so what is dropped does not depend on the layout."""
+    same losses, aux losses, router statistics and gradient norms over two updates; dropless through both
+    expert exchanges. 16 rows, 8 a micro-batch, so every layout's expert group splits them (the exchanges run).
+    Capacity dispatch (a factor of 1, which drops picks) too: capacity is per row, so what is dropped does not
+    depend on the layout."""
     cfg = ModelConfig(**dict(PRESETS["moe_tiny"], vocab_size=128, moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01,
                              moe_dispatch=dispatch, moe_capacity_factor=1.0))
-    batch = synthetic_batch(3, 8, 16, 128)
-    names = ("loss", "moe_aux_loss", "moe_z_loss", "moe/expert_tokens_cv/layer_1", "moe/moe_dropped_fraction/layer_0")
-    layouts = CAPACITY_LAYOUTS if dispatch == "capacity" else LAYOUTS
-    losses = {name: first_updates(lambda pipeline: lm_objective(cfg, F32, pipeline), LAYOUTS[name], batch, names,
-                                  steps=2) for name in layouts}
+    batch = synthetic_batch(3, 16, 16, 128)
+    names = ("loss", "moe_aux_loss", "moe_z_loss", "moe/expert_tokens_cv/layer_1", "moe/moe_dropped_fraction/layer_0",
+             "grad_norm")
+    layouts = {name: (LAYOUTS[name], cfg) for name in (CAPACITY_LAYOUTS if dispatch == "capacity" else LAYOUTS)}
+    if dispatch == "dropless":
+        layouts.update({name: (layout, dataclasses.replace(cfg, moe_exchange="ragged"))
+                        for name, layout in RAGGED_LAYOUTS.items()})
+    losses = {name: first_updates(lambda pipeline: lm_objective(model, F32, pipeline), layout, batch, names, steps=2)
+              for name, (layout, model) in layouts.items()}
     reference = losses["data"]
     assert reference[1][0] < reference[0][0]
-    assert all((fraction > 0.05) == (dispatch == "capacity") for *_, fraction in reference)
+    assert all((fraction > 0.05) == (dispatch == "capacity") for *_, fraction, _ in reference)
     for name in list(losses)[1:]:
         np.testing.assert_allclose(losses[name], reference, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_auto_exchange_is_ragged_only_where_the_backend_has_it_and_the_experts_span_hosts(monkeypatch):
+    """`model.moe_exchange=auto`: the gather within a host and on XLA:CPU, the ragged all-to-all across hosts."""
+    across_hosts, one_host = MeshConfig(1, 2, expert=8, dcn_fsdp=1, dcn_expert=2), MeshConfig(2, expert=8)
+    assert resolve_moe_exchange(across_hosts) == resolve_moe_exchange(one_host) == "gather"  # XLA:CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert (resolve_moe_exchange(across_hosts), resolve_moe_exchange(one_host)) == ("ragged", "gather")
 
 
 def test_unrolled_layers_and_roomy_capacity_equal_scanned_dropless():

@@ -38,6 +38,7 @@ OPTIMIZERS = ("adamw", "lamb", "adafactor", "muon")  # optim.name (jaxllm/optim/
 SCHEDULES = ("cosine", "constant", "wsd")
 MOE_DISPATCHES = ("dropless", "capacity")  # model.moe_dispatch (jaxllm/model/moe.py)
 MOE_ROUTER_SCORES = ("softmax", "sigmoid")  # model.moe_router_scores (jaxllm/model/moe.py)
+MOE_EXCHANGES = ("auto", "gather", "ragged")  # model.moe_exchange (jaxllm/parallel/experts.py)
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling (jaxllm.model.rope.RopeScaling)
 QUANT_MODES = ("none", "int8", "fp8")  # precision.quant (jaxllm/model/quant.py)
 LOSS_SCALE_MODES = ("none", "static", "dynamic")  # precision.loss_scale, besides "auto" (jaxllm/optim/loss_scale.py)
@@ -181,6 +182,12 @@ class ModelConfig:
     # Decoding is always dropless.
     moe_dispatch: str = "dropless"
     moe_capacity_factor: float = 1.25
+    # How dropless dispatch's picks reach the devices of their experts under mesh.expert > 1
+    # (jaxllm/parallel/experts.py): "gather" (the expert group's rows all-gathered, outputs reduce-scattered back),
+    # "ragged" (only the picks move, by ragged all-to-all; on XLA:CPU, which lacks the op, an all-gather stands in),
+    # "auto": ragged where the backend has the op (GPUs, TPUs) and the expert groups span hosts, else gather
+    # (jaxllm.parallel.experts._uses_ragged says why). The same results either way.
+    moe_exchange: str = "auto"
     # Weights of the router's auxiliary losses in the training loss (not in the reported loss, nor the held-out
     # one): load balancing as transformers' router_aux_loss_coef, and the ST-MoE z-loss.
     moe_aux_loss_coef: float = 0.01
@@ -291,6 +298,7 @@ class ModelConfig:
                                                   f"with one: {shared}), got {self.moe_shared_mlp_dim}"))
         check_choice("model.moe_dispatch", self.moe_dispatch, MOE_DISPATCHES)
         check_choice("model.moe_router_scores", self.moe_router_scores, MOE_ROUTER_SCORES)
+        check_choice("model.moe_exchange", self.moe_exchange, MOE_EXCHANGES)
         if self.moe_bias_update_rate < 0 or (self.moe_bias_update_rate and not self.num_experts):
             raise ConfigError("model.moe_bias_update_rate", f"must be >= 0, and 0 without experts (model.num_experts="
                                                             f"{self.num_experts}), got {self.moe_bias_update_rate}")
@@ -900,6 +908,7 @@ def _cpu_devices_hint(wanted: int, found: int) -> str:
             f"{wanted}, as make train does)")
 
 
+BATCH_AXES = ("data", "fsdp", "expert")  # the axes a batch's rows split over, in order (parallel.sharding.RULES)
 DCN_ORDER = ("data", "stage", "fsdp")  # axes that take processes when mesh.dcn_* are unset, in this order
 
 
@@ -928,7 +937,21 @@ def resolve_dcn(mesh: MeshConfig, num_processes: int) -> MeshConfig:
         shape = "x".join(str(dcn[a]) for a in MESH_AXES)
         raise ConfigError("mesh", f"{'*'.join('dcn_' + a for a in MESH_AXES)} = {shape} but there are "
                           f"{num_processes} processes")
+    _check_one_block_of_rows_a_process(sizes, dcn)
     return dataclasses.replace(mesh, **{f"dcn_{a}": d for a, d in dcn.items()})
+
+
+def _check_one_block_of_rows_a_process(sizes: dict[str, int], dcn: dict[str, int]) -> None:
+    """A process loads one contiguous block of each batch's rows (jaxllm/parallel/host_rows.py). The rows split
+    over the batch axes in order, each axis host groups first: an axis that crosses hosts after a batch axis
+    split within a host would give each process rows strided over the batch."""
+    within = None  # the first batch axis split within a host
+    for axis in BATCH_AXES:
+        if dcn[axis] > 1 and within is not None:
+            raise ConfigError(f"mesh.dcn_{axis}", f"{axis} across hosts needs mesh.{within} ({sizes[within]}) "
+                                                  f"across hosts too, or 1 (each process loads one block of rows)")
+        if sizes[axis] // dcn[axis] > 1:
+            within = within or axis
 
 
 # Each section's own check(); precision's is validate's.
@@ -954,6 +977,19 @@ def _rollout_devices(cfg: Config, num_devices: int, num_processes: int | None) -
     return aside
 
 
+def resolve_moe_exchange(mesh: MeshConfig) -> str:
+    """`model.moe_exchange=auto` on `mesh` (its dcn sizes resolved, or 0 for a plan): "ragged" where the backend
+    implements `jax.lax.ragged_all_to_all` (not XLA:CPU) and the expert groups span hosts (mesh.dcn_expert > 1),
+    else "gather". Across hosts the ragged exchange moves 1.5-4x fewer bytes over the slow links and has been
+    reported near their peak; within one host XLA:GPU's has been reported at a few percent of NVLink's bandwidth
+    (openxla/xla#33386), where the gather's NCCL collectives run near it."""
+    if mesh.dcn_expert <= 1:
+        return "gather"
+    import jax  # start-up speed: configs load and are checked before JAX does
+
+    return "gather" if jax.default_backend() == "cpu" else "ragged"
+
+
 def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool = True,
              num_processes: int | None = 1) -> Config:
     """Turn a ConfigDict into a typed `Config`, raising `ConfigError` on the first problem: each section's own
@@ -967,7 +1003,9 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     mesh = resolve_mesh(cfg.mesh, num_devices - _rollout_devices(cfg, num_devices, num_processes))
     if num_processes is not None:
         mesh = resolve_dcn(mesh, num_processes)
-    precision = cfg.precision
+    precision, model = cfg.precision, cfg.model
+    if model.moe_exchange == "auto":
+        model = dataclasses.replace(model, moe_exchange=resolve_moe_exchange(mesh))
     if precision.compute == "auto":  # resolved here, so everything downstream sees a real dtype
         precision = dataclasses.replace(precision, compute=resolve_compute()[0])
     for name in SECTIONS_CHECKED_ALONE:
@@ -976,7 +1014,7 @@ def validate(cd: ml_collections.ConfigDict, num_devices: int, check_batch: bool 
     precision = dataclasses.replace(precision, loss_scale=check_loss_scale(precision))
     if not str(cd.get("workdir", "")):
         raise ConfigError("workdir", "must not be empty")
-    cfg = dataclasses.replace(cfg, mesh=mesh, precision=precision, xla_flags=_xla_flags(cfg.xla_flags))
+    cfg = dataclasses.replace(cfg, mesh=mesh, model=model, precision=precision, xla_flags=_xla_flags(cfg.xla_flags))
     check_across(cfg, check_batch, num_processes)
     OBJECTIVE_CHECKS[cfg.train.objective](cfg)
     probe_environment(cfg)

@@ -95,6 +95,15 @@ def balance_router_bias(params, load):
     return jax.tree.map(move, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def grouped_experts(x_PD: jax.Array, gate_EDF, up_EDF, down_EFD, activation: str, group_sizes_E) -> jax.Array:
+    """Each expert's gated MLP over its group of rows [P, D] (the rows grouped by expert, `group_sizes_E` of
+    them each; rows past the groups are padding): one grouped matmul per projection."""
+    # Named as the dense MLP's (jaxllm/model/layers.py), so the remat policies that keep them keep these too.
+    gate_PF = checkpoint_name(jax.lax.ragged_dot(x_PD, gate_EDF.astype(x_PD.dtype), group_sizes_E), "mlp_gate")
+    up_PF = checkpoint_name(jax.lax.ragged_dot(x_PD, up_EDF.astype(x_PD.dtype), group_sizes_E), "mlp_up")
+    return jax.lax.ragged_dot(ACTIVATIONS[activation](gate_PF) * up_PF, down_EFD.astype(x_PD.dtype), group_sizes_E)
+
+
 def dropless_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_EFD, activation: str,
                      first_expert=0, num_experts: int | None = None) -> jax.Array:
     """Each token's routed experts' outputs, weighted by the router and summed [T, D]: the (token, expert) pairs
@@ -115,11 +124,7 @@ def dropless_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_E
     local_sizes = jax.lax.dynamic_slice(group_sizes_E, (first_expert,), (E_local,))
     pairs_P = order_P[(start + jnp.arange(P)) % P]
     tokens_P = pairs_P // K
-    x_PD = x_TD[tokens_P]
-    # Named as the dense MLP's (jaxllm/model/layers.py), so the remat policies that keep them keep these too.
-    gate_PF = checkpoint_name(jax.lax.ragged_dot(x_PD, gate_EDF.astype(x_TD.dtype), local_sizes), "mlp_gate")
-    up_PF = checkpoint_name(jax.lax.ragged_dot(x_PD, up_EDF.astype(x_TD.dtype), local_sizes), "mlp_up")
-    out_PD = jax.lax.ragged_dot(ACTIVATIONS[activation](gate_PF) * up_PF, down_EFD.astype(x_TD.dtype), local_sizes)
+    out_PD = grouped_experts(x_TD[tokens_P], gate_EDF, up_EDF, down_EFD, activation, local_sizes)
     in_window_P = jnp.arange(P) < jnp.sum(local_sizes)  # rows past the window's groups: other devices' experts
     weights_P = jnp.where(in_window_P, routing.weights.reshape(P)[pairs_P], 0.0).astype(out_PD.dtype)
     return jnp.zeros_like(x_TD).at[tokens_P].add(out_PD * weights_P[:, None])
@@ -276,7 +281,7 @@ class MoEMLP(nnx.Module):
     def __init__(self, dim: int, mlp_dim: int, num_experts: int, top_k: int, *, renormalize: bool, activation: str,
                  init_std: float, out_std: float, dtype, rngs: nnx.Rngs, stack: tuple = (),
                  dispatch: str = "dropless", capacity_factor: float = 1.0, shared_mlp_dim: int = 0,
-                 scores: str = "softmax", bias_update_rate: float = 0.0):
+                 scores: str = "softmax", bias_update_rate: float = 0.0, exchange: str = "auto"):
         D, F, E, Fs = dim, mlp_dim, num_experts, shared_mlp_dim
         lead = ("layers",) * len(stack)
         self.router = param(rngs, stack + (D, E), lead + ("embed", "expert"), dtype, init_std)
@@ -291,7 +296,7 @@ class MoEMLP(nnx.Module):
         self.router_bias = RouterBias(jnp.zeros(stack + (E,), jnp.float32), out_sharding=lead + (None,),
                                       update_rate=bias_update_rate) if bias_update_rate else None
         self.top_k, self.renormalize, self.activation, self.scores = top_k, renormalize, activation, scores  # static
-        self.dispatch, self.capacity_factor = dispatch, capacity_factor  # static
+        self.dispatch, self.capacity_factor, self.exchange = dispatch, capacity_factor, exchange  # static
 
     def __call__(self, x_BTD: jax.Array, dropless: bool = False) -> tuple[jax.Array, RouterSums]:
         """(output [B, T, D], the router's sums per row); `dropless` overrides a capacity dispatch (decoding). On
@@ -301,7 +306,8 @@ class MoEMLP(nnx.Module):
                                   activation=self.activation, capacity_factor=capacity_factor)
         router = (self.router[...], None if self.router_bias is None else self.router_bias[...])
         out_BTD, sums = run_experts(layer, x_BTD, router, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                                    split_seq=capacity_factor is None)
+                                    split_seq=capacity_factor is None,
+                                    exchange=self.exchange if capacity_factor is None else "gather")
         if self.shared_gate_proj is not None:
             out_BTD = out_BTD + self._shared_expert(x_BTD)
         return checkpoint_name(out_BTD, "mlp_out"), sums
@@ -332,6 +338,8 @@ def moe_on_device(x_BTD, router, gate_EDF, up_EDF, down_EFD, group: ExpertGroup,
     if capacity_factor is not None:  # computed per row: the same here as on the gathered rows below
         kept_BKT = expert_slots(routing.experts.reshape(B, T, K), E, capacity(T, K, E, capacity_factor))[1]
     sums = group.row_total(router_sums(routing, B, E, kept_BKT))
+    if group.ragged:
+        return _exchanged_experts(x_BTD, routing, gate_EDF, up_EDF, down_EFD, group, activation), sums
     x_ND = group.gather(x_BTD).reshape(-1, D)
     rows = x_ND.shape[0] // T
     picks = Routing(None, group.gather(routing.experts.reshape(B, T * K)).reshape(-1, K),
@@ -343,3 +351,15 @@ def moe_on_device(x_BTD, router, gate_EDF, up_EDF, down_EFD, group: ExpertGroup,
         out_ND = capacity_experts(x_ND, picks, gate_EDF, up_EDF, down_EFD, activation, capacity_factor, rows,
                                   **window)[0]
     return group.combine(out_ND.reshape(rows, T, D)), sums
+
+
+def _exchanged_experts(x_BTD, routing: Routing, gate_EDF, up_EDF, down_EFD, group: ExpertGroup, activation: str):
+    """Dropless dispatch through the ragged exchange (jaxllm/parallel/experts.py): this device's picks sent to
+    their experts' devices, its experts run over what it received, the outputs brought back, weighted and added
+    per token (in float32, then the compute dtype) [B, T, D]."""
+    B, T, D = x_BTD.shape
+    sent = group.send_to_experts(x_BTD.reshape(B * T, D), routing.experts, routing.logits.shape[-1])
+    out_PD = group.send_back(grouped_experts(sent.rows, gate_EDF, up_EDF, down_EFD, activation, sent.group_sizes),
+                             sent)
+    weighted_TKD = out_PD.reshape(B * T, -1, D).astype(jnp.float32) * routing.weights[..., None]
+    return group.tensor_total(jnp.sum(weighted_TKD, axis=1).astype(x_BTD.dtype).reshape(B, T, D))

@@ -132,7 +132,7 @@ def _feed_forward_block(cfg: ModelConfig, dtype, stack: tuple, rngs: nnx.Rngs, l
                   out_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, dtype=dtype, rngs=rngs, stack=stack,
                   dispatch=cfg.moe_dispatch, capacity_factor=cfg.moe_capacity_factor,
                   shared_mlp_dim=cfg.moe_shared_mlp_dim, scores=cfg.moe_router_scores,
-                  bias_update_rate=cfg.moe_bias_update_rate)
+                  bias_update_rate=cfg.moe_bias_update_rate, exchange=cfg.moe_exchange)
 
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")

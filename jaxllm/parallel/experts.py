@@ -9,8 +9,19 @@ of each expert they picked. The exchange here works on every backend, XLA:CPU in
 runs its own experts over the whole group's picks of them, and a reduce-scatter adds the partial outputs up and
 hands each device back its own rows. Nothing is dropped and nothing depends on how rows were split, so the results
 equal those of expert = 1. The price is moving every row to every device of the group (expert - 1 times a row's
-bytes each way) where a ragged all-to-all would move only the picks; on GPUs at scale that exchange is the one to
-add behind the same `ExpertGroup` interface.
+bytes each way) where an all-to-all would move only the picks.
+
+The ragged exchange (`model.moe_exchange`: "ragged"; "auto" takes it where the backend implements
+`jax.lax.ragged_all_to_all` and the expert groups span hosts: jaxllm.config.schema.resolve_moe_exchange) moves only
+the picks: each device sorts its (token, expert) pairs by expert, sends each device of the group the rows of the
+pairs whose experts it holds (one ragged all-to-all, sizes agreed by an all-gather of the per-expert counts), the
+receiver groups what it got by expert for its grouped matmuls, and a second ragged all-to-all brings the outputs
+back to the pairs' devices, which weight and add them.
+Dropless dispatch only (capacity dispatch's buffers are per row and stay with the gather). With a top k of E
+experts over `expert` devices a token reaches about expert * (1 - (1 - 1/expert)^k) of them, not all: Qwen3-MoE's
+top 8 of 128 on 8 devices moves about 1/1.5 of the gather's bytes, Mixtral's top 2 of 8 about 1/4. XLA:CPU does
+not implement the op; there `ragged_all_to_all` below computes the same result from an all-gather (as many bytes
+as the gather exchange, and more work: for checking the bookkeeping on CPU, which the tests do).
 
 The experts' hidden units split over `tensor` as a dense MLP's do (the down projection's partial sums are added over
 `tensor` with the reduce-scatter), and fsdp's split of the model dimension is gathered at the shard_map's edge, just
@@ -20,15 +31,52 @@ before use, as for any layer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.parallel.context import CONTEXT
 from jaxllm.parallel.sharding import active_mesh, constrain, logical_to_spec, mesh_sizes, permutes_hang
 
 EXPERT, TENSOR = "expert", "tensor"
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name: str):
+    """`jax.lax.ragged_all_to_all` (its arguments and result), and on XLA:CPU, which does not implement it, the same
+    result from an all-gather of every device's operand and offsets: each row of `output` that a sender's slice
+    covers takes that slice's row."""
+    if jax.default_backend() != "cpu":
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                         axis_name=axis_name)
+    me = jax.lax.axis_index(axis_name)
+    operands_S = jax.lax.all_gather(operand, axis_name)  # [senders, N, ...]
+    starts_S, sizes_S, at_S = (jax.lax.all_gather(a, axis_name)[:, me] for a in (input_offsets, send_sizes,
+                                                                                  output_offsets))
+    row_M = jnp.arange(output.shape[0])
+    covered_SM = (row_M >= at_S[:, None]) & (row_M < (at_S + sizes_S)[:, None])
+    source_SM = jnp.arange(len(starts_S))[:, None] * operand.shape[0] + starts_S[:, None] + row_M - at_S[:, None]
+    source_M = jnp.sum(jnp.where(covered_SM, source_SM, 0), axis=0)  # the slices never overlap: one term at most
+    taken = operands_S.reshape(-1, *operand.shape[1:])[source_M]
+    covered = jnp.any(covered_SM, axis=0).reshape(-1, *(1,) * (operand.ndim - 1))
+    return jnp.where(covered, taken, output)
+
+
+class Dispatched(NamedTuple):
+    """A device's side of the ragged exchange (`ExpertGroup.send_to_experts`): `rows` [expert * P, D] the group's
+    picks of this device's experts grouped by expert (`group_sizes` [E_local] of them, the rest padding), and how
+    to send their outputs back."""
+
+    rows: jax.Array
+    group_sizes: jax.Array
+    sent_order: jax.Array  # [P]: this device's pairs in the order they were sent (by expert)
+    grouping: jax.Array  # [expert * P]: the received row each grouped row is
+    counts_SDE: jax.Array  # [sender, destination, the destination's e-th expert]: picks
+
+
+def _exclusive_cumsum(sizes):
+    return jnp.cumsum(sizes) - sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +88,7 @@ class ExpertGroup:
     tensor_axis: str | None = None
     rows_split: bool = True  # False: the rows are whole on every device of the group (too few to split)
     seq_axis: str | None = None  # the axis the rows' sequence is split over (context parallelism), if any
+    ragged: bool = False  # exchange the picks by ragged all-to-all (`send_to_experts`) instead of `gather`
 
     def row_total(self, sums):
         """Per-row sums over this device's part of the sequence -> over the whole row."""
@@ -55,15 +104,53 @@ class ExpertGroup:
             return rows
         return jax.lax.all_gather(rows, self.expert_axis, axis=0, tiled=True)
 
+    def tensor_total(self, partial):
+        """The sum of the experts' partial outputs over their hidden units' split (`tensor`)."""
+        return partial if self.tensor_axis is None else jax.lax.psum(partial, self.tensor_axis)
+
     def combine(self, partial):
         """This device's rows of the sum over the group's (and tensor's) partial outputs: `gather` backwards."""
-        if self.tensor_axis is not None:
-            partial = jax.lax.psum(partial, self.tensor_axis)
+        partial = self.tensor_total(partial)
         if self.expert_axis is None:
             return partial
         if not self.rows_split:
             return jax.lax.psum(partial, self.expert_axis)
         return jax.lax.psum_scatter(partial, self.expert_axis, scatter_dimension=0, tiled=True)
+
+    def send_to_experts(self, x_TD, experts_TK, num_experts: int) -> Dispatched:
+        """The ragged exchange's way out (`ragged` groups only): each of this device's T tokens' K picks [T, K]
+        sent, as its row of `x_TD`, to the device of the group that holds its expert."""
+        axis, (T, K), D = self.expert_axis, experts_TK.shape, x_TD.shape[1]
+        n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+        experts_P = experts_TK.reshape(T * K)
+        sent_order = jnp.argsort(experts_P, stable=True)  # by expert, so each device's picks are one slice
+        counts_E = jnp.bincount(experts_P, length=num_experts).astype(jnp.int32)
+        counts_SDE = jax.lax.all_gather(counts_E, axis).reshape(n, n, num_experts // n)
+        pairs_SD = counts_SDE.sum(-1)
+        earlier_senders = jnp.arange(n)[:, None] < me
+        received = ragged_all_to_all(
+            x_TD[sent_order // K], jnp.zeros((n * T * K, D), x_TD.dtype), _exclusive_cumsum(pairs_SD[me]),
+            pairs_SD[me], jnp.sum(jnp.where(earlier_senders, pairs_SD, 0), axis=0), pairs_SD[:, me], axis)
+        # Received: each sender's picks in turn, by expert within each; the segment of a row names its expert.
+        ends = jnp.cumsum(counts_SDE[:, me].reshape(-1))
+        segment_R = jnp.searchsorted(ends, jnp.arange(n * T * K), side="right")
+        local_experts = num_experts // n
+        expert_R = jnp.where(segment_R < ends.shape[0], segment_R % local_experts, local_experts)
+        grouping = jnp.argsort(expert_R, stable=True)
+        return Dispatched(received[grouping], counts_SDE[:, me].sum(0), sent_order, grouping, counts_SDE)
+
+    def send_back(self, out_RD, sent: Dispatched):
+        """The ragged exchange's way back: the outputs of the grouped rows `out_RD` [expert * P, D] returned to
+        their pairs' devices, this device's own pairs' outputs [P, D] in pair order (token t's k-th pick: t K + k)."""
+        axis, P = self.expert_axis, sent.sent_order.shape[0]
+        n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+        pairs_SD = sent.counts_SDE.sum(-1)
+        received_RD = out_RD[jnp.argsort(sent.grouping)]
+        earlier_destinations = jnp.arange(n)[None, :] < me
+        back_PD = ragged_all_to_all(
+            received_RD, jnp.zeros((P, out_RD.shape[1]), out_RD.dtype), _exclusive_cumsum(pairs_SD[:, me]),
+            pairs_SD[:, me], jnp.sum(jnp.where(earlier_destinations, pairs_SD, 0), axis=1), pairs_SD[me], axis)
+        return back_PD[jnp.argsort(sent.sent_order)]
 
 
 def _axes(spec: P) -> set[str]:
@@ -86,13 +173,16 @@ def _on_split_sequence(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EF
     return jax.lax.dynamic_slice_in_dim(out_BTD, jax.lax.axis_index(CONTEXT) * T, T, axis=1), stats
 
 
-def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD, split_seq: bool = True):
+def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD, split_seq: bool = True,
+                exchange: str = "gather"):
     """`layer(x_BTD, router, gate_EDF, up_EDF, down_EFD, group) -> (out_BTD, per-row stats)` on every device of
     the active mesh with its rows and its experts (`ExpertGroup` says which); called as is outside any mesh.
     `router` is any tree of arrays (the router's kernel, its bias), whole on every device. With `split_seq` the
     rows' sequence stays split over `context` as outside (each device routes its own positions; the layer adds
     its per-row stats over the sequence with `group.row_total`), else it is gathered (capacity dispatch: its
-    buffers are per whole row).
+    buffers are per whole row). `exchange` (`model.moe_exchange` as resolved: "auto" is "gather" here; "gather"
+    for capacity dispatch) says how the picks reach their experts where the rows are split over `expert`
+    (`ExpertGroup.ragged`).
 
     Manual over every mesh axis not already manual (inside the pipeline, `stage` is): rows over the batch axes,
     experts over `expert`, their hidden units over `tensor`; the router whole on every device."""
@@ -122,6 +212,7 @@ def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD, spli
     gate = spec(("expert", None, "mlp"), gate_EDF.shape)
     down = spec(("expert", "mlp", None), down_EFD.shape)
     group = ExpertGroup(EXPERT if EXPERT in gate else None, TENSOR if TENSOR in gate else None,
-                        rows_split=EXPERT in _axes(rows), seq_axis=rows[1] if len(rows) > 1 else None)
+                        rows_split=EXPERT in _axes(rows), seq_axis=rows[1] if len(rows) > 1 else None,
+                        ragged=exchange == "ragged" and EXPERT in gate and EXPERT in _axes(rows))
     return jax.shard_map(lambda *args: layer(*args, group), mesh=mesh, in_specs=(rows, P(), gate, gate, down),
                          out_specs=(rows, P(*rows[:1])), axis_names=manual)(x_BTD, router, gate_EDF, up_EDF, down_EFD)

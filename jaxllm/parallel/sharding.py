@@ -30,11 +30,13 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllm.config.schema import BATCH_AXES
+
 MeshAxes = str | tuple[str, ...] | None
 
 # logical name: (parameters, activations)
 RULES: dict[str, tuple[MeshAxes, MeshAxes]] = {
-    "batch": (None, ("data", "fsdp", "expert")),
+    "batch": (None, BATCH_AXES),
     # context parallelism (jaxllm/parallel/context.py): every activation's sequence splits over `context`
     "seq": (None, "context"),
     "residual_seq": (None, ("context", "tensor")),  # the residual stream's sequence under sequence parallelism
