@@ -228,9 +228,10 @@ def test_presets_count_total_and_active_parameters():
         assert abs(matmul_params(cfg) + cfg.dim * cfg.vocab_size - active) < 0.01e9, preset
 
 
-# (data, fsdp, tensor, stage, expert): every axis, expert = 2, 4, 8 with fsdp, tensor and stage mixed in
-LAYOUTS = {"data": MeshConfig(8), "pipeline": MeshConfig(1, 2, 2, 2), "expert 8": MeshConfig(expert=8),
-           "expert 4 + fsdp": MeshConfig(1, 2, expert=4), "expert 2 + tensor + data": MeshConfig(2, 1, 2, expert=2),
+# (data, fsdp, tensor, stage, expert): every axis, expert = 2, 4 with fsdp, tensor and stage mixed in (expert 8
+# below, with the ragged exchange)
+LAYOUTS = {"data": MeshConfig(8), "pipeline": MeshConfig(1, 2, 2, 2), "expert 4 + fsdp": MeshConfig(1, 2, expert=4),
+           "expert 2 + tensor + data": MeshConfig(2, 1, 2, expert=2),
            "expert 4 + stage": MeshConfig(1, 1, 1, 2, expert=4)}
 # capacity dispatch: a different code path on each side of the pipeline's edge, and with the expert exchange
 CAPACITY_LAYOUTS = ("data", "pipeline", "expert 2 + tensor + data")

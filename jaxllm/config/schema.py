@@ -186,7 +186,7 @@ class ModelConfig:
     # (jaxllm/parallel/experts.py): "gather" (the expert group's rows all-gathered, outputs reduce-scattered back),
     # "ragged" (only the picks move, by ragged all-to-all; on XLA:CPU, which lacks the op, an all-gather stands in),
     # "auto": ragged where the backend has the op (GPUs, TPUs) and the expert groups span hosts, else gather
-    # (jaxllm.parallel.experts._uses_ragged says why). The same results either way.
+    # (resolve_moe_exchange below says why). The same results either way.
     moe_exchange: str = "auto"
     # Weights of the router's auxiliary losses in the training loss (not in the reported loss, nor the held-out
     # one): load balancing as transformers' router_aux_loss_coef, and the ST-MoE z-loss.
