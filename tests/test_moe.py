@@ -15,7 +15,6 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 from transformers.models.qwen2_moe import modeling_qwen2_moe  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
@@ -24,7 +23,6 @@ from jaxllm.model.layers import ACTIVATIONS  # noqa: E402
 from jaxllm.model.moe import (MoEMLP, Routing, capacity, capacity_experts, dropless_experts,  # noqa: E402
                               load_balancing_loss, route, router_losses, router_metrics,
                               router_sums, router_z_loss)
-from jaxllm.parallel.experts import ragged_all_to_all  # noqa: E402
 
 D, F, E, K = 32, 24, 6, 2
 
@@ -325,16 +323,3 @@ def test_sigmoid_routing_with_a_bias_matches_deepseek_v3(renormalize):
                                np.take_along_axis(weights, order, -1), atol=1e-6)
     chosen_without_bias = np.asarray(route(jnp.asarray(x), jnp.asarray(kernel.T), K, renormalize, "sigmoid").experts)
     assert np.any(np.sort(chosen_without_bias, -1) != np.sort(np.asarray(routing.experts), -1))  # the bias chose
-
-
-def test_the_ragged_all_to_all_stand_in_follows_jax_s_documented_example():
-    """On XLA:CPU, which lacks `jax.lax.ragged_all_to_all`, jaxllm/parallel/experts.py's stand-in gives the op's
-    result: the example of jax's docstring, on 2 devices."""
-    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
-    operand, output = np.array([[1, 2, 2], [3, 4, 0]], np.float32), np.zeros((2, 4), np.float32)
-    offsets_and_sizes = [np.array(a, np.int32) for a in ([[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]],
-                                                         [[1, 1], [2, 1]])]
-    exchange = jax.jit(jax.shard_map(lambda *a: ragged_all_to_all(*(x[0] for x in a), axis_name="x")[None],
-                                     mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    placed = [jax.device_put(a, NamedSharding(mesh, P("x"))) for a in (operand, output, *offsets_and_sizes)]
-    np.testing.assert_array_equal(exchange(*placed), [[1, 3, 0, 0], [2, 2, 4, 0]])
