@@ -1,7 +1,7 @@
-"""The two expert exchanges of jaxllm/parallel/experts.py on one mixture-of-experts layer: the ragged all-to-all of
-the picks (`model.moe_exchange=ragged`; on XLA:CPU an all-gather stands in for `jax.lax.ragged_all_to_all`) gives
-the gather exchange's outputs, router sums and gradients. Free of torch, so the Python 3.12 smoke run (current
-JAX) runs it too."""
+"""The two expert exchanges of jaxllm/parallel/experts.py on one mixture-of-experts layer: the gather gives one
+device's outputs, router sums and gradients, and the ragged all-to-all of the picks (`model.moe_exchange=ragged`;
+on XLA:CPU an all-gather stands in for `jax.lax.ragged_all_to_all`) the gather's. Free of torch, so the Python
+3.12 smoke run (current JAX) runs it too."""
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,7 @@ from jaxllm.parallel.experts import ragged_all_to_all
 from jaxllm.parallel.mesh import make_mesh
 
 D, F, E, K = 16, 12, 8, 2
+ROWS = ("data", "fsdp", "expert")  # the batch axes (jaxllm.parallel.sharding.RULES)
 
 
 @pytest.mark.smoke
@@ -32,27 +33,35 @@ def test_the_ragged_all_to_all_stand_in_follows_jax_s_documented_example():
     np.testing.assert_array_equal(exchange(*placed), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
-def _layer_and_gradients(moe: MoEMLP, x_BTD, weights_BTD, mesh):
+def _layer_and_gradients(moe: MoEMLP, x_BTD, weights_BTD, mesh=None):
     """(the layer's outputs, its router sums, the gradients of a weighted sum of the outputs for the input and
-    every parameter) on `mesh`."""
+    every parameter) on `mesh`, or on one device."""
     def loss(moe, x_BTD):
         out_BTD, sums = moe(x_BTD)
         return jnp.sum(out_BTD * weights_BTD), (out_BTD, sums)
 
-    with jax.set_mesh(mesh):
-        rows = NamedSharding(mesh, P(("data", "fsdp", "expert")))
-        grad = nnx.jit(nnx.grad(loss, argnums=(0, 1), has_aux=True))
-        (params, x_grad), (out, sums) = grad(moe, jax.device_put(x_BTD, rows))
+    grad = nnx.jit(nnx.grad(loss, argnums=(0, 1), has_aux=True))
+    if mesh is None:
+        (params, x_grad), (out, sums) = grad(moe, x_BTD)
+    else:
+        with jax.set_mesh(mesh):
+            (params, x_grad), (out, sums) = grad(moe, jax.device_put(x_BTD, NamedSharding(mesh, P(ROWS))))
     return out, sums, x_grad, nnx.state(params, nnx.Param)
+
+
+def _assert_close(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(np.max(np.abs(b))), rtol=0)
 
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("layout", [MeshConfig(1, 1, 1, expert=8), MeshConfig(1, 2, 2, expert=2),
                                     MeshConfig(1, 1, 2, expert=2, context=2)],
                          ids=["expert 8", "fsdp x tensor x expert", "tensor x expert x context"])
-def test_the_ragged_exchange_gives_the_gathers_outputs_and_gradients(layout):
-    """Tokens routed unevenly (a skewed router: some experts get many picks, some none) on 16 rows a layer, split
-    over every layout's expert group: outputs, router sums and gradients within 1e-5 of the gather exchange's."""
+def test_both_exchanges_give_the_one_device_outputs_and_gradients(layout):
+    """Tokens routed unevenly (a skewed router: some experts get many picks, some few) on 16 rows a layer, split
+    over every layout's expert group: the gather exchange's outputs, router sums and gradients within 1e-5 of one
+    device's, and the ragged exchange's of the gather's."""
     rng = np.random.default_rng(3)
     x_BTD, weights_BTD = (jnp.asarray(rng.normal(size=(16, 4, D)).astype(np.float32)) for _ in range(2))
     with nnx.use_eager_sharding(False):
@@ -60,11 +69,12 @@ def test_the_ragged_exchange_gives_the_gathers_outputs_and_gradients(layout):
                      rngs=nnx.Rngs(1), exchange="gather")
     skew_DE = 10 * rng.normal(size=(D, 1)).astype(np.float32) * np.linspace(-1, 1, E, dtype=np.float32)
     moe.router[...] = moe.router[...] + skew_DE
+    one_device = _layer_and_gradients(moe, x_BTD, weights_BTD)
     mesh = make_mesh(layout)
     gathered = _layer_and_gradients(moe, x_BTD, weights_BTD, mesh)
     moe.exchange = "ragged"
     ragged = _layer_and_gradients(moe, x_BTD, weights_BTD, mesh)
-    picks = np.asarray(gathered[1].picks).sum(0)
+    picks = np.asarray(one_device[1].picks).sum(0)
     assert picks.min() < picks.mean() / 2 < picks.max() / 2  # uneven groups, as the exchange must handle
-    for want, got in zip(jax.tree.leaves(gathered), jax.tree.leaves(ragged)):
-        np.testing.assert_allclose(got, want, atol=1e-5 * float(np.max(np.abs(want))), rtol=0)
+    _assert_close(gathered, one_device)
+    _assert_close(ragged, gathered)

@@ -228,15 +228,17 @@ def test_presets_count_total_and_active_parameters():
         assert abs(matmul_params(cfg) + cfg.dim * cfg.vocab_size - active) < 0.01e9, preset
 
 
-# (data, fsdp, tensor, stage, expert): every axis, expert = 2, 4, 8 with fsdp, tensor and stage mixed in
-LAYOUTS = {"data": MeshConfig(8), "pipeline": MeshConfig(1, 2, 2, 2), "expert 8": MeshConfig(expert=8),
-           "expert 4 + fsdp": MeshConfig(1, 2, expert=4), "expert 2 + tensor + data": MeshConfig(2, 1, 2, expert=2),
+# (data, fsdp, tensor, stage, expert): every axis, expert = 2 and 4 with tensor, data and stage mixed in (expert 8
+# and fsdp x tensor x expert a layer at a time: tests/test_expert_exchange.py)
+LAYOUTS = {"data": MeshConfig(8), "pipeline": MeshConfig(1, 2, 2, 2),
+           "expert 2 + tensor + data": MeshConfig(2, 1, 2, expert=2),
            "expert 4 + stage": MeshConfig(1, 1, 1, 2, expert=4)}
 # capacity dispatch: a different code path on each side of the pipeline's edge, and with the expert exchange
 CAPACITY_LAYOUTS = ("data", "pipeline", "expert 2 + tensor + data")
 # dropless dispatch with the ragged exchange (model.moe_exchange; an all-gather stands in for the op on XLA:CPU;
 # tests/test_expert_exchange.py compares it with the gather on more layouts, a layer at a time)
-RAGGED_LAYOUTS = {"expert 2 + context + tensor, ragged": MeshConfig(1, 1, 2, expert=2, context=2)}
+RAGGED_LAYOUTS = {"expert 2 + context + tensor, ragged": MeshConfig(1, 1, 2, expert=2, context=2),
+                  "expert 4 + fsdp, ragged": MeshConfig(1, 2, expert=4)}
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
