@@ -16,12 +16,13 @@ The ragged exchange (`model.moe_exchange`: "ragged"; "auto" takes it where the b
 the picks: each device sorts its (token, expert) pairs by expert, sends each device of the group the rows of the
 pairs whose experts it holds (one ragged all-to-all, sizes agreed by an all-gather of the per-expert counts), the
 receiver groups what it got by expert for its grouped matmuls, and a second ragged all-to-all brings the outputs
-back to the pairs' devices, which weight and add them.
-Dropless dispatch only (capacity dispatch's buffers are per row and stay with the gather). With a top k of E
-experts over `expert` devices a token reaches about expert * (1 - (1 - 1/expert)^k) of them, not all: Qwen3-MoE's
-top 8 of 128 on 8 devices moves about 1/1.5 of the gather's bytes, Mixtral's top 2 of 8 about 1/4. XLA:CPU does
-not implement the op; there `ragged_all_to_all` below computes the same result from an all-gather (as many bytes
-as the gather exchange, and more work: for checking the bookkeeping on CPU, which the tests do).
+back to the pairs' devices, which weight and add them. Dropless dispatch only (capacity dispatch's buffers are
+per row and stay with the gather). With a top k of E experts over `expert` devices a token reaches about
+expert * (1 - (1 - 1/expert)^k) of them, not all: Qwen3-MoE's top 8 of 128 on 8 devices moves about 1/1.5 of the
+gather's bytes, Mixtral's top 2 of 8 about 1/4. The receiving buffer holds the worst case (every pick of the
+group on one device), as large as the gather's dispatch. XLA:CPU does not implement the op; there
+`ragged_all_to_all` below computes the same result from an all-gather (as many bytes as the gather exchange, and
+more work: for checking the bookkeeping on CPU, which the tests do).
 
 The experts' hidden units split over `tensor` as a dense MLP's do (the down projection's partial sums are added over
 `tensor` with the reduce-scatter), and fsdp's split of the model dimension is gathered at the shard_map's edge, just
