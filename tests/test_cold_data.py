@@ -13,7 +13,7 @@ import pytest
 from train_runs import losses, metrics, resume_command, train_env
 
 from jaxllm.config.schema import ConfigError, DataConfig
-from jaxllm.data.cold_cache import ChunkCache
+from jaxllm.data.cold_cache import MIRRORED, ChunkCache, _put_in_place
 from jaxllm.data.pipeline import MixtureRows, PackedRows, make_train_iterator
 from jaxllm.data.token_store import TokenStore
 
@@ -66,7 +66,7 @@ def test_a_damaged_or_missing_cache_entry_is_fetched_again(shakespeare_store, tm
 READER = """
 import sys
 import numpy as np
-from jaxllm.data.cold_cache import ChunkCache
+from jaxllm.data.cold_cache import MIRRORED, ChunkCache, _put_in_place
 from jaxllm.data.token_store import TokenStore
 store, cache_dir, bound, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 local = TokenStore.open(store).split("train")
@@ -136,3 +136,22 @@ def test_a_run_on_a_cold_mixture_trains_on_the_same_data(shakespeare_store, unin
     records = [r for r in metrics(tmp_path / "run") if "loss" in r]
     assert all(r[f"data/mix/{shakespeare_store.name}"] == 1.0 for r in records)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["data"]["mixture"] == f"{url}:1"
+
+
+def test_a_mirror_another_process_put_in_place_stays_and_a_stale_one_is_replaced(tmp_path):
+    """Two processes mirror a store at once: the second to finish keeps the first's mirror in place (others
+    may be reading it) and drops its own; a mirror of another manifest is replaced."""
+    def mirror_dir(name, manifest, extra=None):
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / MIRRORED).write_bytes(manifest)
+        if extra:
+            (directory / extra).write_text("x")
+        return directory
+
+    target = mirror_dir("store", b"v1", extra="in use")
+    assert not _put_in_place(mirror_dir("store.tmp-1", b"v1"), target, b"v1")
+    assert (target / "in use").is_file() and not (tmp_path / "store.tmp-1").exists()
+    assert _put_in_place(mirror_dir("store.tmp-2", b"v2"), target, b"v2")
+    assert (target / MIRRORED).read_bytes() == b"v2" and not (target / "in use").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]

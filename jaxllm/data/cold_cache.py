@@ -22,6 +22,7 @@ that one chunk's file behind, outside the index.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import os
@@ -42,6 +43,31 @@ from jaxllm.runtime.throttle import Throttle
 MIRRORED = "manifest.json"  # the store's file whose presence marks a complete mirror
 _DECODED_BYTES = 64 << 20  # decoded chunks kept in each process's memory (as tensorstore's cache pool)
 _TOUCH_EVERY_S = 5.0  # a chunk's last use is written to the index at most this often per process
+
+
+def _is_mirror_of(directory: Path, manifest: bytes) -> bool:
+    return (directory / MIRRORED).is_file() and (directory / MIRRORED).read_bytes() == manifest
+
+
+def _put_in_place(temporary: Path, target: Path, manifest: bytes) -> bool:
+    """Rename the finished mirror `temporary` to `target`; whether it went in. A mirror of the same manifest that
+    another process put there meanwhile stays (others may be reading it: removing it first, as this once did, left
+    them a moment with no manifest) and ours goes; a stale one is moved aside first."""
+    try:
+        os.rename(temporary, target)  # atomic; fails while `target` holds files
+        return True
+    except OSError:
+        pass
+    if not _is_mirror_of(target, manifest):
+        aside = target.with_name(f"{temporary.name}.stale")
+        with contextlib.suppress(OSError):
+            os.rename(target, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rename(temporary, target)
+            return True
+    shutil.rmtree(temporary, ignore_errors=True)
+    return False
 
 
 def is_url(path: str) -> bool:
@@ -88,7 +114,7 @@ class ChunkCache:
             manifest = fs.cat_file(f"{root}/{MIRRORED}")
         except FileNotFoundError:
             raise FileNotFoundError(f"no token store at {location}: expected {location}/{MIRRORED}") from None
-        if (target / MIRRORED).is_file() and (target / MIRRORED).read_bytes() == manifest:
+        if _is_mirror_of(target, manifest):
             return target
         temporary = target.with_name(f"{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         shutil.rmtree(temporary, ignore_errors=True)
@@ -103,12 +129,8 @@ class ChunkCache:
             (temporary / relative).parent.mkdir(parents=True, exist_ok=True)
             (temporary / relative).write_bytes(fs.cat_file(path))
         (temporary / MIRRORED).write_bytes(manifest)
-        shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.rename(temporary, target)
-        except OSError:  # another process mirrored it meanwhile
-            shutil.rmtree(temporary, ignore_errors=True)
-        self._process().forget_chunks(store_key(location))  # a changed store's old chunks must not be read
+        if _put_in_place(temporary, target, manifest):
+            self._process().forget_chunks(store_key(location))  # a changed store's old chunks must not be read
         return target
 
     # -- the chunks, fetched on demand ----------------------------------------------------------------------
