@@ -73,7 +73,7 @@ class Dispatched(NamedTuple):
     group_sizes: jax.Array
     sent_order: jax.Array  # [P]: this device's pairs in the order they were sent (by expert)
     grouping: jax.Array  # [expert * P]: the received row each grouped row is
-    counts_SDE: jax.Array  # [sender, destination, the destination's e-th expert]: picks
+    pairs_SD: jax.Array  # [sender, destination]: picks sent
 
 
 def _exclusive_cumsum(sizes):
@@ -126,7 +126,8 @@ class ExpertGroup:
         experts_P = experts_TK.reshape(T * K)
         sent_order = jnp.argsort(experts_P, stable=True)  # by expert, so each device's picks are one slice
         counts_E = jnp.bincount(experts_P, length=num_experts).astype(jnp.int32)
-        counts_SDE = jax.lax.all_gather(counts_E, axis).reshape(n, n, num_experts // n)
+        local_experts = num_experts // n
+        counts_SDE = jax.lax.all_gather(counts_E, axis).reshape(n, n, local_experts)
         pairs_SD = counts_SDE.sum(-1)
         earlier_senders = jnp.arange(n)[:, None] < me
         received = ragged_all_to_all(
@@ -135,17 +136,16 @@ class ExpertGroup:
         # Received: each sender's picks in turn, by expert within each; the segment of a row names its expert.
         ends = jnp.cumsum(counts_SDE[:, me].reshape(-1))
         segment_R = jnp.searchsorted(ends, jnp.arange(n * T * K), side="right")
-        local_experts = num_experts // n
         expert_R = jnp.where(segment_R < ends.shape[0], segment_R % local_experts, local_experts)
         grouping = jnp.argsort(expert_R, stable=True)
-        return Dispatched(received[grouping], counts_SDE[:, me].sum(0), sent_order, grouping, counts_SDE)
+        return Dispatched(received[grouping], counts_SDE[:, me].sum(0), sent_order, grouping, pairs_SD)
 
     def send_back(self, out_RD, sent: Dispatched):
         """The ragged exchange's way back: the outputs of the grouped rows `out_RD` [expert * P, D] returned to
         their pairs' devices, this device's own pairs' outputs [P, D] in pair order (token t's k-th pick: t K + k)."""
         axis, P = self.expert_axis, sent.sent_order.shape[0]
         n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-        pairs_SD = sent.counts_SDE.sum(-1)
+        pairs_SD = sent.pairs_SD
         received_RD = out_RD[jnp.argsort(sent.grouping)]
         earlier_destinations = jnp.arange(n)[None, :] < me
         back_PD = ragged_all_to_all(
