@@ -1,7 +1,8 @@
 """Benchmark quantised training against float32: `python scripts/bench_quant.py [--steps 300] [--modes int8,fp8]
-[--config.x=v ...]`.
+[--config configs/pretrain.py] [--config.x=v ...]`.
 
-Runs the default job (configs/pretrain.py, through scripts/train.py as its own process) with
+Runs the default job (configs/pretrain.py, or another `--config`: configs/pretrain_moe.py quantises a mixture
+of experts' experts too; through scripts/train.py as its own process) with
 `precision.quant=none` and with each of `--modes` (default int8), everything else the same (same data, seed,
 schedule), and prints a table of each run's held-out loss after the last step (the loop's final evaluation, from
 the run's metrics.jsonl), its training time, and its ratio to float32's; then one JSON line of the figures. The
@@ -29,12 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_job(quant: str, steps: int, workdir: Path, overrides: list[str]) -> dict:
-    """{held-out loss, seconds} of the default job run for `steps` steps with `precision.quant=quant`."""
+def run_job(quant: str, steps: int, workdir: Path, overrides: list[str], config: str) -> dict:
+    """{held-out loss, seconds} of the job `config` run for `steps` steps with `precision.quant=quant`."""
     import jax
 
     emulate = ["--config.debug.emulate_fp8=true"] if quant == "fp8" and jax.default_backend() != "gpu" else []
-    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "pretrain.py"),
+    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", config,
                "--workdir", str(workdir), f"--config.train.steps={steps}", "--config.train.sample_tokens=0",
                f"--config.precision.quant={quant}", *emulate, *overrides]
     start = time.perf_counter()
@@ -50,10 +51,11 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="training steps of each run (the job's 300)")
     parser.add_argument("--modes", default="int8", help="quantised modes to compare with float32 (int8, fp8)")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "pretrain.py"), help="the job (a configs/*.py)")
     args, overrides = parser.parse_known_args(argv)
     modes = ["none", *args.modes.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
-        runs = {quant: run_job(quant, args.steps, Path(tmp) / quant, overrides) for quant in modes}
+        runs = {quant: run_job(quant, args.steps, Path(tmp) / quant, overrides, args.config) for quant in modes}
     ratios = {quant: run["eval_loss"] / runs["none"]["eval_loss"] for quant, run in runs.items()}
     print(f"{'precision.quant':<16}{'step':>6}{'held-out loss':>15}{'/ float32':>11}{'seconds':>10}")
     for quant, run in runs.items():

@@ -1068,7 +1068,7 @@ def _check_schedule(cfg: Config) -> None:
 
 
 def _check_experts(cfg: Config) -> None:
-    """A mixture of experts' experts take neither adapters nor quantised kernels (yet): refused, not ignored."""
+    """A mixture of experts' experts take no adapters (yet): refused, not ignored."""
     if not cfg.model.num_experts:
         return
     on_experts = [t for t in cfg.lora.target_list if t in ("gate_proj", "up_proj", "down_proj")]
@@ -1076,9 +1076,6 @@ def _check_experts(cfg: Config) -> None:
         raise ConfigError("lora.targets", f"{','.join(on_experts)} are a mixture of experts' projections here "
                                           f"(model.num_experts={cfg.model.num_experts}), which take no adapters: "
                                           f"target the attention (q_proj,k_proj,v_proj,o_proj)")
-    if cfg.precision.quant != "none":
-        raise ConfigError("precision.quant", f"{cfg.precision.quant!r} kernels are not implemented for a mixture "
-                                             f"of experts (model.num_experts={cfg.model.num_experts}): use 'none'")
 
 
 def _check_model_on_mesh(model: ModelConfig, mesh: MeshConfig, seq_len: int) -> None:

@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model.layers import ACTIVATIONS, gated_mlp, param
 from jaxllm.model.lora import project
+from jaxllm.model.quant import expert_ragged_dot
 from jaxllm.parallel.experts import ExpertGroup, run_experts
 
 
@@ -95,23 +96,27 @@ def balance_router_bias(params, load):
     return jax.tree.map(move, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def grouped_experts(x_PD: jax.Array, gate_EDF, up_EDF, down_EFD, activation: str, group_sizes_E) -> jax.Array:
+def grouped_experts(x_PD: jax.Array, gate_EDF, up_EDF, down_EFD, activation: str, group_sizes_E,
+                    quant: str = "none", row_axes: tuple[str, ...] = ()) -> jax.Array:
     """Each expert's gated MLP over its group of rows [P, D] (the rows grouped by expert, `group_sizes_E` of
-    them each; rows past the groups are padding): one grouped matmul per projection."""
+    them each; rows past the groups are padding): one grouped matmul per projection, quantised as `quant` says
+    (`row_axes`: the mesh axes the batch's other rows are on, jaxllm.model.quant.expert_ragged_dot)."""
+    matmul = lambda x, w: expert_ragged_dot(x, w.astype(x_PD.dtype), group_sizes_E, quant, row_axes)
     # Named as the dense MLP's (jaxllm/model/layers.py), so the remat policies that keep them keep these too.
-    gate_PF = checkpoint_name(jax.lax.ragged_dot(x_PD, gate_EDF.astype(x_PD.dtype), group_sizes_E), "mlp_gate")
-    up_PF = checkpoint_name(jax.lax.ragged_dot(x_PD, up_EDF.astype(x_PD.dtype), group_sizes_E), "mlp_up")
-    return jax.lax.ragged_dot(ACTIVATIONS[activation](gate_PF) * up_PF, down_EFD.astype(x_PD.dtype), group_sizes_E)
+    gate_PF = checkpoint_name(matmul(x_PD, gate_EDF), "mlp_gate")
+    up_PF = checkpoint_name(matmul(x_PD, up_EDF), "mlp_up")
+    return matmul(ACTIVATIONS[activation](gate_PF) * up_PF, down_EFD)
 
 
 def dropless_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_EFD, activation: str,
-                     first_expert=0, num_experts: int | None = None) -> jax.Array:
+                     first_expert=0, num_experts: int | None = None, quant: str = "none",
+                     row_axes: tuple[str, ...] = ()) -> jax.Array:
     """Each token's routed experts' outputs, weighted by the router and summed [T, D]: the (token, expert) pairs
     sorted by expert and run as ragged groups, one grouped matmul per projection.
 
     The weights may be a window of the experts (expert parallelism, jaxllm/parallel/experts.py): experts
     [first_expert, first_expert + E_local) of `num_experts`; the tokens' other picks add nothing here (their
-    experts' devices add them)."""
+    experts' devices add them). `quant`, `row_axes`: as `grouped_experts`'."""
     T, K = routing.experts.shape
     E_local = gate_EDF.shape[0]
     E = num_experts or E_local
@@ -124,7 +129,7 @@ def dropless_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_E
     local_sizes = jax.lax.dynamic_slice(group_sizes_E, (first_expert,), (E_local,))
     pairs_P = order_P[(start + jnp.arange(P)) % P]
     tokens_P = pairs_P // K
-    out_PD = grouped_experts(x_TD[tokens_P], gate_EDF, up_EDF, down_EFD, activation, local_sizes)
+    out_PD = grouped_experts(x_TD[tokens_P], gate_EDF, up_EDF, down_EFD, activation, local_sizes, quant, row_axes)
     in_window_P = jnp.arange(P) < jnp.sum(local_sizes)  # rows past the window's groups: other devices' experts
     weights_P = jnp.where(in_window_P, routing.weights.reshape(P)[pairs_P], 0.0).astype(out_PD.dtype)
     return jnp.zeros_like(x_TD).at[tokens_P].add(out_PD * weights_P[:, None])
@@ -141,14 +146,15 @@ def expert_slots(experts_BTK: jax.Array, num_experts: int, capacity_per_row: int
 
 
 def capacity_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_EFD, activation: str,
-                     capacity_factor: float, rows: int = 1, first_expert=0,
-                     num_experts: int | None = None) -> tuple[jax.Array, jax.Array]:
+                     capacity_factor: float, rows: int = 1, first_expert=0, num_experts: int | None = None,
+                     quant: str = "none", row_axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """`dropless_experts` with fixed-size expert buffers: (outputs [T, D], which picks were kept [rows, K, T /
     rows]). The T tokens are `rows` rows; in each row an expert takes at most C = ceil(capacity_factor * T_row * K
     / E) picks (`expert_slots`: a token keeps its first choice before another token's second), and a pick past
     its expert's capacity is dropped (that expert adds nothing to the token). Capacity per row, not per batch,
     so what is dropped does not depend on how the batch is split over devices. The fallback where a ragged kernel
-    is slow or missing: every shape is static. Expert window as `dropless_experts`."""
+    is slow or missing: every shape is static. Expert window as `dropless_experts`. Quantised (`quant`), the
+    buffers run as `grouped_experts`' equal groups, so both dispatches quantise alike."""
     T, K = routing.experts.shape
     E_local, D = gate_EDF.shape[0], x_TD.shape[1]
     E, T_row = num_experts or E_local, T // rows
@@ -161,14 +167,24 @@ def capacity_experts(x_TD: jax.Array, routing: Routing, gate_EDF, up_EDF, down_E
     expert_BKT = jnp.clip(local_BKT, 0, E_local - 1)
     tokens_BKT = jnp.broadcast_to((jnp.arange(rows)[:, None] * T_row + jnp.arange(T_row))[:, None, :], (rows, K, T_row))
     buffer_ECD = jnp.zeros((E_local, rows * C + 1, D), x_TD.dtype).at[expert_BKT, place_BKT].set(x_TD[tokens_BKT])
-    gate_EDF, up_EDF, down_EFD = (w.astype(x_TD.dtype) for w in (gate_EDF, up_EDF, down_EFD))
-    h_ECF = (ACTIVATIONS[activation](checkpoint_name(jnp.einsum("ECD,EDF->ECF", buffer_ECD, gate_EDF), "mlp_gate"))
-             * checkpoint_name(jnp.einsum("ECD,EDF->ECF", buffer_ECD, up_EDF), "mlp_up"))
-    out_ECD = jnp.einsum("ECF,EFD->ECD", h_ECF, down_EFD)
+    out_ECD = _buffered_experts(buffer_ECD, gate_EDF, up_EDF, down_EFD, activation, quant, row_axes)
     weights_BKT = jnp.swapaxes(routing.weights.reshape(rows, T_row, K), 1, 2)
     weights_BKT = jnp.where(taken_BKT, weights_BKT, 0.0).astype(out_ECD.dtype)
     out_TD = jnp.zeros_like(x_TD).at[tokens_BKT].add(out_ECD[expert_BKT, place_BKT] * weights_BKT[..., None])
     return out_TD, kept_BKT
+
+
+def _buffered_experts(buffer_ECD, gate_EDF, up_EDF, down_EFD, activation: str, quant: str, row_axes) -> jax.Array:
+    """Each expert's gated MLP over its buffer [E, C, D]."""
+    if quant != "none":
+        E, C, D = buffer_ECD.shape
+        sizes_E = jnp.full((E,), C, jnp.int32)
+        return grouped_experts(buffer_ECD.reshape(E * C, D), gate_EDF, up_EDF, down_EFD, activation, sizes_E, quant,
+                               row_axes).reshape(E, C, D)
+    gate_EDF, up_EDF, down_EFD = (w.astype(buffer_ECD.dtype) for w in (gate_EDF, up_EDF, down_EFD))
+    h_ECF = (ACTIVATIONS[activation](checkpoint_name(jnp.einsum("ECD,EDF->ECF", buffer_ECD, gate_EDF), "mlp_gate"))
+             * checkpoint_name(jnp.einsum("ECD,EDF->ECF", buffer_ECD, up_EDF), "mlp_up"))
+    return jnp.einsum("ECF,EFD->ECD", h_ECF, down_EFD)
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -281,7 +297,8 @@ class MoEMLP(nnx.Module):
     def __init__(self, dim: int, mlp_dim: int, num_experts: int, top_k: int, *, renormalize: bool, activation: str,
                  init_std: float, out_std: float, dtype, rngs: nnx.Rngs, stack: tuple = (),
                  dispatch: str = "dropless", capacity_factor: float = 1.0, shared_mlp_dim: int = 0,
-                 scores: str = "softmax", bias_update_rate: float = 0.0, exchange: str = "auto"):
+                 scores: str = "softmax", bias_update_rate: float = 0.0, exchange: str = "auto",
+                 quant: str = "none"):
         D, F, E, Fs = dim, mlp_dim, num_experts, shared_mlp_dim
         lead = ("layers",) * len(stack)
         self.router = param(rngs, stack + (D, E), lead + ("embed", "expert"), dtype, init_std)
@@ -297,13 +314,14 @@ class MoEMLP(nnx.Module):
                                       update_rate=bias_update_rate) if bias_update_rate else None
         self.top_k, self.renormalize, self.activation, self.scores = top_k, renormalize, activation, scores  # static
         self.dispatch, self.capacity_factor, self.exchange = dispatch, capacity_factor, exchange  # static
+        self.quant = quant  # precision.quant of the experts' and the shared expert's projections (static)
 
     def __call__(self, x_BTD: jax.Array, dropless: bool = False) -> tuple[jax.Array, RouterSums]:
         """(output [B, T, D], the router's sums per row); `dropless` overrides a capacity dispatch (decoding). On
         a mesh each device routes its own rows to the experts of its expert group (jaxllm/parallel/experts.py)."""
         capacity_factor = self.capacity_factor if self.dispatch == "capacity" and not dropless else None
         layer = functools.partial(moe_on_device, top_k=self.top_k, renormalize=self.renormalize, scores=self.scores,
-                                  activation=self.activation, capacity_factor=capacity_factor)
+                                  activation=self.activation, capacity_factor=capacity_factor, quant=self.quant)
         router = (self.router[...], None if self.router_bias is None else self.router_bias[...])
         out_BTD, sums = run_experts(layer, x_BTD, router, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
                                     split_seq=capacity_factor is None,
@@ -315,9 +333,9 @@ class MoEMLP(nnx.Module):
     def _shared_expert(self, x_BTD: jax.Array) -> jax.Array:
         """The shared expert's output [B, T, D]: outside `run_experts`' shard_map, on the whole activations, so it
         splits as a dense MLP does (hidden units over `tensor`, the batch over the batch axes)."""
-        gate = lambda spec, x: project(spec, x, self.shared_gate_proj, None)
-        up = lambda spec, x: project(spec, x, self.shared_up_proj, None)
-        down = lambda spec, x: project(spec, x, self.shared_down_proj, None)
+        gate = lambda spec, x: project(spec, x, self.shared_gate_proj, None, quant=self.quant)
+        up = lambda spec, x: project(spec, x, self.shared_up_proj, None, quant=self.quant)
+        down = lambda spec, x: project(spec, x, self.shared_down_proj, None, quant=self.quant)
         out_BTD = gated_mlp(x_BTD, self.activation, gate, up, down)
         # The gate's logit in the compute dtype (a matmul, as transformers' Linear), its sigmoid in float32.
         logit_BT1 = project("BTD,DO->BTO", x_BTD, self.shared_expert_gate, None)
@@ -325,11 +343,12 @@ class MoEMLP(nnx.Module):
 
 
 def moe_on_device(x_BTD, router, gate_EDF, up_EDF, down_EFD, group: ExpertGroup, *, top_k: int,
-                  renormalize: bool, activation: str, capacity_factor: float | None, scores: str = "softmax"):
+                  renormalize: bool, activation: str, capacity_factor: float | None, scores: str = "softmax",
+                  quant: str = "none"):
     """One device's part of a mixture-of-experts layer (`run_experts`' `layer`): route its rows (`router`: the
     router's kernel [D, E] and its `RouterBias` [E] or None), run its experts (`gate_EDF`... hold E_local of the
     router's E) over its expert group's picks of them, dropless or with `capacity_factor`, and return (its rows'
-    outputs [B, T, D], its rows' `RouterSums`)."""
+    outputs [B, T, D], its rows' `RouterSums`); the experts' matmuls quantised as `quant` says."""
     B, T, D = x_BTD.shape
     router_DE, bias_E = router
     E, K = router_DE.shape[-1], top_k
@@ -339,27 +358,30 @@ def moe_on_device(x_BTD, router, gate_EDF, up_EDF, down_EFD, group: ExpertGroup,
         kept_BKT = expert_slots(routing.experts.reshape(B, T, K), E, capacity(T, K, E, capacity_factor))[1]
     sums = group.row_total(router_sums(routing, B, E, kept_BKT))
     if group.ragged:
-        return _exchanged_experts(x_BTD, routing, gate_EDF, up_EDF, down_EFD, group, activation), sums
+        return _exchanged_experts(x_BTD, routing, gate_EDF, up_EDF, down_EFD, group, activation, quant), sums
     x_ND = group.gather(x_BTD).reshape(-1, D)
     rows = x_ND.shape[0] // T
     picks = Routing(None, group.gather(routing.experts.reshape(B, T * K)).reshape(-1, K),
                     group.gather(routing.weights.reshape(B, T * K)).reshape(-1, K))
     window = dict(first_expert=group.first_expert(gate_EDF.shape[0]), num_experts=E)
+    quantised = dict(quant=quant, row_axes=group.row_axes)
     if capacity_factor is None:
-        out_ND = dropless_experts(x_ND, picks, gate_EDF, up_EDF, down_EFD, activation, **window)
+        out_ND = dropless_experts(x_ND, picks, gate_EDF, up_EDF, down_EFD, activation, **window, **quantised)
     else:
         out_ND = capacity_experts(x_ND, picks, gate_EDF, up_EDF, down_EFD, activation, capacity_factor, rows,
-                                  **window)[0]
+                                  **window, **quantised)[0]
     return group.combine(out_ND.reshape(rows, T, D)), sums
 
 
-def _exchanged_experts(x_BTD, routing: Routing, gate_EDF, up_EDF, down_EFD, group: ExpertGroup, activation: str):
+def _exchanged_experts(x_BTD, routing: Routing, gate_EDF, up_EDF, down_EFD, group: ExpertGroup, activation: str,
+                       quant: str = "none"):
     """Dropless dispatch through the ragged exchange (jaxllm/parallel/experts.py): this device's picks sent to
     their experts' devices, its experts run over what it received, the outputs brought back, weighted and added
     per token (in float32, then the compute dtype) [B, T, D]."""
     B, T, D = x_BTD.shape
     sent = group.send_to_experts(x_BTD.reshape(B * T, D), routing.experts, routing.logits.shape[-1])
-    out_PD = group.send_back(grouped_experts(sent.rows, gate_EDF, up_EDF, down_EFD, activation, sent.group_sizes),
-                             sent)
+    out_PD = grouped_experts(sent.rows, gate_EDF, up_EDF, down_EFD, activation, sent.group_sizes, quant,
+                             group.row_axes)
+    out_PD = group.send_back(out_PD, sent)
     weighted_TKD = out_PD.reshape(B * T, -1, D).astype(jnp.float32) * routing.weights[..., None]
     return group.tensor_total(jnp.sum(weighted_TKD, axis=1).astype(x_BTD.dtype).reshape(B, T, D))

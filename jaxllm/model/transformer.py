@@ -123,8 +123,8 @@ class DecoderLayer(nnx.Module):
 
 
 def _feed_forward_block(cfg: ModelConfig, dtype, stack: tuple, rngs: nnx.Rngs, lora, quant: str, base_quant: str):
-    """The layer's MLP: dense, or the mixture of experts of `cfg.num_experts` > 0 (no adapters or quantised
-    kernels on its experts: config.validate refuses them; under QLoRA they stay in float)."""
+    """The layer's MLP: dense, or the mixture of experts of `cfg.num_experts` > 0 (no adapters on its experts:
+    config.validate refuses them; under QLoRA they stay in float; `quant` applies to them as to a dense MLP)."""
     if not cfg.num_experts:
         return MLP(cfg, dtype=dtype, stack=stack, rngs=rngs, lora=lora, quant=quant, base_quant=base_quant)
     return MoEMLP(cfg.dim, cfg.mlp_dim, cfg.num_experts, cfg.experts_per_token, renormalize=cfg.moe_renormalize,
@@ -132,7 +132,7 @@ def _feed_forward_block(cfg: ModelConfig, dtype, stack: tuple, rngs: nnx.Rngs, l
                   out_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, dtype=dtype, rngs=rngs, stack=stack,
                   dispatch=cfg.moe_dispatch, capacity_factor=cfg.moe_capacity_factor,
                   shared_mlp_dim=cfg.moe_shared_mlp_dim, scores=cfg.moe_router_scores,
-                  bias_update_rate=cfg.moe_bias_update_rate, exchange=cfg.moe_exchange)
+                  bias_update_rate=cfg.moe_bias_update_rate, exchange=cfg.moe_exchange, quant=quant)
 
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")

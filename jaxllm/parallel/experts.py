@@ -90,6 +90,9 @@ class ExpertGroup:
     rows_split: bool = True  # False: the rows are whole on every device of the group (too few to split)
     seq_axis: str | None = None  # the axis the rows' sequence is split over (context parallelism), if any
     ragged: bool = False  # exchange the picks by ragged all-to-all (`send_to_experts`) instead of `gather`
+    # The axes the batch's rows are split over besides `expert` (other devices hold other rows for the same
+    # experts): a quantised weight gradient's scales take their max over them (jaxllm.model.quant).
+    row_axes: tuple[str, ...] = ()
 
     def row_total(self, sums):
         """Per-row sums over this device's part of the sequence -> over the whole row."""
@@ -164,7 +167,8 @@ def _on_split_sequence(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EF
     the per-row stats add up over `context`; else (capacity dispatch, whose buffers are per whole row) the row is
     gathered, routed whole on every device, and each keeps its own positions' outputs."""
     if split_seq:
-        return layer(x_BTD, router, gate_EDF, up_EDF, down_EFD, ExpertGroup(seq_axis=CONTEXT))
+        group = ExpertGroup(seq_axis=CONTEXT, row_axes=(CONTEXT,))
+        return layer(x_BTD, router, gate_EDF, up_EDF, down_EFD, group)
     T = x_BTD.shape[1]
     whole_BTD = jax.lax.all_gather(x_BTD, CONTEXT, axis=1, tiled=True)
     out_BTD, stats = layer(whole_BTD, router, gate_EDF, up_EDF, down_EFD, ExpertGroup())
@@ -214,6 +218,7 @@ def run_experts(layer: Callable, x_BTD, router, gate_EDF, up_EDF, down_EFD, spli
     down = spec(("expert", "mlp", None), down_EFD.shape)
     group = ExpertGroup(EXPERT if EXPERT in gate else None, TENSOR if TENSOR in gate else None,
                         rows_split=EXPERT in _axes(rows), seq_axis=rows[1] if len(rows) > 1 else None,
-                        ragged=exchange == "ragged" and EXPERT in gate and EXPERT in _axes(rows))
+                        ragged=exchange == "ragged" and EXPERT in gate and EXPERT in _axes(rows),
+                        row_axes=tuple(sorted(_axes(rows) - {EXPERT})))
     return jax.shard_map(lambda *args: layer(*args, group), mesh=mesh, in_specs=(rows, P(), gate, gate, down),
                          out_specs=(rows, P(*rows[:1])), axis_names=manual)(x_BTD, router, gate_EDF, up_EDF, down_EFD)

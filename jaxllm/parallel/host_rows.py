@@ -31,7 +31,9 @@ def process_rows(sharding, global_rows: int) -> tuple[int, int]:
     covered = sum(b - a for a, b in blocks)
     if global_rows % size or lo % size or covered < size:
         raise ValueError(f"the batch layout gives process {jax.process_index()} rows {sorted(blocks)} of "
-                         f"{global_rows}, not one contiguous block; put fewer hosts on mesh.dcn_fsdp")
+                         f"{global_rows}, not one contiguous block: each batch axis split across hosts must come "
+                         f"before those split within a host (data, fsdp, expert; config.schema.resolve_dcn checks "
+                         f"a config's mesh)")
     return lo // size, global_rows // size
 
 
