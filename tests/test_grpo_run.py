@@ -129,7 +129,9 @@ def test_a_process_killed_in_a_rollout_ends_the_job_and_it_resumes_bitwise(two_p
     run's parameters and losses, bit for bit."""
     command = _command(lora_run, prompts, tmp_path, "--config.train.steps=6", *NAN_AT_3, *SPLIT)
     procs = start_processes([*command, "--config.debug.kill_in_rollout=1"], tmp_path)
-    survivor, _ = process_logs(procs, tmp_path, timeout=300)
+    # The limit bounds the whole first run (compiles, three steps, the rollback) under a loaded CI machine, not only
+    # the survivor's noticing: 300 s ran out on this 2-core machine with other jobs running beside the suite.
+    survivor, _ = process_logs(procs, tmp_path)
     assert procs[1].returncode == -9 and procs[0].returncode != 0, survivor[-3000:]
     assert "jaxllm: process 1 of 2 stopped responding" in survivor, survivor[-3000:]
     assert "Traceback" not in survivor
