@@ -101,7 +101,7 @@ def grouped_experts(x_PD: jax.Array, gate_EDF, up_EDF, down_EFD, activation: str
     """Each expert's gated MLP over its group of rows [P, D] (the rows grouped by expert, `group_sizes_E` of
     them each; rows past the groups are padding): one grouped matmul per projection, quantised as `quant` says
     (`row_axes`: the mesh axes the batch's other rows are on, jaxllm.model.quant.expert_ragged_dot)."""
-    matmul = lambda x, w: expert_ragged_dot(x, w.astype(x_PD.dtype), group_sizes_E, quant, row_axes)
+    matmul = lambda x, w: expert_ragged_dot(x, w, group_sizes_E, quant, row_axes)
     # Named as the dense MLP's (jaxllm/model/layers.py), so the remat policies that keep them keep these too.
     gate_PF = checkpoint_name(matmul(x_PD, gate_EDF), "mlp_gate")
     up_PF = checkpoint_name(matmul(x_PD, up_EDF), "mlp_up")

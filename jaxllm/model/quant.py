@@ -88,12 +88,13 @@ def expert_ragged_dot(x_PD, kernel_EDF, group_sizes_E, quant: str = "none", row_
     scales the kernel per output channel across all the device's experts (so by which experts share a device),
     takes the weight gradient's scales over the device's rows only, and rounds to qwix's integer bound (see
     `_quantise`)."""
+    kernel_EDF = kernel_EDF.astype(x_PD.dtype)
     if quant == "none":
         return jax.lax.ragged_dot(x_PD, kernel_EDF, group_sizes_E)
     # Inside a shard_map both operands vary over the axes either varies over before they enter the custom rule,
     # whose cotangents keep their primals' types: the casts' own transposes add the gradients up over the axes
     # they were cast over (the kernel's over the rows' axes, the rows' over `tensor` where it splits the kernel).
-    x_PD, kernel_EDF = _varying_alike(x_PD, kernel_EDF.astype(x_PD.dtype))
+    x_PD, kernel_EDF = _varying_alike(x_PD, kernel_EDF)
     return _ragged_dot_qt(x_PD, kernel_EDF, group_sizes_E, quant, row_axes)
 
 
@@ -140,9 +141,10 @@ def _ragged_dot_qt_fwd(x_PD, kernel_EDF, group_sizes_E, quant, row_axes):
     types = QTYPES[quant]
     qx_PD, sx_P1 = _quantise(x_PD, types["lhs_qtype"], _absmax(x_PD, 1))
     qk_EDF, sk_E1F = _quantise(kernel_EDF, types["rhs_qtype"], _absmax(kernel_EDF, 1))
+    expert_P = _expert_of_rows(group_sizes_E, x_PD.shape[0])
     out_PF = jax.lax.ragged_dot(qx_PD, qk_EDF, group_sizes_E, preferred_element_type=_accumulator(types["lhs_qtype"]))
-    out_PF = out_PF.astype(jnp.float32) * sx_P1 * _per_row(sk_E1F[:, 0], group_sizes_E, x_PD.shape[0])
-    return out_PF.astype(x_PD.dtype), (qx_PD, sx_P1, qk_EDF, sk_E1F, group_sizes_E)
+    out_PF = out_PF.astype(jnp.float32) * sx_P1 * _per_row(sk_E1F[:, 0], expert_P)
+    return out_PF.astype(x_PD.dtype), (qx_PD, sx_P1, qk_EDF, sk_E1F, group_sizes_E, expert_P)
 
 
 def _expert_of_rows(group_sizes_E, rows: int):
@@ -152,20 +154,18 @@ def _expert_of_rows(group_sizes_E, rows: int):
     return jnp.where(jnp.arange(rows) < jnp.sum(group_sizes_E), expert_P, E)
 
 
-def _per_row(per_expert_EF, group_sizes_E, rows: int):
-    """[rows, F]: each grouped row's expert's entry (rows past the groups: zeros)."""
-    expert_P = _expert_of_rows(group_sizes_E, rows)
-    in_groups = (expert_P < per_expert_EF.shape[0])[:, None]
-    return jnp.where(in_groups, per_expert_EF[jnp.minimum(expert_P, per_expert_EF.shape[0] - 1)], 0.0)
+def _per_row(per_expert_EF, expert_P):
+    """[rows, F]: each grouped row's expert's entry (`expert_P` from `_expert_of_rows`; past the groups: zeros)."""
+    return jnp.concatenate([per_expert_EF, jnp.zeros_like(per_expert_EF[:1])])[expert_P]
 
 
 def _ragged_dot_qt_bwd(quant, row_axes, residuals, g_PF):
     types = QTYPES[quant]
-    qx_PD, sx_P1, qk_EDF, sk_E1F, group_sizes_E = residuals
-    E, P, g_dtype = qk_EDF.shape[0], qx_PD.shape[0], g_PF.dtype
+    qx_PD, sx_P1, qk_EDF, sk_E1F, group_sizes_E, expert_P = residuals
+    E, g_dtype = qk_EDF.shape[0], g_PF.dtype
     # Input gradient: g times each row's expert's kernel transposed, the kernel's scales moved onto g first.
     g_PF = g_PF.astype(jnp.float32)
-    g_dx_PF = g_PF * _per_row(sk_E1F[:, 0], group_sizes_E, P)
+    g_dx_PF = g_PF * _per_row(sk_E1F[:, 0], expert_P)
     qg_PF, sg_P1 = _quantise(g_dx_PF, types["dlhs_grad_qtype"], _absmax(g_dx_PF, 1))
     dx_PD = jax.lax.ragged_dot(qg_PF, jnp.swapaxes(qk_EDF, 1, 2), group_sizes_E,
                                preferred_element_type=_accumulator(types["dlhs_grad_qtype"]))
@@ -173,12 +173,11 @@ def _ragged_dot_qt_bwd(quant, row_axes, residuals, g_PF):
     # Weight gradient: each expert's rows of x (quantised in the forward pass) against its rows of g, the rows'
     # scales moved onto g, which is quantised per expert and output channel.
     gw_PF = g_PF * sx_P1
-    expert_P = _expert_of_rows(group_sizes_E, P)
     absmax_EF = jax.ops.segment_max(jnp.abs(gw_PF), expert_P, num_segments=E)  # rows past the groups: dropped
     absmax_EF = jnp.maximum(absmax_EF, 0.0)  # an expert without rows: -inf
     if row_axes:
         absmax_EF = jax.lax.pmax(absmax_EF, row_axes)
-    absmax_PF = _per_row(absmax_EF, group_sizes_E, P)
+    absmax_PF = _per_row(absmax_EF, expert_P)
     qgw_PF, _ = _quantise(gw_PF, types["drhs_grad_qtype"], absmax_PF)
     rows_contracted = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
                                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
