@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from jaxllm.runtime.distributed import free_port_pair  # noqa: F401  (the multi-process tests' ports)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,9 +286,20 @@ def start_processes(command: list[str], workdir, processes: int = 2) -> list[sub
 
 
 def process_logs(procs: list[subprocess.Popen], workdir, timeout=600) -> list[str]:
-    """Wait for every process of `start_processes`; their logs."""
-    for p in procs:
-        p.wait(timeout=timeout)
+    """Wait for every process of `start_processes` (`timeout` seconds in all); their logs. Past the limit the
+    job's processes are killed (a wedged job would otherwise outlive the test, holding CPU and ports for the rest
+    of the suite) and the test fails with the tail of each log."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.wait()
+        tails = "\n".join(f"--- process {i}:\n{Path(f'{workdir}.p{i}.log').read_text()[-2000:]}"
+                          for i in range(len(procs)))
+        pytest.fail(f"the {len(procs)}-process job did not end within {timeout} s; killed\n{tails}")
     return [Path(f"{workdir}.p{i}.log").read_text() for i in range(len(procs))]
 
 
