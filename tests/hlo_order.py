@@ -5,8 +5,7 @@ threads come free, and gloo (its collectives across processes) matches messages 
 with collectives that nothing orders can leave devices waiting for each other at different collectives (see
 `jaxllm.train.diagnostic_step.DiagnosticSteps`). `unordered_collective_pairs` finds such pairs in the entry
 computation of a compiled program's text (`jax.stages.Compiled.as_text()`), following operands only: an
-optimization barrier is gone by then (XLA:CPU expands it, keeping its order in the schedule only), so pairs that
-the schedule keeps apart count too (an over-count).
+optimization barrier is gone by then (XLA:CPU expands it), and that is what runs.
 """
 
 from __future__ import annotations
