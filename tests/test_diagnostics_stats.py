@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hlo_order import unordered_collective_pairs, unordered_loop_pairs
 from train_runs import ROOT, TINY, metrics
 
 from jaxllm.config.cli import build_config, split_overrides
@@ -107,26 +106,6 @@ def test_production_step_program_is_the_same_with_diagnostics_on_and_off(setup):
         lowered = [jax.jit(fn).lower(state, batch, frozen).as_text()
                    for fn in (on.diagnostics._step_fn(), on._jit(on.objective))]
     assert lowered[0] != lowered[1]
-
-
-def test_the_variant_runs_its_activation_statistics_and_its_step_as_two_programs(setup):
-    """XLA:CPU runs what no data path orders concurrently, each device in its own order (tests/hlo_order.py). The
-    variant's activation statistics (a forward pass of their own) and its step are two programs, so that no
-    program runs two collective loops side by side; the activations' leaves no more collectives beside its loop
-    than the production step. (As one program the activations' layer loop ran beside the step's loops: 2
-    processes replaying a non-finite GRPO step hung now and then.)"""
-    off, on = setup["runners"]
-    state, batch, frozen = setup["state"], setup["batch"], setup["frozen"]
-    off.compile(state, batch, frozen)
-    production = unordered_collective_pairs(off.compiled_for(batch).as_text())
-    on.diagnostics.measure(state, batch, frozen)  # jits both programs
-    with jax.set_mesh(setup["mesh"]):
-        texts = [p.lower(*args).compile().as_text() for p, args in (
-            (on.diagnostics.variants[None], (state, batch, frozen)),
-            (on.diagnostics.activations_program, (state.params, frozen, batch)))]
-    measured = unordered_collective_pairs(texts[1])
-    assert production and not unordered_loop_pairs(texts[0]) and 0 < len(measured) <= len(production), (
-        production, unordered_loop_pairs(texts[0]), measured)
 
 
 def test_the_variant_updates_bitwise_as_the_production_step(setup):

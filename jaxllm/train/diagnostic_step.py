@@ -9,8 +9,7 @@ diagnostics on and off, and a measured step's new state equals an unmeasured one
 
 Activation statistics (residual-stream RMS and max, SwiGLU gate saturation, attention-logit max, output
 logits) join through the optional `activations` callable, `activations(graphdef, params, frozen, batch) ->
-dict` ([L] arrays and scalars), e.g. `jaxllm.observe.activations.activation_stats`. They are a program of their
-own, run before the variant's step: see `DiagnosticSteps` for why not one program.
+dict` ([L] arrays and scalars), e.g. `jaxllm.observe.activations.activation_stats`.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from jaxllm.observe.nonfinite import finite_flags, first_nonfinite
 from jaxllm.observe.norms import adam_v_stats, layer_and_group_norms
 from jaxllm.parallel.offload import on_host, stream_opt_state
 from jaxllm.train.faults import with_scaled_loss
-from jaxllm.train.step import StepTrace, batch_sharding, make_train_step
+from jaxllm.train.step import NO_FROZEN, StepTrace, batch_sharding, make_train_step
 
 PREFIX = "diag/"
 NOT_REPRODUCED = "none (the step was finite when replayed)"
@@ -45,17 +44,14 @@ def flat_stats(stats: dict) -> dict:
 
 
 def _in_order(*trees):
-    """`trees` through one optimization barrier: XLA schedules what is computed from the results after all of them.
+    """`trees` through one optimization barrier: whatever is computed from the results starts after all of them.
 
     XLA:CPU runs the independent parts of a program concurrently, and it does not keep the collectives of a loop
     (a layer scan) in one order across devices with the collectives beside it: the variant's statistics of the
     old parameters ran beside the step's layer loop on some devices and after it on others, each device waited
     for the others at a different collective, and XLA aborted at its 180 s rendezvous limit (a reward-model run
-    with `optim.zero1` on a 2x2x2 mesh, every time; without the barrier the tests of
-    tests/test_diagnostics_stats.py aborted so in 2 runs of 6 on a loaded machine). The barrier is expanded
-    before XLA:CPU emits the program, so it orders through the schedule only; it did not keep a second layer
-    loop (the activations' forward pass) from running beside the step's: that pass is a program of its own
-    (`DiagnosticSteps`)."""
+    with `optim.zero1` on a 2x2x2 mesh, every time). So the variant's passes run one after another: the
+    activations' forward, then the step, then the statistics of what the step saw and did."""
     return jax.lax.optimization_barrier(trees)
 
 
@@ -73,21 +69,22 @@ def diagnostic_observer() -> Callable[[StepTrace], dict]:
     return observe
 
 
-def make_diagnostic_step(objective, tx, **step_args) -> Callable:
+def make_diagnostic_step(objective, tx, activations: Activations | None = None, **step_args) -> Callable:
     """`step(state, batch, frozen) -> (new state, metrics, diag)`: the production step of the same arguments
     (`step_args`: those of `make_train_step`), whose new state and metrics it returns unchanged, and `diag`
-    from `diagnostic_observer`."""
-    return make_train_step(objective, tx, observe=diagnostic_observer(), **step_args)
+    from `diagnostic_observer`, with the activation statistics (a forward pass of the pre-step parameters on the
+    step's batch, before the step) under "activations" and in its stats when `activations` is given."""
+    step = make_train_step(objective, tx, observe=diagnostic_observer(), **step_args)
+    if activations is None:
+        return step
 
+    def diagnostic_step(state, batch, frozen=NO_FROZEN):
+        measured = activations(objective.graphdef, state.params, frozen, batch)
+        measured, state, batch, frozen = _in_order(measured, state, batch, frozen)
+        new_state, metrics, diag = step(state, batch, frozen)
+        return new_state, metrics, dict(diag, stats={**diag["stats"], **flat_stats(measured)}, activations=measured)
 
-def measured_and_flat(activations: Activations, graphdef) -> Callable:
-    """`(params, frozen, batch) -> (the activation statistics, their flat_stats)`, the variant's first program."""
-
-    def measure(params, frozen, batch):
-        measured = activations(graphdef, params, frozen, batch)
-        return measured, flat_stats(measured)
-
-    return measure
+    return diagnostic_step
 
 
 class DiagnosticSteps:
@@ -111,16 +108,6 @@ class DiagnosticSteps:
     so nothing is replayed.
 
     Each variant is jitted when first needed (once per drill loss factor) and compiles once per batch shape.
-
-    The activation statistics (a forward pass of their own) and the step are two programs, run one after the
-    other. In one program the activations' layer loop was independent of the step's, and XLA:CPU runs
-    independent parts concurrently, in an order each device picks as its threads come free: one device in a
-    layer loop's all-gather and its peer in an all-reduce beside it waited for each other for ever (2 processes
-    of 4 CPU devices, GRPO with rollouts on devices of their own, replaying a non-finite step: both processes
-    stopped there, about 1 phase in 25 on a loaded machine; gloo matches a process's messages by their order).
-    Separate programs are ordered: XLA:CPU starts a program with collectives on a process's devices only once
-    the one before has ended on all of them. No program of the variant runs two collective loops side by side
-    now; a collective beside a loop remains, as in the production step (tests/test_diagnostics_stats.py).
     """
 
     def __init__(self, objective, tx, step_args: dict, every: int, shardings, frozen_shardings, mesh, log,
@@ -129,12 +116,11 @@ class DiagnosticSteps:
         self.shardings, self.frozen_shardings, self.mesh, self.log = shardings, frozen_shardings, mesh, log
         self.activations = activations
         self.variants: dict = {}  # drill loss factor (None: none) -> the jitted variant
-        self.activations_program = None  # the activation statistics, jitted (with `activations`)
         self.ran: dict[int, tuple] = {}  # step -> (batch, loss factor of a drill or None), the last two steps
 
     def _step_fn(self, factor=None):
         objective = self.objective if factor is None else with_scaled_loss(self.objective, factor)
-        return make_diagnostic_step(objective, self.tx, **self.step_args)
+        return make_diagnostic_step(objective, self.tx, activations=self.activations, **self.step_args)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -145,37 +131,15 @@ class DiagnosticSteps:
         self.ran.pop(step - 2, None)
 
     def _variant(self, factor):
-        """`(state, batch, frozen) -> (metrics, diag)`, nothing donated: the activation statistics' program (when
-        `activations` is given), then the step's."""
+        """`(state, batch, frozen) -> (metrics, diag)`, nothing donated."""
         if factor not in self.variants:
             step_fn = self._step_fn(factor)
             if on_host(self.shardings.opt_state):
                 step_fn = stream_opt_state(step_fn, self.shardings)
             ins = (self.shardings, batch_sharding(self.mesh), self.frozen_shardings)
             self.variants[factor] = jax.jit(lambda s, b, f: step_fn(s, b, f)[1:], in_shardings=ins,
-                                            out_shardings=self._replicated())
-        step, measure = self.variants[factor], self._activations_program()
-        if measure is None:
-            return step
-
-        def measured_then_step(state, batch, frozen):
-            measured, flat = measure(state.params, frozen, batch)
-            metrics, diag = step(state, batch, frozen)
-            return metrics, dict(diag, stats={**diag["stats"], **flat}, activations=measured)
-
-        return measured_then_step
-
-    def _replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec())
-
-    def _activations_program(self):
-        """`(params, frozen, batch) -> activation statistics`, jitted once (they do not depend on a drill's loss
-        factor); None without `activations`."""
-        if self.activations_program is None and self.activations is not None:
-            ins = (self.shardings.params, self.frozen_shardings, batch_sharding(self.mesh))
-            self.activations_program = jax.jit(measured_and_flat(self.activations, self.objective.graphdef),
-                                               in_shardings=ins, out_shardings=self._replicated())
-        return self.activations_program
+                                            out_shardings=NamedSharding(self.mesh, PartitionSpec()))
+        return self.variants[factor]
 
     def measure(self, state, batch, frozen) -> dict:
         """The `diag/` statistics of the step the production step is about to make from `state` on `batch`."""
