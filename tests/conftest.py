@@ -37,7 +37,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # time it took with XLA's defaults), the test processes and every subprocess a test starts (training runs,
 # scripts: they inherit XLA_FLAGS). A run's float results are the same at either optimisation level; tests that
 # assert a program's exact form compile it with PRODUCTION_COMPILE. (XLA:CPU's collectives once wedged more often
-# at level 0; that wedge was Eigen's thread pool, which tests/train_runs.py's training runs turn off.)
+# at level 0: collectives that no data path orders, taken in another order on each device; see XLA_CPU_WEDGE.)
 os.environ["XLA_FLAGS"] += " " + TEST_PROCESS_FLAGS
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
@@ -58,11 +58,13 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# XLA:CPU runs the collectives of 8 fake devices on shared threads, and under load (2 cores, two test workers) one
-# device now and then never reaches an all-reduce: XLA aborts the process at its rendezvous limit with this
-# message (seen in 1 of 6 full runs on 2026-12-04, a DPO resume run, at either optimisation level). It is XLA's
-# runtime, not the code under test, so a test that failed with that message in its output runs once more from
-# scratch (pytest-rerunfailures, only on this message); any other failure fails at once.
+# XLA:CPU's runtime does not keep a loop that holds collectives in one order with the collectives beside it (no
+# data path between them), so under load (2 cores, two test workers) devices can take them in different orders
+# and wait for each other: XLA aborts the process at its rendezvous limit with this message (seen in 1 of 6 full
+# runs on 2026-12-04, a DPO resume run, at either optimisation level). The NaN replays where it was seen now run
+# their layers unrolled (jaxllm/train/diagnostic_step.py); a program of another kind could still meet it, so a
+# test that failed with that message in its output runs once more from scratch (pytest-rerunfailures, only on
+# this message); any other failure fails at once.
 XLA_CPU_WEDGE = r"Termination timeout for `[a-z -]+ RendezvousKey"
 
 

@@ -17,6 +17,7 @@ from train_runs import ROOT, TINY, metrics
 from jaxllm.config.cli import build_config, split_overrides
 from jaxllm.config.schema import ConfigError, validate
 from jaxllm.data.synthetic import synthetic_batch
+from jaxllm.observe.comms import collectives
 from jaxllm.observe.nonfinite import first_nonfinite
 from jaxllm.observe.norms import (GROUPS, STATS, arrays, global_norm, layer_and_group_norms, leaves,
                                      second_moments)
@@ -106,6 +107,23 @@ def test_production_step_program_is_the_same_with_diagnostics_on_and_off(setup):
         lowered = [jax.jit(fn).lower(state, batch, frozen).as_text()
                    for fn in (on.diagnostics._step_fn(), on._jit(on.objective))]
     assert lowered[0] != lowered[1]
+
+
+def test_on_cpu_no_collective_of_the_variant_runs_in_a_loop(setup):
+    """XLA:CPU does not keep a loop's collectives in one order with the collectives beside it across devices (a
+    2-process GRPO job hung replaying a NaN step: jaxllm/train/diagnostic_step.py), so there the variant runs its
+    layers unrolled: every collective of its program runs once a step. The production step keeps its layer
+    scan: its FSDP all-gathers run once per layer, in the loop (the check sees a loop where there is one)."""
+    off, on = setup["runners"]
+    state, batch, frozen, mesh = setup["state"], setup["batch"], setup["frozen"], setup["mesh"]
+    with jax.set_mesh(mesh):
+        variant = on.diagnostics._variant(None).lower(state, batch, frozen).compile().as_text()
+    shape, names = tuple(mesh.shape.values()), tuple(mesh.axis_names)
+    found, unknown_loops = collectives(variant, shape, names)
+    assert found and unknown_loops == 0 and [c.name for c in found if c.runs != 1] == []
+    off.compile(state, batch, frozen)
+    production, _ = collectives(off.compiled_for(batch).as_text(), shape, names)
+    assert any(c.kind == "all-gather" and c.runs == LAYERS for c in production)
 
 
 def test_the_variant_updates_bitwise_as_the_production_step(setup):

@@ -66,10 +66,11 @@ def run_drill(store, reference, workdir, faults: str, *args: str, seed: int = 0)
 def train_env(devices: int = 8, **extra: str) -> dict[str, str]:
     """This environment on CPU with `devices` fake devices per process (keeping conftest's other XLA flags)."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    # Eigen's intra-op pool runs XLA:CPU's collective thunks too, and under load it wedged now and then: one device
-    # never reached an all-reduce and XLA aborted at its 180 s rendezvous limit (3 of 7 runs of the reward resume
-    # test at load, all in a 2x2x2-mesh training process). Without the pool each device's program runs on its
-    # own thread (PyAutoFit saw the same wedge go away with this flag).
+    # Single-threaded matmuls: 8 fake devices already share 2 cores. It was added against wedges (3 of 7 runs of
+    # the reward resume test at load aborted at XLA's 180 s rendezvous limit), but XLA:CPU still runs parts of
+    # each program on its intra-op pool with it (a hung 2-process job of 2026-12-07 had both stuck collectives on
+    # tf_XLAEigen threads, two idle beside them): the wedges were collectives in another order on each device
+    # (jaxllm/train/diagnostic_step.py), in the NaN replays those tests make.
     flags = f"{flags} --xla_force_host_platform_device_count={devices} --xla_cpu_multi_thread_eigen=false".strip()
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=flags,
                 JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -327,6 +327,19 @@ class LayerStackCall(NamedTuple):
 
 
 _LAYER_STACK_RUNNER: contextvars.ContextVar = contextvars.ContextVar("layer_stack_runner", default=None)
+_UNROLLED: contextvars.ContextVar = contextvars.ContextVar("layers_unrolled", default=False)
+
+
+@contextlib.contextmanager
+def layers_unrolled():
+    """While active (at trace time), every model runs its stacked layers unrolled, as `model.scan_layers=False`
+    does: the same parameters and results, no while loop. The diagnostic variant is traced so on XLA:CPU
+    (jaxllm/train/diagnostic_step.py says why)."""
+    token = _UNROLLED.set(True)
+    try:
+        yield
+    finally:
+        _UNROLLED.reset(token)
 
 
 @contextlib.contextmanager
@@ -437,7 +450,8 @@ class Transformer(nnx.Module):
         # them fails to verify (jax-ml/jax#26588: the nested shard_map's scalar residuals); through an unrolled
         # chunk it does not, so there the chunk's layers are unrolled.
         ring_nested = impl == "ring" and STAGE in active_mesh().manual_axes
-        layer_loop = scan_layers if self.cfg.scan_layers and not ring_nested else unroll_layers
+        scanned = self.cfg.scan_layers and not ring_nested and not _UNROLLED.get()
+        layer_loop = scan_layers if scanned else unroll_layers
 
         def run_chunk(layers, x_BTD, keys_L, local_L):
             return layer_loop(layers, x_BTD, visible, sin_BTh, cos_BTh, self.cfg.remat, keys_L,

@@ -10,6 +10,20 @@ diagnostics on and off, and a measured step's new state equals an unmeasured one
 Activation statistics (residual-stream RMS and max, SwiGLU gate saturation, attention-logit max, output
 logits) join through the optional `activations` callable, `activations(graphdef, params, frozen, batch) ->
 dict` ([L] arrays and scalars), e.g. `jaxllm.observe.activations.activation_stats`.
+
+On XLA:CPU the variant runs its layers unrolled (`jaxllm.model.transformer.layers_unrolled`). XLA:CPU's thunk
+runtime orders a program's collectives one after another, but not a while loop holding collectives (a layer
+scan, whose FSDP all-gathers run inside it) against the collectives beside it that no data path orders: each
+device takes them in the order its threads reach them. The collectives block their thread (gloo across
+processes, a rendezvous within one), so two devices that took them in different orders wait for each other for
+ever. Seen in the variant's replay of a NaN step: a 2-process GRPO job hung in 1 of 15 runs under load (gdb:
+one device in a token count's all-reduce, the other in the layer loop's all-gather), and the single-process
+tests aborted now and then at XLA's 180 s rendezvous limit. XLA's thunk graphs (read from its logs) of that
+job had four such pairs, all in the variant (token counts' all-reduces beside its forward and backward layer
+loops), none in its other programs. Unrolled, no collective of the variant sits in a loop
+(tests/test_diagnostics_stats.py). The same parameters and statistics (up to rounding: XLA fuses across the
+unrolled layers); only compile time grows with depth, which on a CPU run of a small model costs little. Other
+backends order collectives on their streams and keep the scan.
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ from typing import Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllm.model.transformer import layers_unrolled
 from jaxllm.observe.nonfinite import finite_flags, first_nonfinite
 from jaxllm.observe.norms import adam_v_stats, layer_and_group_norms
 from jaxllm.parallel.offload import on_host, stream_opt_state
@@ -46,12 +61,12 @@ def flat_stats(stats: dict) -> dict:
 def _in_order(*trees):
     """`trees` through one optimization barrier: whatever is computed from the results starts after all of them.
 
-    XLA:CPU runs the independent parts of a program concurrently, and it does not keep the collectives of a loop
-    (a layer scan) in one order across devices with the collectives beside it: the variant's statistics of the
-    old parameters ran beside the step's layer loop on some devices and after it on others, each device waited
-    for the others at a different collective, and XLA aborted at its 180 s rendezvous limit (a reward-model run
-    with `optim.zero1` on a 2x2x2 mesh, every time). So the variant's passes run one after another: the
-    activations' forward, then the step, then the statistics of what the step saw and did."""
+    The variant's passes run one after another in the compiled schedule: the activations' forward, then the step,
+    then the statistics of what the step saw and did (the statistics of the old parameters once ran beside the
+    step's layer loop on some devices and after it on others, and a reward-model run with `optim.zero1` on a
+    2x2x2 mesh aborted at XLA's 180 s rendezvous limit every time). XLA:CPU expands the barrier before its
+    runtime, which then runs what no data path orders in any order; there the unrolled layers (module docstring)
+    are what keeps the devices' collectives in one order."""
     return jax.lax.optimization_barrier(trees)
 
 
@@ -69,22 +84,31 @@ def diagnostic_observer() -> Callable[[StepTrace], dict]:
     return observe
 
 
-def make_diagnostic_step(objective, tx, activations: Activations | None = None, **step_args) -> Callable:
+def make_diagnostic_step(objective, tx, activations: Activations | None = None, unrolled: bool = False,
+                         **step_args) -> Callable:
     """`step(state, batch, frozen) -> (new state, metrics, diag)`: the production step of the same arguments
     (`step_args`: those of `make_train_step`), whose new state and metrics it returns unchanged, and `diag`
     from `diagnostic_observer`, with the activation statistics (a forward pass of the pre-step parameters on the
-    step's batch, before the step) under "activations" and in its stats when `activations` is given."""
+    step's batch, before the step) under "activations" and in its stats when `activations` is given.
+    `unrolled`: trace the models' layers unrolled (what `DiagnosticSteps` asks for on XLA:CPU; module docstring)."""
     step = make_train_step(objective, tx, observe=diagnostic_observer(), **step_args)
-    if activations is None:
-        return step
 
     def diagnostic_step(state, batch, frozen=NO_FROZEN):
+        if activations is None:
+            return step(state, batch, frozen)
         measured = activations(objective.graphdef, state.params, frozen, batch)
         measured, state, batch, frozen = _in_order(measured, state, batch, frozen)
         new_state, metrics, diag = step(state, batch, frozen)
         return new_state, metrics, dict(diag, stats={**diag["stats"], **flat_stats(measured)}, activations=measured)
 
-    return diagnostic_step
+    if not unrolled:
+        return diagnostic_step
+
+    def unrolled_step(state, batch, frozen=NO_FROZEN):
+        with layers_unrolled():
+            return diagnostic_step(state, batch, frozen)
+
+    return unrolled_step
 
 
 class DiagnosticSteps:
@@ -120,7 +144,8 @@ class DiagnosticSteps:
 
     def _step_fn(self, factor=None):
         objective = self.objective if factor is None else with_scaled_loss(self.objective, factor)
-        return make_diagnostic_step(objective, self.tx, activations=self.activations, **self.step_args)
+        return make_diagnostic_step(objective, self.tx, activations=self.activations,
+                                    unrolled=jax.default_backend() == "cpu", **self.step_args)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
