@@ -4,8 +4,10 @@
 Times three programs in one process on one device-resident batch, interleaved (three runs each, medians):
   hot       the production train step, with its global norms every step (gradient norm before and after
             clipping, parameter and update norms and their ratio: jaxllm.observe.norms.step_norms)
-  no_norms  the same step without step_norms (patched out here: the framework has no switch for them, they are
-            always on), the baseline of their cost
+  no_norms  the same step with step_norms returning zeros (patched here: the framework has no switch for them,
+            they are always on), the baseline of their cost. The step's in-place update waits on those norms
+            (jaxllm/train/step.py); with constant zeros that wait folds away and XLA may copy the parameters on
+            entry instead, so the ratio is the norms' cost net of that copy
   variant   the diagnostic variant the loop runs every diagnostics.every steps (per-layer and per-group norms,
             activation statistics, Adam's second moments; jaxllm.train.diagnostic_step), on the same state
 The loop runs the variant next to the production step on a measured step, so `--every` N steps cost
@@ -30,8 +32,12 @@ def hot_step_s(cfg, steps: int) -> float:
 def no_norms_step_s(cfg, steps: int) -> float:
     import jaxllm.train.step as step_module
 
+    import jax.numpy as jnp
+
     kept = step_module.step_norms
-    step_module.step_norms = lambda *args: {}  # traced when prepared_step compiles: the step without them
+    keys = ("grad_norm_clipped", "param_norm", "update_norm", "update_ratio")
+    # Traced when prepared_step compiles: the step without them (the step reads these keys).
+    step_module.step_norms = lambda *args: {key: jnp.zeros((), jnp.float32) for key in keys}
     try:
         return hot_step_s(cfg, steps)
     finally:
