@@ -94,19 +94,18 @@ def make_diagnostic_step(objective, tx, activations: Activations | None = None, 
     step = make_train_step(objective, tx, observe=diagnostic_observer(), **step_args)
 
     def diagnostic_step(state, batch, frozen=NO_FROZEN):
-        if activations is None:
-            return step(state, batch, frozen)
         measured = activations(objective.graphdef, state.params, frozen, batch)
         measured, state, batch, frozen = _in_order(measured, state, batch, frozen)
         new_state, metrics, diag = step(state, batch, frozen)
         return new_state, metrics, dict(diag, stats={**diag["stats"], **flat_stats(measured)}, activations=measured)
 
+    traced = step if activations is None else diagnostic_step
     if not unrolled:
-        return diagnostic_step
+        return traced
 
     def unrolled_step(state, batch, frozen=NO_FROZEN):
         with layers_unrolled():
-            return diagnostic_step(state, batch, frozen)
+            return traced(state, batch, frozen)
 
     return unrolled_step
 
