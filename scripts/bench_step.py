@@ -23,6 +23,7 @@ import time
 
 from jaxllm.config.cli import UsageError, build_config, fail, parser, split_overrides
 from jaxllm.config.schema import ConfigError, validate
+from jaxllm.runtime.float64 import use_float64
 from jaxllm.runtime.xla_flags import use_xla_flags
 
 
@@ -31,6 +32,7 @@ def bench_config(path: str, overrides: list[str]):
     UsageError)."""
     cd = build_config(path, overrides)
     use_xla_flags(cd.get("xla_flags", {}))  # before anything starts JAX's backend
+    use_float64(cd.precision)  # before anything makes an array
     import jax
 
     return validate(cd, jax.device_count())

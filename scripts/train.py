@@ -26,6 +26,7 @@ import sys
 
 from jaxllm.config.cli import UsageError, build_config, fail, parser, split_overrides
 from jaxllm.config.schema import MESH_AXES, ConfigError, validate
+from jaxllm.runtime.float64 import use_float64
 from jaxllm.runtime.xla_flags import use_xla_flags
 
 
@@ -54,6 +55,7 @@ def main(argv):
     try:
         cd = build_config(args.config, overrides, args.workdir)
         use_xla_flags(cd.get("xla_flags", {}))  # before anything starts JAX's backend
+        use_float64(cd.precision)  # before anything makes an array
         planning = args.dry_run or args.print_sharding or args.print_memory or args.print_comms  # no other processes
         layout = None if planning else resolve_layout(args.coordinator_address, args.num_processes,
                                                       args.process_id)

@@ -28,7 +28,7 @@ from jaxllm.config.typed_config import ConfigError, build, check_choice, check_p
 from jaxllm.config.auto_precision import resolve_compute
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor", "stage")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 REMAT_POLICIES = ("none", "full", "save_dots", "minimal_with_context", "save_qkv_proj")
 CONTEXT_ATTENTIONS = ("all_gather", "ring")  # model.context_attention (jaxllm/parallel/context.py)
 GRAD_COMPRESSIONS = ("none", "powersgd")  # optim.grad_compression (jaxllm/optim/powersgd.py)
@@ -312,6 +312,8 @@ class ModelConfig:
 class PrecisionConfig:
     """Mixed-precision policy: storage of parameters/optimizer state, matmul compute, and logits. `compute`
     "auto" picks bfloat16 where the hardware computes it natively, else float32 (jaxllm/config/auto_precision.py).
+    float64 is a reference precision for numerical checks, not for speed: scripts/train.py turns on JAX's 64-bit
+    mode for it (jaxllm/runtime/float64.py), and the model keeps its softmaxes, norms and router in float64.
     `loss_scale` (jaxllm/optim/loss_scale.py): "auto" (dynamic for float16 compute, else none), "dynamic", "static:<v>"
     or "none"; the dynamic scale doubles after `loss_scale_growth_interval` consecutive finite steps."""
 
@@ -336,6 +338,9 @@ class PrecisionConfig:
             # cannot even trace.
             raise ConfigError("precision.quant", f"{self.quant} needs precision.compute float32 or bfloat16 (with "
                                                  f"float16 its backward dots give wrong gradients)")
+        if self.quant != "none" and "float64" in (self.params, self.compute):
+            raise ConfigError("precision.quant", f"{self.quant} quantises float32 or bfloat16 matmuls, not float64 "
+                                                 f"(float64 is the reference precision: quantisation off)")
 
 
 @dataclasses.dataclass(frozen=True)

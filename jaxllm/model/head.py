@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.model.moe import gradient_only, router_penalty
+from jaxllm.model.numerics import widened
 
 
 def token_logps(logits_BTV, targets_BT):
@@ -25,15 +26,15 @@ def token_logps(logits_BTV, targets_BT):
     `tensor`, that is an elementwise product and a sharded reduction, with no gather across devices. No
     [B, T, V] log-softmax is kept: the logsumexp reduces it at once.
     """
-    logits_BTV = logits_BTV.astype(jnp.float32)
+    logits_BTV = widened(logits_BTV)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_logit_BT = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32), -1)
+    target_logit_BT = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype), -1)
     return target_logit_BT - lse_BT
 
 
 def token_entropy(logits_BTV):
     """Entropy [B, T] of each position's distribution softmax(logits), float32: logsumexp - E_p[logit]."""
-    logits_BTV = logits_BTV.astype(jnp.float32)
+    logits_BTV = widened(logits_BTV)
     probs_BTV = jax.nn.softmax(logits_BTV, axis=-1)
     return jax.nn.logsumexp(logits_BTV, axis=-1) - jnp.sum(probs_BTV * logits_BTV, axis=-1)
 
@@ -43,7 +44,7 @@ def head_stats(model, x_BTD, targets_BT, *, temperature: float = 1.0, entropy: b
     (a `Transformer`: its `logits` and `cfg.loss_chunk`) over final hidden states `x_BTD`, in float32."""
 
     def stats(x_BCD, targets_BC):
-        logits_BCV = model.logits(x_BCD).astype(jnp.float32)
+        logits_BCV = widened(model.logits(x_BCD))
         if temperature != 1.0:
             logits_BCV = logits_BCV / temperature
         logps_BC = token_logps(logits_BCV, targets_BC)

@@ -25,6 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model.base_quant import frozen_kernel
 from jaxllm.model.lora import adapter, project
+from jaxllm.model.numerics import widened
 from jaxllm.model.cudnn_attention import cudnn_attention
 from jaxllm.model.rope import apply_rope
 from jaxllm.parallel.context import DocumentOrder, context_shards, ring_attention
@@ -85,9 +86,9 @@ class RMSNorm(nnx.Module):
         self.plus_one = plus_one  # static
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
+        x32 = widened(x)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...].astype(jnp.float32)
+        scale = self.scale[...].astype(x32.dtype)
         return (x32 * (scale + 1.0 if self.plus_one else scale)).astype(x.dtype)
 
 
@@ -98,7 +99,7 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = None):
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     scale = H**-0.5 if scale is None else scale
-    scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32) * scale
+    scores_BKGTS = widened(jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH)) * scale
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
@@ -122,7 +123,7 @@ def windowed_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, window: int, scale: flo
     columns_nC = jnp.arange(blocks)[:, None] * W + jnp.arange(2 * W)[None, :]  # in the mask padded by W in front
     padded_BTS = jnp.pad(mask_BTS, ((0, 0), (0, 0), (W, 0))).reshape(B, blocks, W, T + W)
     mask_BnWC = jnp.take_along_axis(padded_BTS, columns_nC[None, :, None, :], axis=3)
-    scores = jnp.einsum("BnWKGH,BnCKH->BnKGWC", q_BnWKGH, two_blocks(k_BSKH)).astype(jnp.float32) * scale
+    scores = widened(jnp.einsum("BnWKGH,BnCKH->BnKGWC", q_BnWKGH, two_blocks(k_BSKH))) * scale
     scores = jnp.where(mask_BnWC[:, :, None, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
     out_BnWKGH = jnp.einsum("BnKGWC,BnCKH->BnWKGH", probs, two_blocks(v_BSKH))
@@ -225,8 +226,8 @@ class Attention(nnx.Module):
         dtype = x_BTD.dtype
         q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, sin_BTh, cos_BTh)
         k_BTKH, v_BTKH = k_BTKH.astype(k_cache_BSKH.dtype), v_BTKH.astype(v_cache_BSKH.dtype)
-        k_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, index, 0, 0))
-        v_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, index, 0, 0))
+        k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_cache_BSKH, k_BTKH, index, axis=1)
+        v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_cache_BSKH, v_BTKH, index, axis=1)
         # Always the XLA path: T is 1 per step, where fused kernels bring nothing and cuDNN needs T == S.
         out_BTNH = xla_attention(q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), mask_BTS, self.scale)
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "heads", "head_dim"))

@@ -2,12 +2,12 @@
 token, each expert is a gated MLP, and a token's output is its experts' outputs weighted by the router; plus, with
 a shared expert (Qwen2-MoE), a gated MLP every token runs, scaled by sigmoid(x @ shared_expert_gate).
 
-Routing, as transformers computes it: router logits = x @ router [T, E]; probabilities = softmax in float32; the
-top k of them (ties to the lower expert index, as `torch.topk` and `jax.lax.top_k` both break them), renormalised
-to sum to 1 when `renormalize` (Mixtral always; the Qwens' `norm_topk_prob`). With sigmoid scores (DeepSeek-V3)
-each expert's score is sigmoid(logit) on its own. With a `RouterBias` (DeepSeek-V3's auxiliary-loss-free
-balancing) the experts are chosen by score + bias and weighted by their scores alone; the train step moves the bias
-against each expert's load (`balance_router_bias`).
+Routing, as transformers computes it: router logits = x @ router [T, E]; probabilities = softmax in float32
+(float64 in a float64 run: jaxllm/model/numerics.py); the top k of them (ties to the lower expert index, as
+`torch.topk` and `jax.lax.top_k` both break them), renormalised to sum to 1 when `renormalize` (Mixtral always; the
+Qwens' `norm_topk_prob`). With sigmoid scores (DeepSeek-V3) each expert's score is sigmoid(logit) on its own. With
+a `RouterBias` (DeepSeek-V3's auxiliary-loss-free balancing) the experts are chosen by score + bias and weighted by
+their scores alone; the train step moves the bias against each expert's load (`balance_router_bias`).
 
 Dispatch is dropless: the T * k (token, expert) pairs are sorted by expert, so each expert's tokens form one
 contiguous group, one grouped matmul per projection (`jax.lax.ragged_dot`) runs every expert over its own group
@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model.layers import ACTIVATIONS, gated_mlp, param
 from jaxllm.model.lora import project
+from jaxllm.model.numerics import widened
 from jaxllm.model.quant import expert_ragged_dot
 from jaxllm.parallel.experts import ExpertGroup, run_experts
 
@@ -51,8 +52,8 @@ class RouterBias(nnx.Param):
 class Routing(NamedTuple):
     """What the router decided for T tokens: its logits [T, E] (float32), the top-k experts [T, K], their
     weights [T, K] (float32) and the router's probabilities over the experts [T, E] (float32: the softmax, or the
-    sigmoid scores divided by their sum; the auxiliary losses' P_e and the entropy). The picks alone, as the
-    expert exchange moves them, have no logits and probabilities (None)."""
+    sigmoid scores divided by their sum; the auxiliary losses' P_e and the entropy); float64 in a float64 run.
+    The picks alone, as the expert exchange moves them, have no logits and probabilities (None)."""
 
     logits: jax.Array
     experts: jax.Array
@@ -64,7 +65,7 @@ def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, renormalize: bool, 
           bias_E: jax.Array | None = None) -> Routing:
     """The top `top_k` experts of each token and their weights, by softmax or sigmoid `scores`, chosen by score +
     `bias_E` when there is one (see the module docstring)."""
-    logits_TE = jnp.einsum("TD,DE->TE", x_TD, router_DE.astype(x_TD.dtype)).astype(jnp.float32)
+    logits_TE = widened(jnp.einsum("TD,DE->TE", x_TD, router_DE.astype(x_TD.dtype)))
     if scores == "softmax":
         scores_TE = probs_TE = jax.nn.softmax(logits_TE, axis=-1)
     else:
@@ -73,7 +74,7 @@ def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, renormalize: bool, 
     if bias_E is None:
         weights_TK, experts_TK = jax.lax.top_k(scores_TE, top_k)
     else:  # the bias chooses, the scores weigh; no gradient reaches the bias through the choice
-        _, experts_TK = jax.lax.top_k(scores_TE + jax.lax.stop_gradient(bias_E.astype(jnp.float32)), top_k)
+        _, experts_TK = jax.lax.top_k(scores_TE + jax.lax.stop_gradient(bias_E.astype(scores_TE.dtype)), top_k)
         weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
     if renormalize:
         weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
@@ -252,14 +253,14 @@ def router_metrics(sums_L: RouterSums, top_k: int) -> dict[str, jax.Array]:
 def router_z_loss(logits_TE: jax.Array) -> jax.Array:
     """The router z-loss (ST-MoE, Zoph et al. 2022): the mean over tokens of logsumexp(router logits)^2, which keeps
     the logits small."""
-    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)))
+    return jnp.mean(jnp.square(jax.nn.logsumexp(widened(logits_TE), axis=-1)))
 
 
 def load_balancing_loss(logits_LTE: jax.Array, top_k: int, mask_T: jax.Array | None = None) -> jax.Array:
     """The auxiliary load-balancing loss of the router logits of L layers [L, T, E] (see the module docstring);
     `mask_T` (1: a real token) leaves padding out, as transformers' `attention_mask` does."""
     L, T, E = logits_LTE.shape
-    probs_LTE = jax.nn.softmax(logits_LTE.astype(jnp.float32), axis=-1)
+    probs_LTE = jax.nn.softmax(widened(logits_LTE), axis=-1)
     _, experts_LTK = jax.lax.top_k(probs_LTE, top_k)
     mask_LT = jnp.ones((L, T), jnp.float32) if mask_T is None else jnp.broadcast_to(mask_T.astype(jnp.float32), (L, T))
     picks_E = jnp.sum(jax.nn.one_hot(experts_LTK, E, dtype=jnp.float32) * mask_LT[..., None, None], axis=(0, 1, 2))
@@ -339,7 +340,7 @@ class MoEMLP(nnx.Module):
         out_BTD = gated_mlp(x_BTD, self.activation, gate, up, down)
         # The gate's logit in the compute dtype (a matmul, as transformers' Linear), its sigmoid in float32.
         logit_BT1 = project("BTD,DO->BTO", x_BTD, self.shared_expert_gate, None)
-        return out_BTD * jax.nn.sigmoid(logit_BT1.astype(jnp.float32)).astype(out_BTD.dtype)
+        return out_BTD * jax.nn.sigmoid(widened(logit_BT1)).astype(out_BTD.dtype)
 
 
 def moe_on_device(x_BTD, router, gate_EDF, up_EDF, down_EFD, group: ExpertGroup, *, top_k: int,
@@ -383,5 +384,5 @@ def _exchanged_experts(x_BTD, routing: Routing, gate_EDF, up_EDF, down_EFD, grou
     out_PD = grouped_experts(sent.rows, gate_EDF, up_EDF, down_EFD, activation, sent.group_sizes, quant,
                              group.row_axes)
     out_PD = group.send_back(out_PD, sent)
-    weighted_TKD = out_PD.reshape(B * T, -1, D).astype(jnp.float32) * routing.weights[..., None]
+    weighted_TKD = widened(out_PD.reshape(B * T, -1, D)) * routing.weights[..., None]
     return group.tensor_total(jnp.sum(weighted_TKD, axis=1).astype(x_BTD.dtype).reshape(B, T, D))

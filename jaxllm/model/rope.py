@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.model.numerics import widened
+
 
 # Which fields each rope_type reads (Hugging Face's rope_parameters keys of the same names).
 ROPE_TYPE_FIELDS = {
@@ -147,7 +149,7 @@ def rope_tables(positions_BT: jax.Array, head_dim: int, theta: float,
 def apply_rope(x_BTNH: jax.Array, sin_BTh: jax.Array, cos_BTh: jax.Array) -> jax.Array:
     """Rotate halves (the Llama / Hugging Face convention: pairs are (i, i + H/2))."""
     half = x_BTNH.shape[-1] // 2
-    x32 = x_BTNH.astype(jnp.float32)
+    x32 = widened(x_BTNH)
     x1, x2 = x32[..., :half], x32[..., half:]
     sin, cos = sin_BTh[:, :, None, :], cos_BTh[:, :, None, :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -181,8 +181,10 @@ def scan_layers_decode(layers: DecoderLayer, x_BTD, cache: KVCache, index, mask_
         x, k_BSKH, v_BSKH = layer.decode(x, cache_k[i], cache_v[i], index,
                                          *for_layer(local, mask_BTS, sin_BTh, cos_BTh))
         new = lambda c_BSKH: jax.lax.dynamic_slice_in_dim(c_BSKH, index, x.shape[1], axis=1)[None]
-        cache_k = jax.lax.dynamic_update_slice(cache_k, new(k_BSKH), (i, 0, index, 0, 0))
-        cache_v = jax.lax.dynamic_update_slice(cache_v, new(v_BSKH), (i, 0, index, 0, 0))
+        zero = jnp.zeros_like(index)  # start indices of one integer type (under x64 a literal 0 is int64)
+        at = (i.astype(zero.dtype), zero, index, zero, zero)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, new(k_BSKH), at)
+        cache_v = jax.lax.dynamic_update_slice(cache_v, new(v_BSKH), at)
         return (x, constrain(cache_k, CACHE_AXES), constrain(cache_v, CACHE_AXES), i + 1), None
 
     (x_BTD, k, v, _), _ = jax.lax.scan(body, (x_BTD, cache.k, cache.v, jnp.int32(0)), (stacked, local_L))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxllm.model.numerics import widened
 from jaxllm.parallel.sharding import active_mesh, spec_leaves, sum_over_devices
 
 # Parameter groups by a Hugging Face name anywhere in a parameter's path (the first match from the leaf up).
@@ -73,7 +74,7 @@ def arrays(tree) -> list[jax.Array]:
 
 
 def _sq(x) -> jax.Array:
-    return jnp.square(x.astype(jnp.float32))
+    return jnp.square(widened(x))  # float64 in a float64 run: the gradient's norm sets its clipping
 
 
 def per_layer(x, layer_axes: tuple[int, ...], reduce=jnp.sum) -> jax.Array:
@@ -88,7 +89,7 @@ def _sum_sq(x) -> jax.Array:
 
 
 def global_norm(tree) -> jax.Array:
-    """The float32 L2 norm of every array of `tree`."""
+    """The L2 norm of every array of `tree`, in float32 (float64 for float64 arrays)."""
     return jnp.sqrt(sum(_sum_sq(x) for x in arrays(tree)))
 
 

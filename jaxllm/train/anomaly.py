@@ -41,7 +41,7 @@ def is_spike(value, window, z: float, min_history: int, min_ratio: float):
 
 def push(window, value, keep):
     """Append `value` to the ring buffer (oldest dropped) when `keep`."""
-    return jnp.where(keep, jnp.concatenate([window[1:], value[None]]), window)
+    return jnp.where(keep, jnp.concatenate([window[1:], value[None].astype(window.dtype)]), window)
 
 
 def empty_window(size: int) -> jax.Array:

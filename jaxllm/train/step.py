@@ -125,10 +125,10 @@ def grads_and_loss(graphdef, params, batch, grad_accum: int = 1, *, loss_fn, fro
 
         micro = _micro_batches(batch, grad_accum)
         first = jax.tree.map(lambda x: x[0], micro)
-        metric_shapes = jax.eval_shape(lambda: loss_of(params, first, rng)[2])
+        # The loss sum, token count and metrics start at zeros of their own types (float64 in a float64 run).
+        sums = jax.eval_shape(lambda: loss_of(params, first, rng)[:3])
         zeros = _like_params(jax.tree.map(jnp.zeros_like, params), params, layout)  # the carry, split as the grads
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-                jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes))
+        init = (zeros, *jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), sums))
         (grads, loss_sum, count, metrics), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(grad_accum)))
     denom = jnp.maximum(count, 1.0)
     unscale = denom if scale is None else denom * scale  # one division, exact for a power-of-two scale
