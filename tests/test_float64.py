@@ -1,8 +1,8 @@
 """float64, the reference precision (`precision.*=float64`, jaxllm/runtime/float64.py, jaxllm/model/numerics.py):
 two layouts of a mixture of experts' training step agree to float64 rounding; the model's softmaxes, norms,
 router and loss stay in float64 (a float32 rounding there parts two layouts of a long run where a value sits on
-a float32 rounding boundary: 16 steps into configs/pretrain_moe.py); scripts/train.py turns on JAX's 64-bit mode
-from the config; quantisation is refused in float64."""
+a float32 rounding boundary: 16 steps into configs/pretrain_moe.py); KV-cache decoding works in 64-bit mode;
+scripts/train.py turns on JAX's 64-bit mode from the config; quantisation is refused in float64."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,8 @@ from jax.extend import core as jax_core
 from jaxllm.config.presets import PRESETS
 from jaxllm.config.schema import ConfigError, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, PrecisionConfig
 from jaxllm.data.synthetic import synthetic_batch
+from jaxllm.model.build import build_model
+from jaxllm.model.sample import generate
 from jaxllm.objectives.pretrain import lm_objective
 from jaxllm.optim.chain import make_optimizer
 from jaxllm.parallel.host_rows import to_global
@@ -24,6 +26,7 @@ from layout_steps import first_updates
 from train_runs import run_command, train_command
 
 F64 = PrecisionConfig(params="float64", compute="float64", output="float64")
+F32 = PrecisionConfig(params="float32", compute="float32", output="float32")
 MOE = ModelConfig(**dict(PRESETS["moe_tiny"], vocab_size=128, moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01))
 # The nonlinear steps that a float32 rounding would part between layouts (sin and cos are left out: the rotary
 # tables are made from positions alone, the same on every layout).
@@ -70,6 +73,16 @@ def test_the_model_keeps_its_softmaxes_norms_router_and_loss_in_float64():
         ops = _model_ops(jax.make_jaxpr(make_train_step(objective, tx))(state, batch, frozen).jaxpr, [])
     assert {file for *_, file in ops} >= {"layers.py", "moe.py", "head.py"}, ops
     assert all(dtype == jnp.float64 for _, dtype, _ in ops), sorted({op for op in ops if op[1] != jnp.float64})
+
+
+def test_greedy_kv_cache_decoding_in_float64_picks_the_float32_tokens():
+    """The tiny model's weights (drawn in float32, so the same in both) decoded greedily with the KV cache in
+    float64 and in float32: the same tokens (the cache writes' start indices are of one integer type under
+    64-bit mode, where a literal 0 is int64)."""
+    cfg, key, prompts = ModelConfig(**PRESETS["tiny"]), jax.random.key(0), [[5, 6, 7], [42]]
+    tokens = generate(build_model(cfg, F32, key), prompts, max_new_tokens=6)
+    with jax.enable_x64(True):
+        assert generate(build_model(cfg, F64, key), prompts, max_new_tokens=6) == tokens
 
 
 def test_the_training_script_turns_on_64_bit_mode_for_a_float64_config(shakespeare_store, tmp_path):
